@@ -1,0 +1,91 @@
+"""Command-line plumbing shared by every entry point.
+
+Flags are generated from the config dataclasses' fields, so each default and help text is
+written once (in :mod:`raytrain_mnist.config`). Every error a user can cause ends as one
+line on stderr and a non-zero exit status, never a traceback.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import logging
+import sys
+import typing
+from typing import Any, Callable, Sequence
+
+from raytrain_mnist.config import ConfigError
+
+#: Exit status of usage errors (bad flags, bad config), as argparse uses.
+EXIT_USAGE = 2
+#: Exit status of a run that failed for a reason other than its input.
+EXIT_FAILURE = 1
+#: Exit status after Ctrl-C, as shells report SIGINT.
+EXIT_INTERRUPTED = 130
+
+
+class UserError(Exception):
+    """An error the user can fix; printed as one line. ``exit_code`` picks the status."""
+
+    def __init__(self, message: str, exit_code: int = EXIT_FAILURE) -> None:
+        super().__init__(message)
+        self.exit_code = exit_code
+
+
+class ArgumentParser(argparse.ArgumentParser):
+    """argparse, but a usage error is a single line naming the flag and pointing at --help."""
+
+    def error(self, message: str) -> typing.NoReturn:
+        self.exit(EXIT_USAGE, f"{self.prog}: error: {message} (see --help)\n")
+
+
+def add_dataclass_args(parser: argparse.ArgumentParser, cls: type, title: str) -> None:
+    """One flag per field of ``cls``: ``--field-name``, typed, with the field's default."""
+    group = parser.add_argument_group(title)
+    hints = typing.get_type_hints(cls)
+    for f in dataclasses.fields(cls):
+        flag = "--" + f.name.replace("_", "-")
+        meta = f.metadata
+        default = f.default
+        kind = _base_type(hints[f.name])
+        if kind is bool:
+            group.add_argument(flag, dest=f.name, action="store_true", default=default,
+                               help=meta.get("help"))
+            continue
+        shown = "" if default is None else f" (default: {default})"
+        group.add_argument(flag, dest=f.name, type=kind, default=default,
+                           choices=meta.get("choices"), help=f"{meta.get('help')}{shown}",
+                           metavar=None if meta.get("choices") else f.name.upper())
+
+
+def dataclass_from_args(cls: type, args: argparse.Namespace) -> Any:
+    return cls(**{f.name: getattr(args, f.name) for f in dataclasses.fields(cls)})
+
+
+def _base_type(hint: Any) -> type:
+    args = [a for a in typing.get_args(hint) if a is not type(None)]
+    return args[0] if args else hint
+
+
+def run_cli(main: Callable[[Sequence[str] | None], int], argv: Sequence[str] | None = None) -> int:
+    """Run ``main`` and turn the errors a user can cause into one line and an exit status."""
+    prog = "raytrain-mnist"
+    try:
+        return main(argv)
+    except ConfigError as exc:
+        print(f"{prog}: error: {exc}", file=sys.stderr)
+        return EXIT_USAGE
+    except UserError as exc:
+        print(f"{prog}: error: {exc}", file=sys.stderr)
+        return exc.exit_code
+    except KeyboardInterrupt:
+        print(f"{prog}: interrupted", file=sys.stderr)
+        return EXIT_INTERRUPTED
+
+
+def setup_logging(verbose: bool = False) -> None:
+    logging.basicConfig(
+        level=logging.DEBUG if verbose else logging.INFO,
+        format="%(message)s",
+        stream=sys.stdout,
+    )

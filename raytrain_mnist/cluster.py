@@ -1,0 +1,159 @@
+"""Connect to a Ray cluster, or start a local one; check that a request can ever be placed.
+
+Shared by ``fit`` and ``tune``. A local Ray is started only when no address is given (flag
+or ``RAY_ADDRESS``), sized so the request fits, with its dashboard on 127.0.0.1 (Tune with
+Train V2 leaks placement groups without it: ray-project/ray#54305), and it is shut down
+again by whoever started it. A Ray we did not start is never stopped.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import socket
+from dataclasses import dataclass
+from typing import Iterator
+
+from raytrain_mnist._cli import EXIT_USAGE, UserError
+
+logger = logging.getLogger(__name__)
+
+_CONNECT_TIMEOUT_S = 5.0
+
+
+@dataclass(frozen=True)
+class Request:
+    """What a run asks of the cluster: ``num_workers`` bundles of CPUs (+ one GPU each)."""
+
+    num_workers: int
+    cpus_per_worker: int
+    use_gpu: bool
+    #: CPUs needed besides the workers (a Tune trial actor, for example).
+    extra_cpus: float = 0
+
+
+def resolve_address(address: str | None) -> str | None:
+    """The cluster to use: ``--address``, else ``RAY_ADDRESS``, else None (start locally)."""
+    return address or os.environ.get("RAY_ADDRESS") or None
+
+
+def default_cpus_per_worker(num_workers: int, local: bool) -> int:
+    """Torch threads per worker: share this machine's cores locally, 1 on a cluster."""
+    if not local:
+        return 1
+    return max(1, (os.cpu_count() or 1) // num_workers)
+
+
+@contextlib.contextmanager
+def connect(address: str | None, request: Request) -> Iterator[bool]:
+    """Connect to ``address`` or start a local Ray sized for ``request``.
+
+    Yields True when this call started Ray (and so will stop it). Raises :class:`UserError`
+    when the cluster cannot be reached or can never place the request.
+    """
+    import ray
+
+    if ray.is_initialized():  # a notebook or test that already holds a Ray: use it
+        preflight(request)
+        yield False
+        return
+    if address:
+        _check_reachable(address)
+        try:
+            ray.init(address=address, logging_level=logging.WARNING, log_to_driver=True)
+        except (ConnectionError, RuntimeError, ValueError) as exc:
+            raise UserError(f"cannot connect to the Ray cluster at {address}: {exc}") from exc
+        started = False
+    else:
+        needed = request.num_workers * request.cpus_per_worker + request.extra_cpus
+        ray.init(
+            num_cpus=max(os.cpu_count() or 1, int(needed + 0.999)),
+            num_gpus=None if request.use_gpu else 0,
+            include_dashboard=True,
+            dashboard_host="127.0.0.1",
+            logging_level=logging.WARNING,
+        )
+        started = True
+    try:
+        preflight(request)
+        yield started
+    finally:
+        if started:
+            ray.shutdown()
+
+
+def _check_reachable(address: str) -> None:
+    """Fail in seconds, with one line, where ``ray.init`` would retry for minutes."""
+    if address == "auto" or address.startswith("ray://"):
+        return
+    if "://" in address:
+        raise UserError(
+            f"--address {address!r}: fit connects to the Ray GCS (host:port, e.g. 10.0.0.1:6379); "
+            "submit jobs to a dashboard URL with `python -m raytrain_mnist.submit`", EXIT_USAGE)
+    host, sep, port = address.rpartition(":")
+    if not sep or not port.isdigit() or not host:
+        raise UserError(f"--address {address!r} is not host:port (e.g. 127.0.0.1:6379)",
+                        EXIT_USAGE)
+    try:
+        socket.create_connection((host, int(port)), timeout=_CONNECT_TIMEOUT_S).close()
+    except OSError as exc:
+        raise UserError(
+            f"no Ray cluster answers at {address} ({exc.strerror or exc}); start one with "
+            "`ray start --head` or drop --address to train on a local Ray"
+        ) from exc
+
+
+def placeable_workers(per_node: list[dict[str, float]], request: Request) -> int:
+    """How many workers of ``request`` the given nodes' total resources can hold."""
+    count = 0
+    for resources in per_node:
+        fits = resources.get("CPU", 0) // request.cpus_per_worker
+        if request.use_gpu:
+            fits = min(fits, resources.get("GPU", 0) // 1)
+        count += int(fits)
+    return count
+
+
+def preflight(request: Request) -> None:
+    """Refuse, at once, a request the cluster can never place.
+
+    Ray Train would otherwise retry the worker-group start-up forever. A cluster whose
+    autoscaler could add the missing nodes passes, with a notice.
+    """
+    import ray
+
+    nodes = [n["Resources"] for n in ray.nodes() if n.get("Alive")]
+    if placeable_workers(nodes, request) >= request.num_workers:
+        return
+    total_gpus = sum(n.get("GPU", 0) for n in nodes)
+    total_cpus = sum(n.get("CPU", 0) for n in nodes)
+    ceiling = _autoscaler_ceiling()
+    if ceiling:
+        gpu_ok = not request.use_gpu or ceiling.get("GPU", 0) >= request.num_workers
+        cpu_ok = ceiling.get("CPU", 0) >= request.num_workers * request.cpus_per_worker
+        if gpu_ok and cpu_ok:
+            logger.info("waiting for the autoscaler to add nodes for %d workers",
+                        request.num_workers)
+            return
+    if request.use_gpu and total_gpus < request.num_workers:
+        raise UserError(
+            f"--use-gpu asks for {request.num_workers} GPU worker(s) but the cluster has "
+            f"{total_gpus:g} GPU(s) and no autoscaler that could add them; drop --use-gpu "
+            "to train on CPUs, or lower --num-workers"
+        )
+    raise UserError(
+        f"the cluster cannot place {request.num_workers} worker(s) x {request.cpus_per_worker} "
+        f"CPU(s) (it has {total_cpus:g} CPUs over {len(nodes)} node(s)); lower --num-workers "
+        "or --cpus-per-worker"
+    )
+
+
+def _autoscaler_ceiling() -> dict[str, int] | None:
+    """The most resources an autoscaler may provide, when the cluster has one."""
+    try:
+        from ray._private.state import state
+
+        return state.get_max_resources_from_cluster_config()
+    except Exception:  # private API: absent or changed means "no autoscaler we know of"
+        return None

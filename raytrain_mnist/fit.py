@@ -1,0 +1,392 @@
+"""Driver and CLI of ``python -m raytrain_mnist.fit``: data parallel MNIST on Ray Train.
+
+The driver builds the config, connects to (or starts) Ray, loads MNIST once and puts it
+in the object store, then builds and fits a ``TorchTrainer``. It prints one line per epoch
+as epochs finish, then a summary, and writes ``summary.json`` and ``training_curves.png``
+into the run directory ``<storage-path>/<name>``. It never touches a tensor itself.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import os
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Any, Sequence
+
+from raytrain_mnist import cluster
+from raytrain_mnist._cli import (EXIT_FAILURE, EXIT_INTERRUPTED, EXIT_USAGE, ArgumentParser,
+                                 UserError, add_dataclass_args, dataclass_from_args, run_cli,
+                                 setup_logging)
+from raytrain_mnist.config import FitConfig, RunSettings, TrainConfig
+
+logger = logging.getLogger(__name__)
+
+SUMMARY_FILE = "summary.json"
+CURVES_FILE = "training_curves.png"
+RUN_FILE = "run.json"  # what the run computes, written at its start; a resume must match it
+# Written by Ray Train V2 once a run has committed a checkpoint.
+_SNAPSHOT_FILE = "checkpoint_manager_snapshot.json"
+
+
+def build_parser() -> ArgumentParser:
+    parser = ArgumentParser(
+        prog="raytrain-mnist fit",
+        description="Train the MNIST ConvNet data-parallel on a Ray cluster (or a local Ray).",
+    )
+    add_dataclass_args(parser, TrainConfig, "training")
+    add_dataclass_args(parser, RunSettings, "run")
+    return parser
+
+
+def parse_config(argv: Sequence[str] | None = None) -> FitConfig:
+    args = build_parser().parse_args(argv)
+    return FitConfig(train=dataclass_from_args(TrainConfig, args),
+                     run=dataclass_from_args(RunSettings, args))
+
+
+# --------------------------------------------------------------------------- run directory
+
+def storage_root(storage_path: str) -> str:
+    """Ray wants an absolute path or a URI."""
+    if "://" in storage_path:
+        return storage_path
+    return str(Path(storage_path).expanduser().resolve())
+
+
+def _is_local(path: str) -> bool:
+    return "://" not in path
+
+
+def _run_identity(cfg: FitConfig) -> dict[str, Any]:
+    return {"train": cfg.train.to_dict(), "dataset": cfg.run.dataset}
+
+
+def check_run_dir(cfg: FitConfig, run_dir: str) -> dict | None:
+    """Look at what ``run_dir`` already holds, before anything is written.
+
+    Returns the finished summary when the same run already finished, None to go ahead
+    (new run, or resume). Raises :class:`UserError` when the command conflicts with it.
+    """
+    if not _is_local(run_dir):
+        return None  # remote storage: Ray's own snapshot decides whether to resume
+    path = Path(run_dir)
+    storage = path.parent
+    if storage.exists() and not storage.is_dir():
+        raise UserError(f"--storage-path {storage} is a file, not a directory", EXIT_USAGE)
+    probe = storage
+    while not probe.exists():
+        probe = probe.parent
+    if not os.access(probe, os.W_OK | os.X_OK):
+        raise UserError(f"--storage-path {storage} is not writable; pick another directory",
+                        EXIT_USAGE)
+    if path.exists() and not path.is_dir():
+        raise UserError(f"{path} exists and is not a run directory; pick another --name",
+                        EXIT_USAGE)
+    run_file, summary_file = path / RUN_FILE, path / SUMMARY_FILE
+    if run_file.is_file():
+        try:
+            previous = json.loads(run_file.read_text())
+        except (OSError, ValueError) as exc:
+            raise UserError(f"{run_file} is unreadable ({exc}); pick another --name") from exc
+        if previous != _run_identity(cfg):
+            diff = _describe_difference(previous, _run_identity(cfg))
+            raise UserError(
+                f"run '{path.name}' in {storage} was started with other settings ({diff}); "
+                "repeat its flags to resume it, or pick another --name", EXIT_USAGE)
+    if summary_file.is_file():
+        try:
+            summary = json.loads(summary_file.read_text())
+        except (OSError, ValueError):
+            summary = {}
+        if summary.get("status") == "finished":
+            return summary
+    return None
+
+
+def _describe_difference(old: dict, new: dict) -> str:
+    flat_old = {**old.get("train", {}), "dataset": old.get("dataset")}
+    flat_new = {**new["train"], "dataset": new["dataset"]}
+    changed = [f"{k}: {flat_old.get(k)!r} then, {flat_new[k]!r} now"
+               for k in flat_new if flat_old.get(k) != flat_new[k]]
+    return "; ".join(changed) or "unknown format"
+
+
+def write_file(run_dir: str, name: str, payload: bytes) -> str:
+    """Write into a run directory on a local disk or any pyarrow file system (s3://...)."""
+    if _is_local(run_dir):
+        target = Path(run_dir) / name
+        target.parent.mkdir(parents=True, exist_ok=True)
+        tmp = target.with_name(target.name + ".tmp")
+        tmp.write_bytes(payload)
+        os.replace(tmp, target)
+        return str(target)
+    import pyarrow.fs
+
+    fs, base = pyarrow.fs.FileSystem.from_uri(run_dir)
+    with fs.open_output_stream(f"{base}/{name}") as f:
+        f.write(payload)
+    return f"{run_dir}/{name}"
+
+
+# --------------------------------------------------------------------------- progress
+
+class _Progress:
+    """A tiny actor that carries each committed epoch from the Train controller to the driver."""
+
+    def __init__(self) -> None:
+        self.items: list[dict] = []
+
+    def put(self, item: dict) -> None:
+        self.items.append(item)
+
+    def drain(self) -> list[dict]:
+        items, self.items = self.items, []
+        return items
+
+
+def _progress_callback(actor):
+    from ray.train import UserCallback
+
+    class ProgressCallback(UserCallback):
+        """Runs in the controller after every rank has reported an epoch."""
+
+        def after_report(self, run_context, metrics, checkpoint):
+            item = {**metrics[0], "checkpoint": checkpoint.path if checkpoint else None}
+            actor.put.remote(item)  # fire and forget: the controller never waits on us
+
+    return ProgressCallback()
+
+
+def format_epoch(m: dict, epochs: int) -> str:
+    return (f"epoch {m['epoch']:>3}/{epochs}  train_loss {m['train_loss']:.4f}  "
+            f"val_loss {m['val_loss']:.4f}  val_acc {100 * m['val_accuracy']:6.2f}%  "
+            f"{m['images_per_s']:8.0f} img/s  {m['epoch_time_s']:6.1f} s")
+
+
+class _Printer:
+    """Polls the progress actor from a thread and prints epochs as they commit."""
+
+    def __init__(self, actor, epochs: int) -> None:
+        self.actor, self.epochs = actor, epochs
+        self.seen: list[dict] = []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def __enter__(self) -> "_Printer":
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        self._thread.join(timeout=10)
+        self._flush()
+
+    def _run(self) -> None:
+        while not self._stop.wait(0.5):
+            self._flush()
+
+    def _flush(self) -> None:
+        import ray
+
+        try:
+            items = ray.get(self.actor.drain.remote(), timeout=10)
+        except Exception:  # the cluster is going away; what was printed stays printed
+            return
+        for m in items:
+            if not self.seen and m.get("resumed_from_epoch"):
+                print(f"resumed from the checkpoint of epoch {m['resumed_from_epoch']}",
+                      flush=True)
+            elif self.seen and m.get("resumed_from_epoch") != self.seen[-1].get(
+                    "resumed_from_epoch"):
+                print(f"workers restarted from the checkpoint of epoch "
+                      f"{m['resumed_from_epoch']}", flush=True)
+            self.seen.append(m)
+            print(format_epoch(m, self.epochs), flush=True)
+
+
+# --------------------------------------------------------------------------- trainer
+
+def build_trainer(cfg: FitConfig, data_ref, threads: int, storage: str, name: str,
+                  callbacks: list | None = None):
+    """The TorchTrainer for ``cfg``; shared by fit and each Tune trial."""
+    import ray
+    from ray.train import CheckpointConfig, FailureConfig, RunConfig, ScalingConfig
+    from ray.train.torch import TorchConfig, TorchTrainer
+
+    from raytrain_mnist.loop import train_func_per_worker
+
+    run = cfg.run
+    env_vars = {}
+    if run.socket_ifname:
+        env_vars = {"GLOO_SOCKET_IFNAME": run.socket_ifname,
+                    "NCCL_SOCKET_IFNAME": run.socket_ifname}
+    return TorchTrainer(
+        train_func_per_worker,
+        train_loop_config={"train": cfg.train.to_dict(), "data": data_ref, "threads": threads},
+        torch_config=TorchConfig(backend=None if run.backend == "auto" else run.backend,
+                                 init_method=run.init_method),
+        scaling_config=ScalingConfig(num_workers=run.num_workers, use_gpu=run.use_gpu,
+                                     resources_per_worker={"CPU": threads}),
+        run_config=RunConfig(
+            name=name,
+            storage_path=storage,
+            failure_config=FailureConfig(max_failures=run.max_failures),
+            checkpoint_config=CheckpointConfig(num_to_keep=run.keep_checkpoints,
+                                               checkpoint_score_attribute="val_accuracy",
+                                               checkpoint_score_order="max"),
+            callbacks=callbacks or [],
+            # Ray Train's INFO lines (every report, every checkpoint) drown the epoch lines.
+            logging_config=ray.LoggingConfig(log_level="WARNING"),
+            worker_runtime_env={"env_vars": env_vars} if env_vars else None,
+        ),
+    )
+
+
+def fit(cfg: FitConfig) -> dict[str, Any]:
+    """Train as ``cfg`` says; return the summary (also written to ``summary.json``)."""
+    started = time.perf_counter()
+    storage, name = storage_root(cfg.run.storage_path), cfg.run_name
+    run_dir = f"{storage.rstrip('/')}/{name}"
+    finished = check_run_dir(cfg, run_dir)
+    if finished is not None:
+        print(f"run '{name}' already finished: val_accuracy "
+              f"{100 * finished['val_accuracy']:.2f}% after {finished['epochs_completed']} "
+              f"epoch(s); see {run_dir}/{SUMMARY_FILE}. Pick another --name to train again.")
+        return finished
+
+    from raytrain_mnist.data import load_mnist
+
+    data = load_mnist(cfg.run.data_dir, cfg.run.dataset)
+    address = cluster.resolve_address(cfg.run.address)
+    import ray
+
+    local = address is None and not ray.is_initialized()
+    threads = cfg.run.cpus_per_worker or cluster.default_cpus_per_worker(
+        cfg.run.num_workers, local)
+    request = cluster.Request(cfg.run.num_workers, threads, cfg.run.use_gpu)
+    resuming = _is_local(run_dir) and (Path(run_dir) / _SNAPSHOT_FILE).is_file()
+    print(f"{'resuming' if resuming else 'starting'} run '{name}': {cfg.run.num_workers} "
+          f"worker(s) x {threads} CPU{', 1 GPU' if cfg.run.use_gpu else ''}, "
+          f"{data.train_size} train / {data.test_size} test images from {data.source}",
+          flush=True)
+
+    with cluster.connect(address, request):
+        write_file(run_dir, RUN_FILE, json.dumps(_run_identity(cfg), indent=2).encode())
+        progress = ray.remote(num_cpus=0)(_Progress).remote()
+        trainer = build_trainer(cfg, ray.put(data), threads, storage, name,
+                                callbacks=[_progress_callback(progress)])
+        error: Exception | None = None
+        with _Printer(progress, cfg.train.epochs) as printer:
+            try:
+                result = trainer.fit()
+            except ray.train.TrainingFailedError as exc:
+                result, error = None, exc
+        metrics = result.metrics if result is not None else (
+            printer.seen[-1] if printer.seen else {})
+        summary = _summarize(cfg, name, run_dir, data, threads, result, metrics,
+                             printer.seen, time.perf_counter() - started, error)
+
+    write_file(run_dir, SUMMARY_FILE, json.dumps(summary, indent=2).encode())
+    if summary["history"]:
+        from raytrain_mnist.plots import training_curves_png
+
+        write_file(run_dir, CURVES_FILE, training_curves_png(
+            summary["history"], f"{name}: {cfg.run.num_workers} worker(s), {data.kind}"))
+    _print_summary(summary)
+    if error is not None:
+        raise UserError(f"training failed: {_first_line(error)}; rerun the same command to "
+                        f"resume from the last checkpoint", EXIT_FAILURE)
+    if summary["status"] == "interrupted":
+        print(f"interrupted; resume with: {resume_command(cfg)}", file=sys.stderr)
+        raise KeyboardInterrupt
+    return summary
+
+
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip() or exc.__class__.__name__
+    lines = [line for line in text.splitlines() if line.strip()]
+    # Ray wraps the worker's exception; its last line is the one that names the cause.
+    return lines[-1].strip() if lines else text
+
+
+def resume_command(cfg: FitConfig) -> str:
+    return (f"python -m raytrain_mnist.fit {' '.join(sys.argv[1:])}".strip()
+            + ("" if cfg.run.name else f" --name {cfg.run_name}"))
+
+
+def _summarize(cfg, name, run_dir, data, threads, result, metrics, seen, wall_s, error):
+    history = metrics.get("history", [])
+    epochs_completed = len(history)
+    if error is not None:
+        status = "failed"
+    elif epochs_completed >= cfg.train.epochs:
+        status = "finished"
+    else:
+        status = "interrupted"
+    best_checkpoint = latest_checkpoint = None
+    if result is not None and result.checkpoint is not None:
+        latest_checkpoint = result.checkpoint.path
+        if result.best_checkpoints:
+            best = max(result.best_checkpoints, key=lambda cm: cm[1].get("val_accuracy", 0))
+            best_checkpoint = best[0].path
+    first = seen[0] if seen else metrics
+    return {
+        "name": name,
+        "run_dir": run_dir,
+        "status": status,
+        "data_source": data.source,
+        "dataset": data.kind,
+        "train_size": data.train_size,
+        "test_size": data.test_size,
+        "num_workers": cfg.run.num_workers,
+        "cpus_per_worker": threads,
+        "use_gpu": cfg.run.use_gpu,
+        "epochs_completed": epochs_completed,
+        "resumed_from_epoch": first.get("resumed_from_epoch"),
+        "val_accuracy": metrics.get("val_accuracy"),
+        "val_loss": metrics.get("val_loss"),
+        "val_total": metrics.get("val_total"),
+        "best_val_accuracy": metrics.get("best_val_accuracy"),
+        "wall_time_s": round(wall_s, 2),
+        "best_checkpoint": best_checkpoint,
+        "latest_checkpoint": latest_checkpoint,
+        "workers": metrics.get("workers", []),
+        "config": {"train": cfg.train.to_dict(), "run": dataclasses.asdict(cfg.run)},
+        "history": history,
+        "error": None if error is None else _first_line(error),
+    }
+
+
+def _print_summary(s: dict) -> None:
+    if s["history"]:
+        print(f"\n{'epoch':>5} {'train_loss':>10} {'val_loss':>9} {'val_acc':>8} "
+              f"{'img/s':>8} {'time_s':>7}")
+        for h in s["history"]:
+            print(f"{h['epoch']:>5} {h['train_loss']:>10.4f} {h['val_loss']:>9.4f} "
+                  f"{100 * h['val_accuracy']:>7.2f}% {h['images_per_s']:>8.0f} "
+                  f"{h['epoch_time_s']:>7.1f}")
+    if s["val_accuracy"] is not None:
+        print(f"\nval_accuracy {100 * s['val_accuracy']:.2f}% on {s['val_total']} test images "
+              f"({s['dataset']}), best {100 * s['best_val_accuracy']:.2f}%, "
+              f"{s['wall_time_s']:.0f} s wall")
+    print(f"best checkpoint: {s['best_checkpoint']}")
+    print(f"run directory:   {s['run_dir']}")
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    setup_logging()
+    summary = fit(parse_config(argv))
+    return 0 if summary["status"] == "finished" else EXIT_FAILURE
+
+
+def cli(argv: Sequence[str] | None = None) -> int:
+    return run_cli(main, argv)
+
+
+if __name__ == "__main__":
+    sys.exit(cli())

@@ -1,0 +1,261 @@
+"""The per-worker training loop: the only code that calls ``ray.train``.
+
+``train_func_per_worker`` runs in every Ray Train worker. It is plain PyTorch around four
+Ray calls: ``get_checkpoint`` (resume), ``prepare_model`` (DDP), ``prepare_data_loader``
+(DistributedSampler, device placement) and ``report`` (metrics + checkpoint, every epoch).
+``train_one_epoch`` and ``evaluate`` take objects, not globals, and work without Ray.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import tempfile
+import time
+from typing import Any
+
+import ray
+import ray.train
+import ray.train.torch
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+
+from raytrain_mnist import checkpoint as ckpt
+from raytrain_mnist.config import TrainConfig
+from raytrain_mnist.data import MnistData
+from raytrain_mnist.model import ConvNet, normalize
+
+logger = logging.getLogger(__name__)
+
+_EVAL_BATCH = 1000
+
+
+class BatchedTensorDataset(TensorDataset):
+    """A TensorDataset that serves a whole batch with one gather per tensor.
+
+    DataLoader calls ``__getitems__`` with the batch's indices when it exists; the default
+    path indexes each sample and stacks them again, which costs more than the model on CPU.
+    Pair it with ``collate_fn=tuple``.
+    """
+
+    def __getitems__(self, indices: list[int]) -> list[torch.Tensor]:
+        index = torch.as_tensor(indices)
+        return [t[index] for t in self.tensors]
+
+
+def make_train_loader(images: torch.Tensor, labels: torch.Tensor, batch_size: int,
+                      seed: int) -> DataLoader:
+    """A shuffled loader over in-memory uint8 tensors; one batch is one gather."""
+    return DataLoader(
+        BatchedTensorDataset(images, labels),
+        batch_size=batch_size,
+        shuffle=True,
+        drop_last=True,  # every rank runs the same number of steps (DDP needs that)
+        collate_fn=tuple,
+        generator=torch.Generator().manual_seed(seed),
+    )
+
+
+def set_epoch(loader: DataLoader, epoch: int, seed: int) -> None:
+    """Make epoch ``epoch``'s order a function of (seed, epoch), so a resumed run sees the
+    same order as an uninterrupted one."""
+    if hasattr(loader.sampler, "set_epoch"):  # DistributedSampler, when world size > 1
+        loader.sampler.seed = seed  # Ray builds it with seed 0; ours decides the order
+        loader.sampler.set_epoch(epoch)
+    else:
+        loader.generator.manual_seed(seed + epoch)
+
+
+def amp_context(amp: str, device: torch.device) -> contextlib.AbstractContextManager:
+    """Chosen once, used everywhere: no precision branches inside the loop."""
+    if amp == "off":
+        return contextlib.nullcontext()
+    dtype = torch.bfloat16 if amp == "bf16" else torch.float16
+    return torch.autocast(device_type=device.type, dtype=dtype)
+
+
+def all_reduce_sum(values: torch.Tensor) -> torch.Tensor:
+    """Sum ``values`` over all ranks (a no-op on one process)."""
+    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+        dist.all_reduce(values, op=dist.ReduceOp.SUM)
+    return values
+
+
+def train_one_epoch(model: nn.Module, loader, optimizer: torch.optim.Optimizer,
+                    scheduler, scaler: torch.amp.GradScaler, autocast,
+                    device: torch.device) -> dict[str, float]:
+    """One pass over ``loader``; returns loss and accuracy over every rank's samples."""
+    model.train()
+    # Running sums stay on the device: reading them (.item()) would sync every step.
+    sums = torch.zeros(3, dtype=torch.float64, device=device)  # loss, correct, count
+    for images, labels in loader:
+        with autocast:
+            logits = model(normalize(images))
+            loss = F.cross_entropy(logits, labels)
+        optimizer.zero_grad(set_to_none=True)
+        scaler.scale(loss).backward()  # DDP all-reduces gradients during backward
+        scaler.step(optimizer)
+        scaler.update()
+        scheduler.step()
+        n = labels.numel()
+        sums += torch.stack([loss.detach().double() * n,
+                             (logits.argmax(1) == labels).sum().double(),
+                             torch.tensor(n, dtype=torch.float64, device=device)])
+    loss_sum, correct, count = all_reduce_sum(sums).tolist()
+    return {"train_loss": loss_sum / count, "train_accuracy": correct / count,
+            "train_images": int(count)}
+
+
+def shard(n: int, rank: int, world_size: int) -> slice:
+    """Rank ``rank``'s contiguous part of ``range(n)``: every index exactly once, no padding."""
+    return slice(n * rank // world_size, n * (rank + 1) // world_size)
+
+
+@torch.no_grad()
+def evaluate(model: nn.Module, images: torch.Tensor, labels: torch.Tensor,
+             device: torch.device, autocast=contextlib.nullcontext(), rank: int = 0,
+             world_size: int = 1) -> dict[str, float]:
+    """Loss and accuracy over *exactly* ``images`` (all ranks together).
+
+    Each rank evaluates its own unpadded shard; the sums are all-reduced. Unlike a
+    DistributedSampler, nothing is duplicated, so ``val_total`` is the test-set size.
+    Pass the plain module (not the DDP wrapper): ranks run different numbers of batches.
+    """
+    model.eval()
+    part = shard(len(labels), rank, world_size)
+    images, labels = images[part], labels[part]
+    sums = torch.zeros(3, dtype=torch.float64, device=device)
+    for start in range(0, len(labels), _EVAL_BATCH):
+        x = images[start:start + _EVAL_BATCH].to(device, non_blocking=True)
+        y = labels[start:start + _EVAL_BATCH].to(device, non_blocking=True)
+        with autocast:
+            logits = model(normalize(x))
+        sums[0] += F.cross_entropy(logits.float(), y, reduction="sum").double()
+        sums[1] += (logits.argmax(1) == y).sum().double()
+        sums[2] += y.numel()
+    loss_sum, correct, total = all_reduce_sum(sums).tolist()
+    return {"val_loss": loss_sum / max(total, 1), "val_accuracy": correct / max(total, 1),
+            "val_total": int(total)}
+
+
+def use_sync_bn(setting: str, device: torch.device, world_size: int) -> bool:
+    """SyncBatchNorm pays off only across GPUs; PyTorch refuses it on CPU."""
+    if setting == "auto":
+        return device.type == "cuda" and world_size > 1
+    return setting == "on"
+
+
+def build_optimizer(model: nn.Module, cfg: TrainConfig, steps_per_epoch: int):
+    optimizer = torch.optim.SGD(model.parameters(), lr=cfg.lr, momentum=cfg.momentum,
+                                nesterov=cfg.momentum > 0, weight_decay=cfg.weight_decay)
+    if cfg.schedule == "onecycle":
+        scheduler = torch.optim.lr_scheduler.OneCycleLR(
+            optimizer, max_lr=cfg.lr, total_steps=cfg.epochs * steps_per_epoch, pct_start=0.25)
+    else:
+        scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0)
+    return optimizer, scheduler
+
+
+def _worker_placement() -> list[dict[str, Any]]:
+    """Where every rank runs, gathered once so rank 0 can report it."""
+    ctx = ray.train.get_context()
+    me = {"rank": ctx.get_world_rank(), "node_id": ray.get_runtime_context().get_node_id(),
+          "node_ip": ray.util.get_node_ip_address()}
+    if ctx.get_world_size() == 1:
+        return [me]
+    everyone: list[Any] = [None] * ctx.get_world_size()
+    dist.all_gather_object(everyone, me)
+    return everyone
+
+
+def _quiet_report_log() -> None:
+    """Ray 2.60 logs every report at INFO through ``logging.getLogger(__file__)``, a name
+    outside ``ray.train`` that RunConfig's logging level does not reach."""
+    try:
+        from ray.train.v2._internal.execution import context
+    except ImportError:
+        return
+    logging.getLogger(context.__file__).setLevel(logging.WARNING)
+
+
+def train_func_per_worker(config: dict[str, Any]) -> None:
+    """Ray Train's entry point. ``config``: ``train`` (TrainConfig as a dict), ``data``
+    (ObjectRef of :class:`MnistData`), ``threads`` (torch threads for this worker)."""
+    cfg = TrainConfig.from_dict(config["train"])
+    ctx = ray.train.get_context()
+    rank, world_size = ctx.get_world_rank(), ctx.get_world_size()
+    # Rank 0 talks; the others only warn. (Ray has already configured the root logger.)
+    logging.getLogger("raytrain_mnist").setLevel(logging.INFO if rank == 0 else logging.WARNING)
+    _quiet_report_log()
+    torch.set_num_threads(config["threads"])
+    device = ray.train.torch.get_device()
+    data: MnistData = ray.get(config["data"])  # the object store, not a download per worker
+
+    torch.manual_seed(cfg.seed)  # same initial weights on every rank
+    model = ConvNet()
+    sync_bn = use_sync_bn(cfg.sync_bn, device, world_size)
+    if sync_bn:
+        model = nn.SyncBatchNorm.convert_sync_batchnorm(model)
+
+    state = None
+    checkpoint = ray.train.get_checkpoint()
+    if checkpoint is not None:
+        with checkpoint.as_directory() as directory:
+            state = ckpt.load(directory)
+        model.load_state_dict(state["model"])
+    model = ray.train.torch.prepare_model(model)  # DDP when world_size > 1
+    module = getattr(model, "module", model)  # the plain ConvNet, for eval and saving
+
+    loader = make_train_loader(data.train_images, data.train_labels,
+                               cfg.batch_size // world_size, cfg.seed)
+    loader = ray.train.torch.prepare_data_loader(loader)  # DistributedSampler, to device
+    optimizer, scheduler = build_optimizer(model, cfg, len(loader))
+    scaler = torch.amp.GradScaler(device.type, enabled=cfg.amp == "fp16")
+    autocast = amp_context(cfg.amp, device)
+
+    start_epoch, history, best = 0, [], 0.0
+    if state is not None:
+        optimizer.load_state_dict(state["optimizer"])
+        scheduler.load_state_dict(state["scheduler"])
+        scaler.load_state_dict(state["scaler"])
+        ckpt.set_rng_state(state["rng"])
+        start_epoch, history, best = state["epoch"], state["history"], state["best_val_accuracy"]
+        if rank == 0:
+            logger.info("resumed from the checkpoint of epoch %d", start_epoch)
+    placement = _worker_placement()
+    if rank == 0:
+        logger.info("%d worker(s) on %s, SyncBatchNorm %s, AMP %s", world_size, device.type,
+                    "on" if sync_bn else "off", cfg.amp)
+
+    for epoch in range(start_epoch, cfg.epochs):
+        set_epoch(loader, epoch, cfg.seed)
+        started = time.perf_counter()
+        train = train_one_epoch(model, loader, optimizer, scheduler, scaler, autocast, device)
+        train_s = time.perf_counter() - started
+        val = evaluate(module, data.test_images, data.test_labels, device, autocast,
+                       rank, world_size)
+        best = max(best, val["val_accuracy"])
+        history.append({
+            "epoch": epoch + 1, "train_loss": train["train_loss"],
+            "train_accuracy": train["train_accuracy"], "val_loss": val["val_loss"],
+            "val_accuracy": val["val_accuracy"], "images_per_s": train["train_images"] / train_s,
+            "epoch_time_s": time.perf_counter() - started,
+        })
+        metrics = {**history[-1], "val_total": val["val_total"], "best_val_accuracy": best,
+                   "resumed_from_epoch": None if state is None else state["epoch"],
+                   "workers": placement, "history": history}
+        # Rank 0 writes the checkpoint; every rank reports (report is a barrier).
+        with tempfile.TemporaryDirectory() as directory:
+            report_checkpoint = None
+            if rank == 0:
+                ckpt.save(directory, {
+                    "model": module.state_dict(), "optimizer": optimizer.state_dict(),
+                    "scheduler": scheduler.state_dict(), "scaler": scaler.state_dict(),
+                    "epoch": epoch + 1, "best_val_accuracy": best, "history": history,
+                    "config": cfg.to_dict(), "rng": ckpt.rng_state(),
+                })
+                report_checkpoint = ray.train.Checkpoint.from_directory(directory)
+            ray.train.report(metrics, checkpoint=report_checkpoint)

@@ -1,0 +1,89 @@
+"""Data sources resolve in order, and broken files are clear errors on the driver."""
+
+import gzip
+import struct
+
+import numpy as np
+import pytest
+
+from raytrain_mnist.data import DataError, load_mnist
+from tests.conftest import write_tiny_mnist
+
+
+def test_raw_files_in_torchvision_layout(tmp_path, sample_digits):
+    write_tiny_mnist(tmp_path, sample_digits, n_train=64, n_test=9)
+    data = load_mnist(tmp_path, "mnist")
+    assert data.kind == "mnist" and (data.train_size, data.test_size) == (64, 9)
+    assert data.train_images.dtype.is_floating_point is False
+    assert tuple(data.train_images.shape[1:]) == (28, 28)
+    np.testing.assert_array_equal(data.train_labels.numpy(), sample_digits[1][:64])
+    assert "not the published files" in data.source
+
+
+def test_gzipped_files_load_the_same(tmp_path, sample_digits):
+    write_tiny_mnist(tmp_path / "raw", sample_digits, 64, 9)
+    write_tiny_mnist(tmp_path / "gz", sample_digits, 64, 9, compress=True)
+    raw, gz = load_mnist(tmp_path / "raw", "mnist"), load_mnist(tmp_path / "gz", "mnist")
+    assert (raw.train_images == gz.train_images).all() and (raw.test_labels == gz.test_labels).all()
+
+
+def test_data_dir_comes_before_the_cache(tmp_path, sample_digits, monkeypatch):
+    write_tiny_mnist(tmp_path / "cache", sample_digits, 32, 8)
+    write_tiny_mnist(tmp_path / "mine", sample_digits, 64, 9)
+    monkeypatch.setenv("RAYTRAIN_MNIST_CACHE", str(tmp_path / "cache"))
+    assert load_mnist(tmp_path / "mine", "mnist").train_size == 64
+    assert load_mnist(None, "mnist").train_size == 32  # then the cache
+
+
+def test_offline_fallback_to_the_sample_is_loud(tmp_path, caplog):
+    data = load_mnist(tmp_path, "auto")
+    assert data.kind == "sample" and (data.train_size, data.test_size) == (4000, 1000)
+    assert np.bincount(data.test_labels.numpy()).tolist() == [100] * 10
+    assert "SAMPLE" in caplog.text and "Full MNIST not found" in caplog.text
+
+
+def test_strict_mnist_never_falls_back(tmp_path):
+    with pytest.raises(DataError, match="full MNIST not found; tried .*no MNIST/raw"):
+        load_mnist(tmp_path, "mnist")
+
+
+def test_missing_data_dir_is_a_usage_error(tmp_path):
+    with pytest.raises(DataError, match="is not a directory") as info:
+        load_mnist(tmp_path / "nope", "auto")
+    assert info.value.exit_code == 2
+
+
+def _corrupt(tmp_path, sample_digits, name, mutate):
+    write_tiny_mnist(tmp_path, sample_digits, 64, 9)
+    path = tmp_path / "MNIST" / "raw" / name
+    path.write_bytes(mutate(path.read_bytes()))
+    return tmp_path
+
+
+@pytest.mark.parametrize("name, mutate, message", [
+    ("train-images-idx3-ubyte", lambda b: b[:-100], "is truncated"),
+    ("train-images-idx3-ubyte", lambda b: b[:10], "not even an IDX header"),
+    ("t10k-labels-idx1-ubyte", lambda b: struct.pack(">I", 0x803) + b[4:], "magic number"),
+    ("t10k-labels-idx1-ubyte", lambda b: b[:-1] + bytes([42]), "label 42"),
+    ("train-labels-idx1-ubyte", lambda b: struct.pack(">II", 0x801, 63) + b[8:-1],
+     "64 images but 63 labels"),
+])
+def test_broken_files_are_clear_errors(tmp_path, sample_digits, name, mutate, message):
+    root = _corrupt(tmp_path, sample_digits, name, mutate)
+    with pytest.raises(DataError, match=message):
+        load_mnist(root, "auto")
+
+
+def test_corrupt_gzip_is_a_clear_error(tmp_path, sample_digits):
+    write_tiny_mnist(tmp_path, sample_digits, 64, 9, compress=True)
+    path = tmp_path / "MNIST" / "raw" / "t10k-images-idx3-ubyte.gz"
+    path.write_bytes(path.read_bytes()[:40])
+    with pytest.raises(DataError, match="cannot read .*t10k-images"):
+        load_mnist(tmp_path, "mnist")
+
+
+def test_incomplete_set_names_the_missing_file(tmp_path, sample_digits):
+    write_tiny_mnist(tmp_path, sample_digits, 64, 9)
+    (tmp_path / "MNIST" / "raw" / "t10k-labels-idx1-ubyte").unlink()
+    with pytest.raises(DataError, match="missing t10k-labels-idx1-ubyte"):
+        load_mnist(tmp_path, "auto")
