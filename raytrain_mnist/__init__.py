@@ -1,18 +1,25 @@
 """Data-parallel MNIST training on Ray Train: the reference implementation.
 
-Library entry points; the command line is ``python -m raytrain_mnist.<fit|...>`` or
-``raytrain-mnist <command>``.
+The command line is ``python -m raytrain_mnist.fit`` (or ``raytrain-mnist fit``). Library
+entry points are imported lazily, so the CLI answers ``--help`` and bad flags without
+loading torch or ray.
 """
 
-from raytrain_mnist.config import ConfigError, FitConfig, RunSettings, TrainConfig
-from raytrain_mnist.model import ConvNet
+from __future__ import annotations
 
-__all__ = ["ConfigError", "ConvNet", "FitConfig", "RunSettings", "TrainConfig", "fit"]
+import importlib
+from typing import Any
+
+from raytrain_mnist.config import ConfigError, FitConfig, RunSettings, TrainConfig
+
+__all__ = ["ConfigError", "ConvNet", "FitConfig", "RunSettings", "TrainConfig", "load_mnist"]
 __version__ = "0.1.0"
 
+# (``fit`` is not re-exported: ``raytrain_mnist.fit`` is the module of the same name.)
+_LAZY = {"ConvNet": "raytrain_mnist.model", "load_mnist": "raytrain_mnist.data"}
 
-def fit(cfg: FitConfig) -> dict:
-    """Train as ``cfg`` says and return the run's summary (see :mod:`raytrain_mnist.fit`)."""
-    from raytrain_mnist.fit import fit as _fit
 
-    return _fit(cfg)
+def __getattr__(name: str) -> Any:
+    if name in _LAZY:
+        return getattr(importlib.import_module(_LAZY[name]), name)
+    raise AttributeError(f"module 'raytrain_mnist' has no attribute {name!r}")

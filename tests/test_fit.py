@@ -1,0 +1,76 @@
+"""`fit` end to end on real Ray (CPU, Gloo): training, results, finished runs, bf16."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from PIL import Image
+
+from raytrain_mnist import checkpoint as ckpt
+from raytrain_mnist._cli import UserError
+from raytrain_mnist.config import FitConfig, RunSettings, TrainConfig
+from raytrain_mnist.fit import fit
+
+SUMMARY_KEYS = {"name", "run_dir", "status", "data_source", "train_size", "test_size",
+                "num_workers", "use_gpu", "epochs_completed", "resumed_from_epoch",
+                "val_accuracy", "val_total", "best_val_accuracy", "wall_time_s",
+                "best_checkpoint", "latest_checkpoint", "config", "history"}
+HISTORY_KEYS = {"epoch", "train_loss", "val_loss", "val_accuracy", "images_per_s", "epoch_time_s"}
+
+
+def _cfg(tiny_mnist, storage, name, **train):
+    return FitConfig(TrainConfig(**{"epochs": 3, "batch_size": 32, "lr": 0.05, **train}),
+                     RunSettings(num_workers=2, cpus_per_worker=1, data_dir=str(tiny_mnist),
+                                 dataset="mnist", storage_path=str(storage), name=name))
+
+
+def test_two_workers_train_report_every_epoch_and_write_results(ray_local, tiny_mnist, tmp_path,
+                                                               capsys):
+    cfg = _cfg(tiny_mnist, tmp_path, "two")
+    summary = fit(cfg)
+
+    out = capsys.readouterr().out
+    assert [line.split()[1] for line in out.splitlines() if line.startswith("epoch  ")] == \
+        ["1/3", "2/3", "3/3"]
+    assert SUMMARY_KEYS <= summary.keys()
+    assert summary["status"] == "finished" and summary["epochs_completed"] == 3
+    assert summary["resumed_from_epoch"] is None
+    assert summary["val_total"] == summary["test_size"] == 203
+    losses = [h["train_loss"] for h in summary["history"]]
+    assert losses[-1] < 0.6 * losses[0], f"the loss did not fall: {losses}"
+    assert summary["val_accuracy"] > 0.6
+    assert all(HISTORY_KEYS <= h.keys() for h in summary["history"])
+    assert {w["rank"] for w in summary["workers"]} == {0, 1}
+
+    run_dir = tmp_path / "two"
+    assert json.loads((run_dir / "summary.json").read_text()) == summary
+    with Image.open(run_dir / "training_curves.png") as image:
+        assert image.format == "PNG" and image.size[0] > 400
+    state = ckpt.load(summary["best_checkpoint"])
+    assert state["epoch"] in (1, 2, 3) and state["optimizer"]["state"]
+    assert ckpt.load(summary["latest_checkpoint"])["epoch"] == 3
+    ckpt.load_model(summary["latest_checkpoint"])
+
+    # The same command again reports the finished run and trains nothing.
+    before = sorted(p.name for p in run_dir.iterdir())
+    again = fit(cfg)
+    assert again == summary
+    assert sorted(p.name for p in run_dir.iterdir()) == before
+    assert "already finished" in capsys.readouterr().out
+
+    # Other settings under the same name are refused, and nothing is touched.
+    with pytest.raises(UserError, match="other settings .*lr: 0.05 then, 0.1 now") as info:
+        fit(_cfg(tiny_mnist, tmp_path, "two", lr=0.1))
+    assert info.value.exit_code == 2
+    assert sorted(p.name for p in run_dir.iterdir()) == before
+
+
+def test_bf16_autocast_trains_on_cpu(ray_local, tiny_mnist, tmp_path):
+    cfg = FitConfig(TrainConfig(epochs=2, batch_size=32, lr=0.05, amp="bf16"),
+                    RunSettings(num_workers=1, cpus_per_worker=1, data_dir=str(tiny_mnist),
+                                dataset="mnist", storage_path=str(tmp_path), name="bf16"))
+    summary = fit(cfg)
+    losses = [h["train_loss"] for h in summary["history"]]
+    assert summary["status"] == "finished" and losses[1] < losses[0]
+    assert summary["val_accuracy"] > 0.5 and summary["val_total"] == 203
