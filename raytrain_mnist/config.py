@@ -37,6 +37,7 @@ SCHEDULE_CHOICES = ("onecycle", "constant")
 BACKEND_CHOICES = ("auto", "nccl", "gloo")
 INIT_METHOD_CHOICES = ("env", "tcp")
 DATASET_CHOICES = ("auto", "mnist", "sample")
+PLACEMENT_CHOICES = ("PACK", "SPREAD", "STRICT_SPREAD")
 
 
 @dataclass(frozen=True)
@@ -124,6 +125,10 @@ class RunSettings:
         2, "worker-group restarts allowed after a worker failure (-1 = unlimited)"
     )
     keep_checkpoints: int = _opt(2, "checkpoints kept, ranked by validation accuracy")
+    placement_strategy: str = _opt(
+        "PACK", "how workers are placed on nodes: PACK fills nodes first, SPREAD and "
+        "STRICT_SPREAD put them on different nodes", PLACEMENT_CHOICES,
+    )
     socket_ifname: Optional[str] = _opt(
         None, "network interface for Gloo/NCCL traffic (sets GLOO_SOCKET_IFNAME and "
         "NCCL_SOCKET_IFNAME on every worker)",
@@ -136,6 +141,7 @@ class RunSettings:
         _check_choice("backend", self.backend, BACKEND_CHOICES)
         _check_choice("init-method", self.init_method, INIT_METHOD_CHOICES)
         _check_choice("dataset", self.dataset, DATASET_CHOICES)
+        _check_choice("placement-strategy", self.placement_strategy, PLACEMENT_CHOICES)
         if not isinstance(self.max_failures, int) or self.max_failures < -1:
             raise ConfigError(
                 f"--max-failures must be -1 (unlimited) or a count >= 0, got {self.max_failures}"

@@ -231,7 +231,8 @@ def build_trainer(cfg: FitConfig, data_ref, threads: int, storage: str, name: st
         torch_config=TorchConfig(backend=None if run.backend == "auto" else run.backend,
                                  init_method=run.init_method),
         scaling_config=ScalingConfig(num_workers=run.num_workers, use_gpu=run.use_gpu,
-                                     resources_per_worker={"CPU": threads}),
+                                     resources_per_worker={"CPU": threads},
+                                     placement_strategy=run.placement_strategy),
         run_config=RunConfig(
             name=name,
             storage_path=storage,
