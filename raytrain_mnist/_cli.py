@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import logging
+import os
 import sys
 import typing
 from typing import Any, Callable, Sequence
@@ -81,6 +82,17 @@ def run_cli(main: Callable[[Sequence[str] | None], int], argv: Sequence[str] | N
     except KeyboardInterrupt:
         print(f"{prog}: interrupted", file=sys.stderr)
         return EXIT_INTERRUPTED
+    except Exception as exc:  # a bug or an environment problem: still one line by default
+        if os.environ.get("RAYTRAIN_MNIST_TRACEBACK"):
+            raise
+        print(f"{prog}: internal error: {exc.__class__.__name__}: {_one_line(exc)} "
+              "(set RAYTRAIN_MNIST_TRACEBACK=1 for the traceback)", file=sys.stderr)
+        return EXIT_FAILURE
+
+
+def _one_line(exc: BaseException) -> str:
+    lines = [line.strip() for line in str(exc).splitlines() if line.strip()]
+    return lines[0][:300] if lines else ""
 
 
 def setup_logging(verbose: bool = False) -> None:

@@ -63,13 +63,34 @@ def load(path: str | os.PathLike) -> dict[str, Any]:
 
 def load_model(path: str | os.PathLike) -> ConvNet:
     """A :class:`ConvNet` holding the weights of the checkpoint at ``path``."""
-    state = load(path)
+    return _model_from(load(path), path)
+
+
+def _model_from(state: dict[str, Any], path: str | os.PathLike) -> ConvNet:
     model = ConvNet()
     try:
         model.load_state_dict(state["model"])
     except (KeyError, RuntimeError) as exc:
         raise CheckpointError(f"{path} holds weights of a different model") from exc
     return model
+
+
+RESUME_KEYS = ("model", "optimizer", "scheduler", "scaler", "epoch", "history", "rng", "config")
+
+
+def check_resumable(path: str | os.PathLike, train_config: dict[str, Any]) -> int:
+    """Check that the checkpoint at ``path`` can resume a run of ``train_config``.
+
+    Returns its epoch; raises :class:`CheckpointError` naming what is wrong.
+    """
+    state = load(path)
+    missing = [key for key in RESUME_KEYS if key not in state]
+    if missing:
+        raise CheckpointError(f"{path} lacks {', '.join(missing)}: it cannot resume a run")
+    _model_from(state, path)
+    if state["config"] != train_config:
+        raise CheckpointError(f"{path} was written by a run with other training settings")
+    return int(state["epoch"])
 
 
 def rng_state() -> dict[str, Any]:

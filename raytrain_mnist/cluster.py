@@ -67,13 +67,16 @@ def connect(address: str | None, request: Request) -> Iterator[bool]:
         started = False
     else:
         needed = request.num_workers * request.cpus_per_worker + request.extra_cpus
-        ray.init(
-            num_cpus=max(os.cpu_count() or 1, int(needed + 0.999)),
-            num_gpus=None if request.use_gpu else 0,
-            include_dashboard=True,
-            dashboard_host="127.0.0.1",
-            logging_level=logging.WARNING,
-        )
+        try:
+            ray.init(
+                num_cpus=max(os.cpu_count() or 1, int(needed + 0.999)),
+                num_gpus=None if request.use_gpu else 0,
+                include_dashboard=True,
+                dashboard_host="127.0.0.1",
+                logging_level=logging.WARNING,
+            )
+        except Exception as exc:  # Ray raises bare Exception when its processes fail to start
+            raise UserError(f"could not start a local Ray: {str(exc).strip()[:300]}") from exc
         started = True
     try:
         preflight(request)

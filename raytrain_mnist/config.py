@@ -117,6 +117,10 @@ class RunSettings:
     name: Optional[str] = _opt(
         None, "run name; the same name resumes that run (default: derived from the settings)"
     )
+    fresh: bool = _opt(
+        False, "train this run again from scratch; its previous directory is kept as "
+        "NAME.previous-N"
+    )
     address: Optional[str] = _opt(
         None, "Ray cluster address (host:port or auto); default: $RAY_ADDRESS, else start "
         "a local Ray",

@@ -8,15 +8,17 @@ into the run directory ``<storage-path>/<name>``. It never touches a tensor itse
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import logging
 import os
 import sys
+import tempfile
 import threading
 import time
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any, Iterator, Sequence
 
 from raytrain_mnist import cluster
 from raytrain_mnist._cli import (EXIT_FAILURE, EXIT_INTERRUPTED, EXIT_USAGE, ArgumentParser,
@@ -70,7 +72,8 @@ def check_run_dir(cfg: FitConfig, run_dir: str) -> dict | None:
     """Look at what ``run_dir`` already holds, before anything is written.
 
     Returns the finished summary when the same run already finished, None to go ahead
-    (new run, or resume). Raises :class:`UserError` when the command conflicts with it.
+    (new run, or resume). Raises :class:`UserError` when the command conflicts with the
+    run directory or its latest checkpoint cannot be resumed.
     """
     if not _is_local(run_dir):
         return None  # remote storage: Ray's own snapshot decides whether to resume
@@ -78,34 +81,107 @@ def check_run_dir(cfg: FitConfig, run_dir: str) -> dict | None:
     storage = path.parent
     if storage.exists() and not storage.is_dir():
         raise UserError(f"--storage-path {storage} is a file, not a directory", EXIT_USAGE)
-    probe = storage
-    while not probe.exists():
-        probe = probe.parent
-    if not os.access(probe, os.W_OK | os.X_OK):
-        raise UserError(f"--storage-path {storage} is not writable; pick another directory",
-                        EXIT_USAGE)
     if path.exists() and not path.is_dir():
         raise UserError(f"{path} exists and is not a run directory; pick another --name",
                         EXIT_USAGE)
+    if cfg.run.fresh or not path.is_dir():
+        return None
     run_file, summary_file = path / RUN_FILE, path / SUMMARY_FILE
     if run_file.is_file():
-        try:
-            previous = json.loads(run_file.read_text())
-        except (OSError, ValueError) as exc:
-            raise UserError(f"{run_file} is unreadable ({exc}); pick another --name") from exc
+        previous = _read_json(run_file)
         if previous != _run_identity(cfg):
             diff = _describe_difference(previous, _run_identity(cfg))
             raise UserError(
                 f"run '{path.name}' in {storage} was started with other settings ({diff}); "
-                "repeat its flags to resume it, or pick another --name", EXIT_USAGE)
-    if summary_file.is_file():
+                "repeat its flags to resume it, pick another --name, or add --fresh",
+                EXIT_USAGE)
+    if summary_file.is_file() and _read_json(summary_file).get("status") == "finished":
+        return _read_json(summary_file)
+    latest = latest_checkpoint(run_dir)
+    if latest is not None:
+        from raytrain_mnist.checkpoint import CheckpointError, check_resumable
+
         try:
-            summary = json.loads(summary_file.read_text())
-        except (OSError, ValueError):
-            summary = {}
-        if summary.get("status") == "finished":
-            return summary
+            check_resumable(latest, cfg.train.to_dict())
+        except CheckpointError as exc:
+            raise UserError(f"cannot resume run '{path.name}': {exc}; move {path} away, "
+                            "pick another --name, or add --fresh") from exc
     return None
+
+
+def _snapshot(run_dir: str) -> dict:
+    """Ray Train's record of the committed checkpoints (local storage; {} when none)."""
+    path = Path(run_dir) / _SNAPSHOT_FILE
+    return _read_json(path) if _is_local(run_dir) and path.is_file() else {}
+
+
+def latest_checkpoint(run_dir: str) -> Path | None:
+    """The checkpoint Ray will resume from: the latest one its snapshot has committed.
+
+    Checkpoint folders that the snapshot does not list (a worker died before the
+    controller committed them) are never taken for valid ones.
+    """
+    latest = _snapshot(run_dir).get("latest_checkpoint_result") or {}
+    name = latest.get("checkpoint_dir_name")
+    return Path(run_dir) / name if name else None
+
+
+def _best_committed_checkpoint(run_dir: str) -> Path | None:
+    results = _snapshot(run_dir).get("checkpoint_results") or []
+    if not results:
+        return None
+    best = max(results, key=lambda r: r.get("metrics", {}).get("val_accuracy", 0))
+    return Path(run_dir) / best["checkpoint_dir_name"]
+
+
+def _read_json(path: Path) -> dict:
+    try:
+        value = json.loads(path.read_text())
+    except (OSError, ValueError) as exc:
+        raise UserError(f"{path} is unreadable ({exc.__class__.__name__}); move the run "
+                        "directory away or pick another --name") from exc
+    if not isinstance(value, dict):
+        raise UserError(f"{path} is not a run file of raytrain_mnist; pick another --name")
+    return value
+
+
+@contextlib.contextmanager
+def claim_run_dir(run_dir: str, fresh: bool) -> Iterator[None]:
+    """Create the run directory and hold its lock while the run is going.
+
+    A second command with the same run name is refused while the lock is held. With
+    ``fresh``, a previous run directory is kept, renamed ``NAME.previous-N``.
+    """
+    if not _is_local(run_dir):
+        yield
+        return
+    from filelock import FileLock, Timeout
+
+    path = Path(run_dir)
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryFile(dir=path.parent):
+            pass
+    except OSError as exc:
+        raise UserError(f"--storage-path {path.parent} is not writable ({exc.strerror}); "
+                        "pick another directory", EXIT_USAGE) from exc
+    lock = FileLock(str(path.parent / f".{path.name}.lock"))
+    try:
+        lock.acquire(timeout=0)
+    except Timeout:
+        raise UserError(f"run '{path.name}' is already running in {path.parent}; wait for it, "
+                        "or pick another --name") from None
+    try:
+        if fresh and path.exists():
+            n = 1
+            while path.with_name(f"{path.name}.previous-{n}").exists():
+                n += 1
+            path.rename(path.with_name(f"{path.name}.previous-{n}"))
+            print(f"--fresh: the previous run is kept in {path.name}.previous-{n}")
+        path.mkdir(exist_ok=True)
+        yield
+    finally:
+        lock.release()
 
 
 def _describe_difference(old: dict, new: dict) -> str:
@@ -174,6 +250,7 @@ class _Printer:
     def __init__(self, actor, epochs: int) -> None:
         self.actor, self.epochs = actor, epochs
         self.seen: list[dict] = []
+        self.restarts = 0  # worker-group restarts seen (after a worker or node failure)
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True)
 
@@ -198,13 +275,15 @@ class _Printer:
         except Exception:  # the cluster is going away; what was printed stays printed
             return
         for m in items:
-            if not self.seen and m.get("resumed_from_epoch"):
+            # Each worker-group start stamps its reports; a new stamp mid-run is a restart.
+            new_start = not self.seen or m.get("started_at") != self.seen[-1].get("started_at")
+            if new_start and self.seen:
+                self.restarts += 1
+                print(f"workers restarted from the checkpoint of epoch "
+                      f"{m.get('resumed_from_epoch') or 0}", flush=True)
+            elif new_start and m.get("resumed_from_epoch"):
                 print(f"resumed from the checkpoint of epoch {m['resumed_from_epoch']}",
                       flush=True)
-            elif self.seen and m.get("resumed_from_epoch") != self.seen[-1].get(
-                    "resumed_from_epoch"):
-                print(f"workers restarted from the checkpoint of epoch "
-                      f"{m['resumed_from_epoch']}", flush=True)
             self.seen.append(m)
             print(format_epoch(m, self.epochs), flush=True)
 
@@ -257,7 +336,7 @@ def fit(cfg: FitConfig) -> dict[str, Any]:
     if finished is not None:
         print(f"run '{name}' already finished: val_accuracy "
               f"{100 * finished['val_accuracy']:.2f}% after {finished['epochs_completed']} "
-              f"epoch(s); see {run_dir}/{SUMMARY_FILE}. Pick another --name to train again.")
+              f"epoch(s); see {run_dir}/{SUMMARY_FILE}. Add --fresh to train it again.")
         return finished
 
     from raytrain_mnist.data import load_mnist
@@ -270,27 +349,34 @@ def fit(cfg: FitConfig) -> dict[str, Any]:
     threads = cfg.run.cpus_per_worker or cluster.default_cpus_per_worker(
         cfg.run.num_workers, local)
     request = cluster.Request(cfg.run.num_workers, threads, cfg.run.use_gpu)
-    resuming = _is_local(run_dir) and (Path(run_dir) / _SNAPSHOT_FILE).is_file()
-    print(f"{'resuming' if resuming else 'starting'} run '{name}': {cfg.run.num_workers} "
-          f"worker(s) x {threads} CPU{', 1 GPU' if cfg.run.use_gpu else ''}, "
-          f"{data.train_size} train / {data.test_size} test images from {data.source}",
-          flush=True)
 
-    with cluster.connect(address, request):
+    with claim_run_dir(run_dir, cfg.run.fresh), cluster.connect(address, request):
+        resuming = latest_checkpoint(run_dir) is not None
+        print(f"{'resuming' if resuming else 'starting'} run '{name}': {cfg.run.num_workers} "
+              f"worker(s) x {threads} CPU{', 1 GPU' if cfg.run.use_gpu else ''}, "
+              f"{data.train_size} train / {data.test_size} test images from {data.source}",
+              flush=True)
         write_file(run_dir, RUN_FILE, json.dumps(_run_identity(cfg), indent=2).encode())
         progress = ray.remote(num_cpus=0)(_Progress).remote()
         trainer = build_trainer(cfg, ray.put(data), threads, storage, name,
                                 callbacks=[_progress_callback(progress)])
-        error: Exception | None = None
+        result = error = None
+        interrupted = False
         with _Printer(progress, cfg.train.epochs) as printer:
             try:
-                result = trainer.fit()
+                result = _fit_interruptibly(trainer)
             except ray.train.TrainingFailedError as exc:
-                result, error = None, exc
+                error = exc
+            except KeyboardInterrupt:
+                interrupted = True
+                print("\nCtrl-C: stopping the workers; the last committed checkpoint is kept",
+                      file=sys.stderr, flush=True)
         metrics = result.metrics if result is not None else (
-            printer.seen[-1] if printer.seen else {})
+            printer.seen[-1] if printer.seen else _committed_metrics(run_dir))
         summary = _summarize(cfg, name, run_dir, data, threads, result, metrics,
-                             printer.seen, time.perf_counter() - started, error)
+                             printer, time.perf_counter() - started, error)
+        if interrupted:
+            ray.shutdown()  # ends this job: Ray stops its controller and workers
 
     write_file(run_dir, SUMMARY_FILE, json.dumps(summary, indent=2).encode())
     if summary["history"]:
@@ -300,12 +386,41 @@ def fit(cfg: FitConfig) -> dict[str, Any]:
             summary["history"], f"{name}: {cfg.run.num_workers} worker(s), {data.kind}"))
     _print_summary(summary)
     if error is not None:
-        raise UserError(f"training failed: {_first_line(error)}; rerun the same command to "
-                        f"resume from the last checkpoint", EXIT_FAILURE)
+        raise UserError(f"training failed: {_first_line(error)}; resume with: "
+                        f"{resume_command(cfg)}", EXIT_FAILURE)
     if summary["status"] == "interrupted":
-        print(f"interrupted; resume with: {resume_command(cfg)}", file=sys.stderr)
+        print(f"interrupted after {summary['epochs_completed']} epoch(s); resume with: "
+              f"{resume_command(cfg)}", file=sys.stderr)
         raise KeyboardInterrupt
     return summary
+
+
+def _fit_interruptibly(trainer):
+    """``trainer.fit()`` on a helper thread, so that Ctrl-C reaches this (main) thread.
+
+    On the main thread Ray installs its own SIGINT handler, which exits the process
+    without a word; off it, Ray installs none, and we stop the run ourselves.
+    """
+    outcome: dict[str, Any] = {}
+
+    def target() -> None:
+        try:
+            outcome["result"] = trainer.fit()
+        except BaseException as exc:  # handed to the main thread as is
+            outcome["error"] = exc
+
+    thread = threading.Thread(target=target, name="trainer.fit", daemon=True)
+    thread.start()
+    while thread.is_alive():
+        thread.join(0.5)
+    if "error" in outcome:
+        raise outcome["error"]
+    return outcome["result"]
+
+
+def _committed_metrics(run_dir: str) -> dict:
+    """Metrics of the latest committed checkpoint, from Ray's snapshot."""
+    return (_snapshot(run_dir).get("latest_checkpoint_result") or {}).get("metrics", {})
 
 
 def _first_line(exc: BaseException) -> str:
@@ -320,7 +435,7 @@ def resume_command(cfg: FitConfig) -> str:
             + ("" if cfg.run.name else f" --name {cfg.run_name}"))
 
 
-def _summarize(cfg, name, run_dir, data, threads, result, metrics, seen, wall_s, error):
+def _summarize(cfg, name, run_dir, data, threads, result, metrics, printer, wall_s, error):
     history = metrics.get("history", [])
     epochs_completed = len(history)
     if error is not None:
@@ -329,13 +444,15 @@ def _summarize(cfg, name, run_dir, data, threads, result, metrics, seen, wall_s,
         status = "finished"
     else:
         status = "interrupted"
-    best_checkpoint = latest_checkpoint = None
+    best_path = latest_path = None
     if result is not None and result.checkpoint is not None:
-        latest_checkpoint = result.checkpoint.path
+        latest_path = result.checkpoint.path
         if result.best_checkpoints:
             best = max(result.best_checkpoints, key=lambda cm: cm[1].get("val_accuracy", 0))
-            best_checkpoint = best[0].path
-    first = seen[0] if seen else metrics
+            best_path = best[0].path
+    else:  # stopped early: what Ray committed is on disk
+        latest_path, best_path = latest_checkpoint(run_dir), _best_committed_checkpoint(run_dir)
+    first = printer.seen[0] if printer.seen else metrics
     return {
         "name": name,
         "run_dir": run_dir,
@@ -349,13 +466,14 @@ def _summarize(cfg, name, run_dir, data, threads, result, metrics, seen, wall_s,
         "use_gpu": cfg.run.use_gpu,
         "epochs_completed": epochs_completed,
         "resumed_from_epoch": first.get("resumed_from_epoch"),
+        "worker_restarts": printer.restarts,
         "val_accuracy": metrics.get("val_accuracy"),
         "val_loss": metrics.get("val_loss"),
         "val_total": metrics.get("val_total"),
         "best_val_accuracy": metrics.get("best_val_accuracy"),
         "wall_time_s": round(wall_s, 2),
-        "best_checkpoint": best_checkpoint,
-        "latest_checkpoint": latest_checkpoint,
+        "best_checkpoint": None if best_path is None else str(best_path),
+        "latest_checkpoint": None if latest_path is None else str(latest_path),
         "workers": metrics.get("workers", []),
         "config": {"train": cfg.train.to_dict(), "run": dataclasses.asdict(cfg.run)},
         "history": history,

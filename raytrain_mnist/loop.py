@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import os
 import tempfile
 import time
 from typing import Any
@@ -163,7 +164,7 @@ def _worker_placement() -> list[dict[str, Any]]:
     """Where every rank runs, gathered once so rank 0 can report it."""
     ctx = ray.train.get_context()
     me = {"rank": ctx.get_world_rank(), "node_id": ray.get_runtime_context().get_node_id(),
-          "node_ip": ray.util.get_node_ip_address()}
+          "node_ip": ray.util.get_node_ip_address(), "pid": os.getpid()}
     if ctx.get_world_size() == 1:
         return [me]
     everyone: list[Any] = [None] * ctx.get_world_size()
@@ -184,6 +185,7 @@ def _quiet_report_log() -> None:
 def train_func_per_worker(config: dict[str, Any]) -> None:
     """Ray Train's entry point. ``config``: ``train`` (TrainConfig as a dict), ``data``
     (ObjectRef of :class:`MnistData`), ``threads`` (torch threads for this worker)."""
+    started_at = time.time()  # tells the driver which worker-group start a report came from
     cfg = TrainConfig.from_dict(config["train"])
     ctx = ray.train.get_context()
     rank, world_size = ctx.get_world_rank(), ctx.get_world_size()
@@ -246,6 +248,7 @@ def train_func_per_worker(config: dict[str, Any]) -> None:
         })
         metrics = {**history[-1], "val_total": val["val_total"], "best_val_accuracy": best,
                    "resumed_from_epoch": None if state is None else state["epoch"],
+                   "started_at": started_at,
                    "workers": placement, "history": history}
         # Rank 0 writes the checkpoint; every rank reports (report is a barrier).
         with tempfile.TemporaryDirectory() as directory:

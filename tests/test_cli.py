@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+import os
 import socket
 import time
 
@@ -98,3 +100,127 @@ def test_console_script_dispatches(tmp_path):
     _assert_one_line_error(result, 2, "--epochs must be")
     result = subprocess.run([str(script), "nonsense"], capture_output=True, text=True)
     assert result.returncode == 2 and "unknown command 'nonsense'" in result.stderr
+
+
+def _tree(root) -> dict:
+    """Every file under ``root`` with its bytes: to prove a refused command changed nothing."""
+    from pathlib import Path
+
+    root = Path(root)
+    return {str(p.relative_to(root)): p.read_bytes() for p in sorted(root.rglob("*"))
+            if p.is_file()}
+
+
+def _broken_data(tmp_path, sample_digits, name, mutate):
+    from tests.conftest import write_tiny_mnist
+
+    root = write_tiny_mnist(tmp_path / "data", sample_digits, 64, 9)
+    path = root / "MNIST" / "raw" / name
+    path.write_bytes(mutate(path.read_bytes()))
+    return root
+
+
+@pytest.mark.parametrize("name, mutate, fragment", [
+    ("train-images-idx3-ubyte", lambda b: b[:-7], "is truncated"),
+    ("train-labels-idx1-ubyte", lambda b: b"\x00\x00\x08\x99" + b[4:], "magic number"),
+    ("t10k-labels-idx1-ubyte", lambda b: b[:-1] + b"\x0b", "label 11"),
+])
+def test_broken_data_files(tmp_path, sample_digits, name, mutate, fragment):
+    data = _broken_data(tmp_path, sample_digits, name, mutate)
+    result = run_cli("fit", "--data-dir", str(data), "--storage-path", str(tmp_path / "runs"),
+                     timeout=60)
+    _assert_one_line_error(result, 1, fragment)
+    assert not (tmp_path / "runs").exists()
+
+
+def _run_dir_with_checkpoint(tmp_path, payload: bytes | None = None, state: dict | None = None):
+    """A run directory as Ray leaves it, whose latest committed checkpoint is ours to shape."""
+    import torch
+
+    from raytrain_mnist.config import FitConfig, RunSettings, TrainConfig
+    from raytrain_mnist.fit import RUN_FILE, _run_identity
+
+    storage = tmp_path / "runs"
+    run_dir = storage / "r"
+    checkpoint = run_dir / "checkpoint_2026-01-01_00-00-00.000000"
+    checkpoint.mkdir(parents=True)
+    if payload is not None:
+        (checkpoint / "state.pt").write_bytes(payload)
+    else:
+        torch.save(state, checkpoint / "state.pt")
+    snapshot = {"latest_checkpoint_result": {"checkpoint_dir_name": checkpoint.name,
+                                             "metrics": {"epoch": 1}}}
+    (run_dir / "checkpoint_manager_snapshot.json").write_text(json.dumps(snapshot))
+    cfg = FitConfig(TrainConfig(), RunSettings(dataset="sample", name="r"))
+    (run_dir / RUN_FILE).write_text(json.dumps(_run_identity(cfg)))
+    return storage
+
+
+class _Exploit:
+    def __reduce__(self):
+        return (os.system, ("touch /tmp/raytrain_mnist_cli_pwned",))
+
+
+def _exploit_bytes() -> bytes:
+    import io
+
+    import torch
+
+    buffer = io.BytesIO()
+    torch.save({"format": "raytrain_mnist/1", "model": _Exploit()}, buffer)
+    return buffer.getvalue()
+
+
+def _foreign_model_state() -> dict:
+    import torch
+
+    return {"format": "raytrain_mnist/1", "model": {"linear.weight": torch.zeros(2, 2)},
+            "optimizer": {}, "scheduler": {}, "scaler": {}, "epoch": 1, "history": [],
+            "rng": {}, "config": {}}
+
+
+@pytest.mark.parametrize("shape, fragment", [
+    ({"payload": b"PK\x03\x04 not really a zip"}, "is corrupt or truncated"),
+    ({"payload": None, "state": {"weights": 1}}, "is not a raytrain_mnist checkpoint"),
+    ({"payload": None, "state": "foreign"}, "holds weights of a different model"),
+    ({"payload": "exploit"}, "refusing to load"),
+])
+def test_checkpoints_that_cannot_resume(tmp_path, shape, fragment):
+    payload, state = shape.get("payload"), shape.get("state")
+    if payload == "exploit":
+        payload = _exploit_bytes()
+    if state == "foreign":
+        state = _foreign_model_state()
+    storage = _run_dir_with_checkpoint(tmp_path, payload, state)
+    before = _tree(storage)
+    result = run_cli("fit", "--dataset", "sample", "--storage-path", str(storage),
+                     "--name", "r", timeout=60)
+    _assert_one_line_error(result, 1, fragment)
+    assert "cannot resume run 'r'" in result.stderr
+    assert _tree(storage) == before
+    assert not os.path.exists("/tmp/raytrain_mnist_cli_pwned")
+
+
+def test_resuming_with_other_settings_is_refused(tmp_path):
+    from raytrain_mnist.model import ConvNet
+
+    storage = _run_dir_with_checkpoint(tmp_path, state={"model": ConvNet().state_dict()})
+    before = _tree(storage)
+    result = run_cli("fit", "--dataset", "sample", "--storage-path", str(storage),
+                     "--name", "r", "--lr", "0.01", timeout=60)
+    _assert_one_line_error(result, 2, "was started with other settings (lr: 0.1 then, 0.01 now)")
+    assert _tree(storage) == before
+
+
+def test_unwritable_storage_path(tmp_path):
+    result = run_cli("fit", "--dataset", "sample", "--storage-path", "/proc/raytrain_runs",
+                     timeout=60)
+    _assert_one_line_error(result, 2, "--storage-path /proc/raytrain_runs is not writable")
+
+
+def test_corrupt_run_file(tmp_path):
+    (tmp_path / "runs" / "r").mkdir(parents=True)
+    (tmp_path / "runs" / "r" / "run.json").write_text("{not json")
+    result = run_cli("fit", "--dataset", "sample", "--storage-path", str(tmp_path / "runs"),
+                     "--name", "r", timeout=60)
+    _assert_one_line_error(result, 1, "run.json is unreadable")
