@@ -22,6 +22,12 @@ logger = logging.getLogger(__name__)
 _CONNECT_TIMEOUT_S = 5.0
 
 
+def _worker_logs_to_driver() -> bool:
+    """Worker and controller output stays in Ray's log files unless asked for: the driver
+    prints every epoch and every failure itself, in one line each."""
+    return os.environ.get("RAYTRAIN_MNIST_WORKER_LOGS", "") not in ("", "0")
+
+
 @dataclass(frozen=True)
 class Request:
     """What a run asks of the cluster: ``num_workers`` bundles of CPUs (+ one GPU each)."""
@@ -61,7 +67,8 @@ def connect(address: str | None, request: Request) -> Iterator[bool]:
     if address:
         _check_reachable(address)
         try:
-            ray.init(address=address, logging_level=logging.WARNING, log_to_driver=True)
+            ray.init(address=address, logging_level=logging.WARNING,
+                     log_to_driver=_worker_logs_to_driver())
         except (ConnectionError, RuntimeError, ValueError) as exc:
             raise UserError(f"cannot connect to the Ray cluster at {address}: {exc}") from exc
         started = False
@@ -74,6 +81,7 @@ def connect(address: str | None, request: Request) -> Iterator[bool]:
                 include_dashboard=True,
                 dashboard_host="127.0.0.1",
                 logging_level=logging.WARNING,
+                log_to_driver=_worker_logs_to_driver(),
             )
         except Exception as exc:  # Ray raises bare Exception when its processes fail to start
             raise UserError(f"could not start a local Ray: {str(exc).strip()[:300]}") from exc

@@ -387,7 +387,7 @@ def fit(cfg: FitConfig) -> dict[str, Any]:
     _print_summary(summary)
     if error is not None:
         raise UserError(f"training failed: {_first_line(error)}; resume with: "
-                        f"{resume_command(cfg)}", EXIT_FAILURE)
+                        f"{resume_command(cfg)} (worker logs: /tmp/ray/session_latest/logs)", EXIT_FAILURE)
     if summary["status"] == "interrupted":
         print(f"interrupted after {summary['epochs_completed']} epoch(s); resume with: "
               f"{resume_command(cfg)}", file=sys.stderr)
@@ -467,6 +467,7 @@ def _summarize(cfg, name, run_dir, data, threads, result, metrics, printer, wall
         "epochs_completed": epochs_completed,
         "resumed_from_epoch": first.get("resumed_from_epoch"),
         "worker_restarts": printer.restarts,
+        "worker_started_at": first.get("started_at"),  # unix time the training loop began
         "val_accuracy": metrics.get("val_accuracy"),
         "val_loss": metrics.get("val_loss"),
         "val_total": metrics.get("val_total"),

@@ -1,0 +1,175 @@
+"""The benchmark's training variants, each run as its own process by ``compare.py``.
+
+Every variant trains the same ConvNet on the same data with the same global batch size,
+optimizer and thread budget, evaluates after each epoch, and prints one JSON line
+``RESULT {...}`` with per-epoch throughput and the wall time at which each evaluation ended
+(seconds since the process started, read from ``BENCH_T0``).
+
+    python -m benchmarks.variants plain      --data-dir D --epochs 2 --batch-size 128 --threads 2
+    torchrun --nproc_per_node 2 -m benchmarks.variants torchrun --data-dir D ...
+    python -m benchmarks.variants ray_example --data-dir D --workers 2 ...
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import time
+
+
+def _now() -> float:
+    return time.time() - float(os.environ.get("BENCH_T0", time.time()))
+
+
+def _emit(epochs: list[dict], first_step_s: float) -> None:
+    print("RESULT " + json.dumps({"epochs": epochs, "first_step_s": first_step_s}), flush=True)
+
+
+def _product_loop(args, rank: int = 0, world: int = 1, sampler=None) -> None:
+    """Plain PyTorch around the product's own loader, train step and evaluation."""
+    import torch
+
+    from raytrain_mnist.config import TrainConfig
+    from raytrain_mnist.data import load_mnist
+    from raytrain_mnist.loop import (build_optimizer, evaluate, make_train_loader, set_epoch,
+                                     train_one_epoch)
+    from raytrain_mnist.model import ConvNet
+
+    torch.set_num_threads(args.threads)
+    cfg = TrainConfig(epochs=args.epochs, batch_size=args.batch_size)
+    data = load_mnist(args.data_dir, "mnist")
+    torch.manual_seed(cfg.seed)
+    model = ConvNet()
+    loader = make_train_loader(data.train_images, data.train_labels, cfg.batch_size // world,
+                               cfg.seed)
+    if world > 1:
+        from torch.nn.parallel import DistributedDataParallel
+        from torch.utils.data import DataLoader, DistributedSampler
+
+        model = DistributedDataParallel(model)
+        loader = DataLoader(loader.dataset, batch_size=loader.batch_size, drop_last=True,
+                            collate_fn=tuple,
+                            sampler=DistributedSampler(loader.dataset, seed=cfg.seed))
+    optimizer, scheduler = build_optimizer(model, cfg, len(loader))
+    scaler = torch.amp.GradScaler("cpu", enabled=False)
+    module = getattr(model, "module", model)
+    epochs, first_step = [], _now()
+    for epoch in range(cfg.epochs):
+        set_epoch(loader, epoch, cfg.seed)
+        started = time.perf_counter()
+        train = train_one_epoch(model, loader, optimizer, scheduler, scaler,
+                                contextlib.nullcontext(), torch.device("cpu"))
+        seconds = time.perf_counter() - started
+        val = evaluate(module, data.test_images, data.test_labels, torch.device("cpu"),
+                       rank=rank, world_size=world)
+        epochs.append({"images_per_s": train["train_images"] / seconds,
+                       "val_accuracy": val["val_accuracy"], "eval_done_s": _now()})
+    if rank == 0:
+        _emit(epochs, first_step)
+
+
+def plain(args) -> None:
+    _product_loop(args)
+
+
+def torchrun(args) -> None:
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo")
+    try:
+        _product_loop(args, dist.get_rank(), dist.get_world_size())
+    finally:
+        dist.destroy_process_group()
+
+
+def _ray_example_worker(config: dict) -> None:
+    """Ray's documented pattern: a torchvision dataset with per-sample ToTensor/Normalize,
+    a plain DataLoader, prepare_model and prepare_data_loader."""
+    import ray.train
+    import ray.train.torch
+    import torch
+    import torch.nn.functional as F
+    from torch.utils.data import DataLoader
+    from torchvision import datasets, transforms
+
+    from raytrain_mnist.model import MNIST_MEAN, MNIST_STD, ConvNet
+
+    torch.set_num_threads(config["threads"])
+    transform = transforms.Compose([transforms.ToTensor(),
+                                    transforms.Normalize((MNIST_MEAN,), (MNIST_STD,))])
+    train = datasets.MNIST(config["data_dir"], train=True, transform=transform)
+    test = datasets.MNIST(config["data_dir"], train=False, transform=transform)
+    world = ray.train.get_context().get_world_size()
+    train_loader = ray.train.torch.prepare_data_loader(
+        DataLoader(train, batch_size=config["batch_size"] // world, shuffle=True))
+    test_loader = ray.train.torch.prepare_data_loader(DataLoader(test, batch_size=1000))
+    model = ray.train.torch.prepare_model(ConvNet())
+    optimizer = torch.optim.SGD(model.parameters(), lr=config["lr"], momentum=0.9,
+                                nesterov=True, weight_decay=5e-4)
+    scheduler = torch.optim.lr_scheduler.OneCycleLR(
+        optimizer, max_lr=config["lr"], total_steps=config["epochs"] * len(train_loader),
+        pct_start=0.25)
+    epochs, first_step = [], _now()
+    for epoch in range(config["epochs"]):
+        if world > 1:
+            train_loader.sampler.set_epoch(epoch)
+        model.train()
+        started, seen = time.perf_counter(), 0
+        for x, y in train_loader:
+            loss = F.cross_entropy(model(x), y)
+            optimizer.zero_grad()
+            loss.backward()
+            optimizer.step()
+            scheduler.step()
+            seen += len(y)
+        seconds = time.perf_counter() - started
+        model.eval()
+        correct = total = 0
+        with torch.no_grad():  # the documented pattern: each rank scores its padded shard
+            for x, y in test_loader:
+                correct += (model(x).argmax(1) == y).sum().item()
+                total += len(y)
+        epochs.append({"images_per_s": seen * world / seconds, "val_accuracy": correct / total,
+                       "eval_done_s": _now()})
+        ray.train.report({"epoch": epoch})
+    if ray.train.get_context().get_world_rank() == 0:
+        _emit(epochs, first_step)
+
+
+def ray_example(args) -> None:
+    import ray
+    from ray.train import RunConfig, ScalingConfig
+    from ray.train.torch import TorchTrainer
+
+    ray.init(num_cpus=max(os.cpu_count() or 1, args.workers * args.threads),
+             include_dashboard=False, logging_level="WARNING")
+    try:
+        TorchTrainer(_ray_example_worker,
+                     train_loop_config={"data_dir": os.path.abspath(args.data_dir),
+                                        "threads": args.threads, "epochs": args.epochs,
+                                        "batch_size": args.batch_size, "lr": 0.1},
+                     scaling_config=ScalingConfig(num_workers=args.workers,
+                                                  resources_per_worker={"CPU": args.threads}),
+                     run_config=RunConfig(storage_path=os.path.abspath(args.storage),
+                                          name="ray_example")).fit()
+    finally:
+        ray.shutdown()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("variant", choices=["plain", "torchrun", "ray_example"])
+    parser.add_argument("--data-dir", required=True)
+    parser.add_argument("--epochs", type=int, default=2)
+    parser.add_argument("--batch-size", type=int, default=128)
+    parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--workers", type=int, default=1)
+    parser.add_argument("--storage", default="/tmp/raytrain_mnist_bench")
+    args = parser.parse_args()
+    globals()[args.variant](args)
+
+
+if __name__ == "__main__":
+    main()
