@@ -112,7 +112,9 @@ class RunSettings:
         None, "directory holding MNIST in torchvision's layout (DIR/MNIST/raw/*-ubyte[.gz])"
     )
     storage_path: str = _opt(
-        "runs", "where run directories live (local path or a URI such as s3://bucket/runs)"
+        os.environ.get("RAYTRAIN_MNIST_STORAGE_PATH") or "runs",
+        "where run directories live: a local path or a URI such as s3://bucket/runs; "
+        "$RAYTRAIN_MNIST_STORAGE_PATH sets the default",
     )
     name: Optional[str] = _opt(
         None, "run name; the same name resumes that run (default: derived from the settings)"

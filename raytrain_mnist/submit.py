@@ -1,0 +1,403 @@
+"""Run ``fit`` or ``tune`` on a Ray cluster through the Jobs API, and follow it.
+
+    python -m raytrain_mnist.submit [--address http://HOST:8265] [--no-wait] -- fit --use-gpu ...
+    python -m raytrain_mnist.submit status JOB_ID | logs [--follow] JOB_ID | stop JOB_ID | list
+
+The command after ``--`` runs on the cluster as ``python -m raytrain_mnist.<command> ...``,
+with this checkout as the job's working directory (data, runs, checkpoints, .git and .venv
+left out), so the cluster runs the code you have here. Its flags are checked here first: a
+bad flag costs a second, not an upload. The job's output streams to stdout, everything about
+the job itself goes to stderr, and the exit status is the job's outcome (0 succeeded, 1 failed
+or stopped). Ctrl-C while following asks whether to stop the job or detach from it; without a
+terminal it detaches and says how to stop the job.
+
+The address is ``--address``, else ``RAY_API_SERVER_ADDRESS``, else ``RAY_ADDRESS``, else
+``http://127.0.0.1:8265`` (where ``ray dashboard cluster.yaml`` forwards the head's dashboard).
+Token authentication works as in Ray: ``RAY_AUTH_MODE=token`` with the token in
+``~/.ray/auth_token``, ``RAY_AUTH_TOKEN_PATH`` or ``RAY_AUTH_TOKEN``. Unlike Ray's own client,
+a token given through one of those is sent even when ``RAY_AUTH_MODE`` is unset (``ray start``
+reads tokens the same way); ``RAY_AUTH_MODE=disabled`` sends none.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import importlib
+import logging
+import os
+import re
+import shlex
+import socket
+import sys
+import time
+from pathlib import Path
+from typing import Iterator, Sequence
+from urllib.parse import urlsplit
+
+from raytrain_mnist._cli import (EXIT_FAILURE, EXIT_INTERRUPTED, EXIT_USAGE, ArgumentParser,
+                                 UserError, run_cli)
+
+DEFAULT_ADDRESS = "http://127.0.0.1:8265"
+#: Never uploaded: data and results can be gigabytes, and the cluster has its own.
+EXCLUDES = ["/data/", "/runs/", "/checkpoints/", "/.git/", "/.venv/", "__pycache__/",
+            "*.egg-info/", ".pytest_cache/"]
+ACTIONS = ("status", "logs", "stop", "list")
+_CONNECT_TIMEOUT_S = 5.0
+_SETTLE_TIMEOUT_S = 60.0  # a job whose log stream ended reaches a final status within this
+_PACKAGE_DIR = Path(__file__).resolve().parent
+
+
+def build_parser() -> ArgumentParser:
+    parser = ArgumentParser(
+        prog="raytrain-mnist submit",
+        usage="%(prog)s [--address URL] [--no-wait] -- {fit,tune} [flags]\n"
+              "       %(prog)s [--address URL] {status,logs,stop} JOB_ID | list",
+        description="Submit fit or tune to a Ray cluster's Jobs API and follow it, or act on "
+                    "jobs already submitted.",
+        epilog="example:\n  %(prog)s --address http://127.0.0.1:8265 -- fit --num-workers 4 "
+               "--use-gpu \\\n      --storage-path s3://bucket/runs",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parser.add_argument("action", nargs="?", choices=ACTIONS,
+                        help="act on existing jobs instead of submitting one")
+    parser.add_argument("job_id", nargs="?", help="the job (submission id) to act on")
+    parser.add_argument("--address", help="Jobs API (dashboard) URL; default: "
+                        "$RAY_API_SERVER_ADDRESS, else $RAY_ADDRESS, else " + DEFAULT_ADDRESS)
+    parser.add_argument("--no-wait", action="store_true",
+                        help="print the job id and return instead of following the job")
+    parser.add_argument("-f", "--follow", action="store_true",
+                        help="with logs: follow the job to its end, exit with its outcome")
+    return parser
+
+
+def _commands() -> dict[str, str]:
+    from raytrain_mnist.__main__ import COMMANDS
+
+    return {name: text for name, text in COMMANDS.items() if name != "submit"}
+
+
+# --------------------------------------------------------------------------- connection
+
+def resolve_address(address: str | None) -> str:
+    """``--address``, else Ray's environment variables, else the forwarded dashboard."""
+    address = (address or os.environ.get("RAY_API_SERVER_ADDRESS")
+               or os.environ.get("RAY_ADDRESS") or DEFAULT_ADDRESS)
+    return address.rstrip("/")
+
+
+def use_token_if_given() -> None:
+    """Send a token whenever one is configured, unless RAY_AUTH_MODE says otherwise.
+
+    Ray's client sends a token only under ``RAY_AUTH_MODE=token``; ``ray start`` turns token
+    mode on when a token exists. The client follows ``ray start``. Must run before Ray reads
+    its configuration (the first ray import in this process).
+    """
+    path = os.environ.get("RAY_AUTH_TOKEN_PATH")
+    if path and not Path(path).expanduser().is_file():
+        raise UserError(f"RAY_AUTH_TOKEN_PATH={path} is not a file; point it at the cluster's "
+                        "token, or unset it", EXIT_USAGE)
+    have_token = bool(os.environ.get("RAY_AUTH_TOKEN") or path
+                      or (Path.home() / ".ray" / "auth_token").is_file())
+    mode = os.environ.get("RAY_AUTH_MODE")
+    if mode is None and have_token:
+        os.environ["RAY_AUTH_MODE"] = "token"
+    elif mode == "token" and not have_token:
+        raise UserError("RAY_AUTH_MODE=token but no token: put the cluster's token in "
+                        "~/.ray/auth_token, or set RAY_AUTH_TOKEN_PATH or RAY_AUTH_TOKEN",
+                        EXIT_USAGE)
+
+
+def _check_reachable(url: str) -> None:
+    """Fail in seconds, with one line, where ``requests`` would wait for the TCP timeout."""
+    parts = urlsplit(url)
+    if parts.scheme not in ("http", "https"):
+        return  # a GCS address or a module address: Ray resolves it (and reports failures)
+    try:
+        port = parts.port or (443 if parts.scheme == "https" else 80)
+        socket.create_connection((parts.hostname, port), timeout=_CONNECT_TIMEOUT_S).close()
+    except (OSError, ValueError) as exc:
+        raise UserError(
+            f"no Ray dashboard answers at {url} ({getattr(exc, 'strerror', None) or exc}); "
+            "is the cluster up? `ray dashboard cluster.yaml` forwards it to "
+            f"{DEFAULT_ADDRESS}") from None
+
+
+@contextlib.contextmanager
+def _address_from_argument_only() -> Iterator[None]:
+    """Ray's client lets RAY_ADDRESS override its argument; our argument already folded it in."""
+    saved = {k: os.environ.pop(k) for k in ("RAY_API_SERVER_ADDRESS", "RAY_ADDRESS")
+             if k in os.environ}
+    try:
+        yield
+    finally:
+        os.environ.update(saved)
+
+
+@contextlib.contextmanager
+def _one_line_errors(url: str, job_id: str | None = None) -> Iterator[None]:
+    """Turn what the Jobs API raises into one line that says what to do."""
+    import aiohttp
+    import requests
+    from ray.exceptions import AuthenticationError
+
+    try:
+        yield
+    except AuthenticationError as exc:
+        raise _auth_error(url, 401 if "required" in str(exc).split(":", 1)[0] else 403) from None
+    except aiohttp.WSServerHandshakeError as exc:
+        if exc.status in (401, 403):
+            raise _auth_error(url, exc.status) from None
+        raise UserError(f"cannot follow the logs at {url}: HTTP {exc.status} {exc.message}") \
+            from None
+    except (ConnectionError, requests.exceptions.RequestException,
+            aiohttp.ClientError) as exc:
+        raise UserError(f"lost the connection to the Ray dashboard at {url} "
+                        f"({_first_line(exc)})") from None
+    except RuntimeError as exc:
+        text = str(exc)
+        if job_id and ("404" in text or "does not exist" in text):
+            raise UserError(f"no job {job_id!r} on the cluster at {url}; "
+                            "`raytrain-mnist submit list` shows its jobs") from None
+        raise UserError(f"the Jobs API at {url} said: {_first_line(exc)}") from None
+
+
+def _auth_error(url: str, status: int) -> UserError:
+    if status == 401:
+        return UserError(
+            f"the cluster at {url} requires a token (HTTP 401): put it in ~/.ray/auth_token, "
+            "or set RAY_AUTH_TOKEN_PATH or RAY_AUTH_TOKEN (and not RAY_AUTH_MODE=disabled)")
+    return UserError(
+        f"the cluster at {url} refused the token (HTTP 403): this client's token "
+        "(RAY_AUTH_TOKEN, else RAY_AUTH_TOKEN_PATH, else ~/.ray/auth_token) is not the "
+        "cluster's; `ray get-auth-token` on the head prints the right one")
+
+
+def _first_line(exc: BaseException) -> str:
+    lines = [line.strip() for line in str(exc).splitlines() if line.strip()]
+    return lines[0] if lines else exc.__class__.__name__
+
+
+def _last_line(text: str) -> str:
+    """A job's message ends with the line that names the cause (the exception, the exit code)."""
+    lines = [line.strip() for line in text.splitlines() if line.strip()]
+    return lines[-1] if lines else "no message"
+
+
+def connect(address: str | None):
+    """A JobSubmissionClient for ``address``, and the URL it talks to."""
+    use_token_if_given()
+    url = resolve_address(address)
+    _check_reachable(url)
+    from ray.job_submission import JobSubmissionClient
+
+    # The SDK logs an INFO line per request and per closed log stream; ours are enough.
+    for name in ("ray.dashboard.modules.job.sdk", "ray.dashboard.modules.dashboard_sdk",
+                 "ray._private.runtime_env.packaging"):
+        logging.getLogger(name).setLevel(logging.WARNING)  # the SDK's set INFO on import
+    # "Directory '.git' is now ignored by default": we exclude it (and .venv) anyway.
+    logging.getLogger("ray._private.runtime_env.working_dir").setLevel(logging.ERROR)
+    with _one_line_errors(url), _address_from_argument_only():
+        client = JobSubmissionClient(url)  # asks /api/version, which checks the token
+    return client, url
+
+
+# --------------------------------------------------------------------------- submitting
+
+def entrypoint(command: Sequence[str]) -> str:
+    """The shell command the job runs on the cluster, checked here first."""
+    commands = _commands()
+    if not command:
+        raise UserError(f"nothing after --: name a command ({', '.join(commands)}) and its "
+                        "flags", EXIT_USAGE)
+    name, args = command[0], list(command[1:])
+    if name not in commands:
+        raise UserError(f"{name!r} is not a command to submit; use one of "
+                        f"{', '.join(commands)}, e.g. -- fit --num-workers 4 --use-gpu",
+                        EXIT_USAGE)
+    module = importlib.import_module(f"raytrain_mnist.{name}")
+    # Flag errors surface here, as the command itself reports them (exit status 2): fit's
+    # parse_config, tune's parse_command only parse and validate. Paths in the flags
+    # (--data-dir, --storage-path) are the cluster's and are not looked at.
+    check = getattr(module, "parse_config", None) or getattr(module, "parse_command", None)
+    if check is not None:
+        check(args)
+    return shlex.join(["python", "-m", f"raytrain_mnist.{name}", *args])
+
+
+def runtime_env() -> dict:
+    """This checkout as the working directory; an installed package travels as a module."""
+    root = _PACKAGE_DIR.parent
+    if (root / "pyproject.toml").is_file():
+        return {"working_dir": str(root), "excludes": EXCLUDES}
+    return {"py_modules": [str(_PACKAGE_DIR)], "excludes": EXCLUDES}
+
+
+def submit(client, url: str, entry: str, wait: bool) -> int:
+    with _one_line_errors(url):
+        job_id = client.submit_job(entrypoint=entry, runtime_env=runtime_env())
+    if not wait:
+        print(job_id)
+        print(f"submitted {job_id} to {url}; follow it with: {_self(url)} logs --follow "
+              f"{job_id}", file=sys.stderr)
+        return 0
+    print(f"submitted {job_id} to {url}: {entry}", file=sys.stderr, flush=True)
+    return follow(client, url, job_id)
+
+
+def _self(url: str) -> str:
+    return f"python -m raytrain_mnist.submit --address {url}"
+
+
+# --------------------------------------------------------------------------- following
+
+def follow(client, url: str, job_id: str) -> int:
+    """Stream the job's logs until it ends; return its outcome as an exit status."""
+
+    async def tail() -> None:
+        async for chunk in client.tail_job_logs(job_id):
+            sys.stdout.write(chunk)
+            sys.stdout.flush()
+
+    try:
+        print(f"following job {job_id} (Ctrl-C: stop it or detach)", file=sys.stderr,
+              flush=True)
+        with _one_line_errors(url, job_id):
+            asyncio.run(tail())
+    except KeyboardInterrupt:
+        return interrupted(client, url, job_id)
+    except UserError as exc:
+        # The stream broke; the job itself may be fine.
+        print(f"raytrain-mnist: warning: {exc}", file=sys.stderr)
+    status = _settle(client, url, job_id, _SETTLE_TIMEOUT_S)
+    return outcome(client, url, job_id, status)
+
+
+def _settle(client, url: str, job_id: str, timeout_s: float):
+    deadline = time.monotonic() + timeout_s
+    with _one_line_errors(url, job_id):
+        while True:
+            status = client.get_job_status(job_id)
+            if status.is_terminal() or time.monotonic() > deadline:
+                return status
+            time.sleep(0.5)
+
+
+def outcome(client, url: str, job_id: str, status) -> int:
+    name = str(status)
+    if name == "SUCCEEDED":
+        print(f"job {job_id} succeeded", file=sys.stderr)
+        return 0
+    if name == "FAILED":
+        with _one_line_errors(url, job_id):
+            message = client.get_job_info(job_id).message or "no message"
+        code = re.search(r"exit code (-?\d+)", message)
+        cause = _last_line(message).removeprefix("raytrain-mnist: error: ")
+        raise UserError(f"job {job_id} failed{f' (exit code {code[1]})' if code else ''}: "
+                        f"{cause}")
+    if name == "STOPPED":
+        raise UserError(f"job {job_id} was stopped")
+    raise UserError(f"job {job_id} is still {name}, but its log stream ended; follow it "
+                    f"again with: {_self(url)} logs --follow {job_id}")
+
+
+def interrupted(client, url: str, job_id: str, stdin=None) -> int:
+    """Ctrl-C while following: stop the job, or leave it running (the default)."""
+    stdin = stdin or sys.stdin
+    how = (f"follow it with: {_self(url)} logs --follow {job_id}; stop it with: "
+           f"{_self(url)} stop {job_id}")
+    answer = ""
+    if stdin is not None and stdin.isatty():
+        try:
+            print(file=sys.stderr)
+            answer = input(f"stop job {job_id} on the cluster? [y = stop / N = detach] ")
+        except (EOFError, KeyboardInterrupt):
+            answer = ""
+    if answer.strip().lower() in ("y", "yes"):
+        stop(client, url, job_id)
+        return EXIT_INTERRUPTED
+    print(f"detached; job {job_id} keeps running; {how}", file=sys.stderr)
+    return EXIT_INTERRUPTED
+
+
+# --------------------------------------------------------------------------- actions
+
+def status(client, url: str, job_id: str) -> int:
+    with _one_line_errors(url, job_id):
+        info = client.get_job_info(job_id)
+    message = f"  {_last_line(info.message)}" if info.message else ""
+    print(f"{job_id}: {info.status}{message}")
+    return 0
+
+
+def logs(client, url: str, job_id: str, keep_following: bool) -> int:
+    if keep_following:
+        return follow(client, url, job_id)
+    with _one_line_errors(url, job_id):
+        sys.stdout.write(client.get_job_logs(job_id))
+    return 0
+
+
+def stop(client, url: str, job_id: str) -> int:
+    with _one_line_errors(url, job_id):
+        client.stop_job(job_id)
+    status = _settle(client, url, job_id, _SETTLE_TIMEOUT_S)
+    print(f"job {job_id}: {status}", file=sys.stderr)
+    return 0 if status.is_terminal() else EXIT_FAILURE
+
+
+def list_jobs(client, url: str) -> int:
+    with _one_line_errors(url):
+        jobs = client.list_jobs()
+    jobs.sort(key=lambda j: j.start_time or 0)
+    print(f"{'job':<32} {'status':<10} {'started':<19}  entrypoint")
+    for job in jobs:
+        started = time.strftime("%Y-%m-%d %H:%M:%S",
+                                time.localtime(job.start_time / 1000)) if job.start_time else "-"
+        print(f"{job.submission_id or job.job_id or '-':<32} {str(job.status):<10} "
+              f"{started:<19}  {job.entrypoint}")
+    return 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    command: list[str] = []
+    if "--" in argv:
+        at = argv.index("--")
+        argv, command = argv[:at], argv[at + 1:]
+    parser = build_parser()
+    args = parser.parse_intermixed_args(argv)  # `logs --follow ID` and `logs ID -f`
+    if args.action and command:
+        parser.error(f"give either `{args.action}` or a command after --, not both")
+    if not args.action and not command:
+        parser.error("nothing to do: submit with `-- fit [flags]`, or use status, logs, "
+                     "stop or list")
+    if args.action in ("status", "logs", "stop") and not args.job_id:
+        parser.error(f"{args.action} needs a JOB_ID (`list` shows them)")
+    if args.action == "list" and args.job_id:
+        parser.error("list takes no JOB_ID")
+    if args.follow and args.action != "logs":
+        parser.error("--follow goes with logs")
+    if args.no_wait and not command:
+        parser.error("--no-wait goes with submitting a command")
+    entry = entrypoint(command) if command else None  # refused before contacting the cluster
+
+    client, url = connect(args.address)
+    if entry:
+        return submit(client, url, entry, wait=not args.no_wait)
+    if args.action == "status":
+        return status(client, url, args.job_id)
+    if args.action == "logs":
+        return logs(client, url, args.job_id, args.follow)
+    if args.action == "stop":
+        return stop(client, url, args.job_id)
+    return list_jobs(client, url)
+
+
+def cli(argv: Sequence[str] | None = None) -> int:
+    return run_cli(main, argv)
+
+
+if __name__ == "__main__":
+    sys.exit(cli())

@@ -1,0 +1,379 @@
+"""`python -m raytrain_mnist.submit` against a real Ray head with token authentication.
+
+One head for the module: `ray start --head --block` on free ports, dashboard on 127.0.0.1,
+token auth on with a token file in a temporary directory (never ~/.ray/auth_token), its
+session under that directory too (so no other Ray on this machine finds it). Every process
+of that head carries a marker in its environment; the fixture stops `ray start --block`
+(which stops its node) and then kills whatever still carries the marker, and nothing else:
+no `ray stop`, which would stop every Ray on the machine.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import json
+import os
+import re
+import secrets
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+import uuid
+from pathlib import Path
+
+import pytest
+
+from raytrain_mnist import submit
+from raytrain_mnist._cli import EXIT_INTERRUPTED, UserError
+
+from .conftest import REPO, write_tiny_mnist
+
+RAY = str(Path(sys.executable).with_name("ray"))
+MARKER_VAR = "RAYTRAIN_MNIST_TEST_CLUSTER"
+
+
+# --------------------------------------------------------------------------- helpers
+
+def free_ports(n: int) -> list[int]:
+    socks = [socket.socket() for _ in range(n)]
+    for s in socks:
+        s.bind(("127.0.0.1", 0))
+    ports = [s.getsockname()[1] for s in socks]
+    for s in socks:
+        s.close()
+    return ports
+
+
+def kill_marked(marker: str) -> list[int]:
+    """SIGKILL every process whose environment holds ``MARKER_VAR=marker``: ours only."""
+    needle = f"{MARKER_VAR}={marker}".encode()
+    killed = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit() or int(entry.name) == os.getpid():
+            continue
+        try:
+            environ = (entry / "environ").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if needle in environ:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(int(entry.name), signal.SIGKILL)
+                killed.append(int(entry.name))
+    return killed
+
+
+def run_submit(*args: str, env: dict, timeout: float = 120, **kw) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "raytrain_mnist.submit", *args], env=env,
+                          capture_output=True, text=True, timeout=timeout, cwd=REPO,
+                          stdin=subprocess.DEVNULL, **kw)
+
+
+def assert_one_line_error(proc: subprocess.CompletedProcess, *fragments: str) -> None:
+    assert proc.returncode not in (0, None), proc
+    assert "Traceback" not in proc.stderr, proc.stderr
+    lines = [line for line in proc.stderr.splitlines() if line.strip()]
+    assert len(lines) == 1 and lines[0].startswith("raytrain-mnist"), proc.stderr
+    for fragment in fragments:
+        assert fragment in lines[0], lines[0]
+
+
+def client_env(head, **extra) -> dict:
+    """A client's environment: no token unless given, no address, a HOME without a token."""
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("RAY_AUTH_MODE", "RAY_AUTH_TOKEN", "RAY_AUTH_TOKEN_PATH",
+                        "RAY_ADDRESS", "RAY_API_SERVER_ADDRESS")}
+    env["HOME"] = str(head["home"])
+    env.update(extra)
+    return env
+
+
+# --------------------------------------------------------------------------- the head
+
+@pytest.fixture(scope="module")
+def head(sample_digits):
+    root = Path(tempfile.mkdtemp(prefix="rtsub", dir="/tmp"))  # short: Ray's socket paths
+    marker = uuid.uuid4().hex
+    token = secrets.token_hex(32)
+    (root / "token").write_text(token)
+    (root / "home").mkdir()
+    gcs, dashboard, client, agent, metrics = free_ports(5)
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("RAY_ADDRESS", "RAY_API_SERVER_ADDRESS", "RAY_AUTH_TOKEN")}
+    env.update({
+        MARKER_VAR: marker,
+        "RAY_AUTH_MODE": "token",
+        "RAY_AUTH_TOKEN_PATH": str(root / "token"),
+        "PATH": f"{Path(sys.executable).parent}{os.pathsep}{env.get('PATH', '')}",
+    })
+    log = open(root / "ray_start.log", "w")
+    proc = subprocess.Popen(
+        [RAY, "start", "--head", "--block", "--node-ip-address=127.0.0.1", f"--port={gcs}",
+         "--dashboard-host=127.0.0.1", f"--dashboard-port={dashboard}",
+         f"--ray-client-server-port={client}", f"--dashboard-agent-listen-port={agent}",
+         f"--metrics-export-port={metrics}", "--num-cpus=2", "--num-gpus=0",
+         f"--temp-dir={root / 'ray'}", "--disable-usage-stats", "--include-dashboard=true"],
+        env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+        stdin=subprocess.DEVNULL)
+    url = f"http://127.0.0.1:{dashboard}"
+    try:
+        _wait_for_jobs_api(url, token, proc, root / "ray_start.log")
+        yield {"url": url, "token": token, "token_path": root / "token", "root": root,
+               "home": root / "home", "data": write_tiny_mnist(root / "data", sample_digits)}
+    finally:
+        proc.send_signal(signal.SIGTERM)  # `ray start --block` stops its node on SIGTERM
+        try:
+            proc.wait(timeout=5)
+        except subprocess.TimeoutExpired:
+            pass
+        kill_marked(marker)  # job drivers and anything else that outlived the node
+        log.close()
+        shutil.rmtree(root, ignore_errors=True)
+
+
+def _wait_for_jobs_api(url: str, token: str, proc, log: Path, timeout: float = 90) -> None:
+    deadline = time.monotonic() + timeout
+    request = urllib.request.Request(f"{url}/api/jobs/",
+                                     headers={"Authorization": f"Bearer {token}"})
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            pytest.fail(f"ray start --head exited {proc.returncode}:\n{log.read_text()[-3000:]}")
+        try:
+            with urllib.request.urlopen(request, timeout=5) as response:
+                if response.status == 200:
+                    return
+        except OSError:
+            pass
+        time.sleep(0.5)
+    pytest.fail(f"the Jobs API at {url} did not come up in {timeout} s:\n"
+                f"{log.read_text()[-3000:]}")
+
+
+def fit_args(head, tmp_path, name: str, *extra: str) -> list[str]:
+    return ["--", "fit", "--num-workers", "1", "--cpus-per-worker", "1", "--epochs", "1",
+            "--batch-size", "32", "--dataset", "mnist", "--data-dir", str(head["data"]),
+            "--storage-path", str(tmp_path / "runs"), "--name", name, *extra]
+
+
+# --------------------------------------------------------------------------- tests on the head
+
+def test_token_is_required_and_checked_and_addresses_fail_fast(head):
+    # No token at all: 401, one line.
+    proc = run_submit("--address", head["url"], "list", env=client_env(head))
+    assert_one_line_error(proc, "requires a token", "401")
+    # A wrong token (RAY_AUTH_TOKEN without RAY_AUTH_MODE: the client turns token mode on).
+    proc = run_submit("--address", head["url"], "list",
+                      env=client_env(head, RAY_AUTH_TOKEN="0" * 64))
+    assert_one_line_error(proc, "refused the token", "403")
+    # No cluster at the address: one line, in seconds.
+    (closed,) = free_ports(1)
+    started = time.monotonic()
+    proc = run_submit("--address", f"http://127.0.0.1:{closed}", "list", env=client_env(head))
+    assert_one_line_error(proc, "no Ray dashboard answers")
+    assert time.monotonic() - started < 20
+    # The right token through RAY_AUTH_TOKEN_PATH, with the address from RAY_ADDRESS.
+    proc = run_submit("list", env=client_env(head, RAY_AUTH_TOKEN_PATH=str(head["token_path"]),
+                                             RAY_ADDRESS=head["url"]))
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.startswith("job ")
+
+
+def test_fit_job_is_followed_to_success_and_ctrl_c_detaches(head, tmp_path):
+    token_env = client_env(head, RAY_AUTH_MODE="token", RAY_AUTH_TOKEN=head["token"])
+    # The plain Ray CLI form, documented in the README, submitted without waiting.
+    plain = subprocess.run(
+        [RAY, "job", "submit", "--address", head["url"], "--working-dir", str(REPO),
+         "--no-wait", "--", "python", "-m", "raytrain_mnist.fit",
+         *fit_args(head, tmp_path, "plain")[2:]],
+        env=token_env, capture_output=True, text=True, timeout=120, cwd=REPO)
+    assert plain.returncode == 0, plain.stderr + plain.stdout
+    plain_id = re.search(r"(raysubmit_\w+)", plain.stdout + plain.stderr).group(1)
+
+    # Our client, following its job to the end.
+    out, err = tmp_path / "out", tmp_path / "err"
+    with open(out, "w") as stdout, open(err, "w") as stderr:
+        followed = subprocess.Popen(
+            [sys.executable, "-m", "raytrain_mnist.submit", "--address", head["url"],
+             *fit_args(head, tmp_path, "followed")],
+            env=client_env(head, RAY_AUTH_MODE="token",
+                           RAY_AUTH_TOKEN_PATH=str(head["token_path"])),
+            stdout=stdout, stderr=stderr, stdin=subprocess.DEVNULL, cwd=REPO)
+
+    # Meanwhile, Ctrl-C on a client following the plain job, with no terminal: it detaches,
+    # says how to stop the job, and the job goes on.
+    detach = subprocess.Popen(
+        [sys.executable, "-m", "raytrain_mnist.submit", "--address", head["url"], "logs",
+         "--follow", plain_id], env=token_env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+        stdin=subprocess.DEVNULL, text=True, cwd=REPO)
+    assert detach.stderr.readline().startswith(f"following job {plain_id}")
+    time.sleep(1)
+    detach.send_signal(signal.SIGINT)
+    _, detach_err = detach.communicate(timeout=30)
+    assert detach.returncode == EXIT_INTERRUPTED, detach_err
+    assert "detached" in detach_err and f"stop {plain_id}" in detach_err, detach_err
+    assert "Traceback" not in detach_err
+
+    assert followed.wait(timeout=240) == 0, err.read_text()[-3000:] + out.read_text()[-3000:]
+    job_id = re.search(r"submitted (raysubmit_\w+)", err.read_text()).group(1)
+    assert "val_accuracy" in out.read_text()  # the job's own output, streamed
+    assert f"job {job_id} succeeded" in err.read_text()
+    summary = json.loads((tmp_path / "runs" / "followed" / "summary.json").read_text())
+    assert summary["status"] == "finished" and summary["val_total"] == 203
+
+    # The plain job finished too; following it now returns its outcome at once.
+    proc = run_submit("--address", head["url"], "logs", "--follow", plain_id, env=token_env,
+                      timeout=240)
+    assert proc.returncode == 0, proc.stderr
+    assert (tmp_path / "runs" / "plain" / "summary.json").is_file()
+
+    proc = run_submit("--address", head["url"], "status", job_id, env=token_env)
+    assert proc.returncode == 0 and f"{job_id}: SUCCEEDED" in proc.stdout, proc.stderr
+    proc = run_submit("--address", head["url"], "list", env=token_env)
+    assert proc.returncode == 0 and job_id in proc.stdout and plain_id in proc.stdout
+    proc = run_submit("--address", head["url"], "status", "raysubmit_nope", env=token_env)
+    assert_one_line_error(proc, "no job 'raysubmit_nope'")
+
+
+def test_failed_job_exits_non_zero_and_bad_flags_never_reach_the_cluster(head, tmp_path):
+    env = client_env(head, RAY_AUTH_MODE="token", RAY_AUTH_TOKEN_PATH=str(head["token_path"]))
+    # Fails on the cluster: the data directory is empty there.
+    proc = run_submit("--address", head["url"],
+                      *fit_args(head, tmp_path, "broken")[:-2], "--data-dir",
+                      str(tmp_path / "empty"), "--name", "broken", env=env)
+    assert proc.returncode == 1 and "Traceback" not in proc.stderr, proc.stderr
+    lines = proc.stderr.splitlines()
+    assert len(lines) == 3, proc.stderr  # submitted, following, the outcome
+    assert re.fullmatch(r"raytrain-mnist: error: job raysubmit_\w+ failed \(exit code 2\): "
+                        r"--data-dir .*empty is not a directory.*", lines[-1]), proc.stderr
+
+    # Refused here, before any upload: exit 2 and fit's own message.
+    proc = run_submit("--address", head["url"], *fit_args(head, tmp_path, "zero", "--epochs", "0"),
+                      env=env)
+    assert_one_line_error(proc, "--epochs must be an integer >= 1")
+    assert proc.returncode == 2
+
+    # --no-wait prints the job id alone on stdout, then status/stop act on it.
+    proc = run_submit("--address", head["url"], "--no-wait",
+                      *fit_args(head, tmp_path, "stopped", "--epochs", "50"), env=env)
+    assert proc.returncode == 0, proc.stderr
+    job_id = proc.stdout.strip()
+    assert re.fullmatch(r"raysubmit_\w+", job_id), proc.stdout
+    proc = run_submit("--address", head["url"], "stop", job_id, env=env)
+    assert proc.returncode == 0 and "STOPPED" in proc.stderr, proc.stderr
+    proc = run_submit("--address", head["url"], "logs", "--follow", job_id, env=env)
+    assert proc.returncode == 1 and "Traceback" not in proc.stderr, proc.stderr
+    assert proc.stderr.splitlines() == [
+        f"following job {job_id} (Ctrl-C: stop it or detach)",
+        f"raytrain-mnist: error: job {job_id} was stopped"], proc.stderr
+
+
+# --------------------------------------------------------------------------- no cluster needed
+
+@pytest.mark.parametrize("argv, message", [
+    ([], "nothing to do"),
+    (["status"], "needs a JOB_ID"),
+    (["list", "x"], "list takes no JOB_ID"),
+    (["status", "x", "--", "fit"], "not both"),
+    (["--follow", "--", "fit"], "--follow goes with logs"),
+    (["--", "evaluate-all"], "is not a command to submit"),
+    (["--", "fit", "--batch-size", "100", "--num-workers", "3"], "use a multiple of 3"),
+    (["--", "fit", "--no-such-flag"], "unrecognized arguments"),
+])
+def test_usage_errors_are_one_line_and_exit_2(argv, message, capsys):
+    try:
+        code = submit.cli(argv)
+    except SystemExit as exc:  # argparse's errors (ours and fit's)
+        code = exc.code
+    err = capsys.readouterr().err
+    assert code == 2
+    assert message in err and len(err.strip().splitlines()) == 1, err
+
+
+def test_entrypoint_and_runtime_env():
+    assert submit.entrypoint(["fit", "--num-workers", "4", "--use-gpu", "--name", "a b"]) == \
+        "python -m raytrain_mnist.fit --num-workers 4 --use-gpu --name 'a b'"
+    env = submit.runtime_env()
+    assert env["working_dir"] == str(REPO)
+    for excluded in ("/data/", "/runs/", "/checkpoints/", "/.git/", "/.venv/"):
+        assert excluded in env["excludes"]
+
+
+def test_address_order(monkeypatch):
+    monkeypatch.delenv("RAY_ADDRESS", raising=False)
+    monkeypatch.delenv("RAY_API_SERVER_ADDRESS", raising=False)
+    assert submit.resolve_address(None) == "http://127.0.0.1:8265"
+    monkeypatch.setenv("RAY_ADDRESS", "http://b:8265")
+    assert submit.resolve_address(None) == "http://b:8265"
+    monkeypatch.setenv("RAY_API_SERVER_ADDRESS", "http://a:8265/")
+    assert submit.resolve_address(None) == "http://a:8265"
+    assert submit.resolve_address("http://flag:8265") == "http://flag:8265"
+
+
+class _FakeClient:
+    def __init__(self):
+        self.stopped = []
+
+    def stop_job(self, job_id):
+        self.stopped.append(job_id)
+
+    def get_job_status(self, job_id):
+        from ray.job_submission import JobStatus
+
+        return JobStatus.STOPPED if self.stopped else JobStatus.RUNNING
+
+
+class _Stdin(io.StringIO):
+    def __init__(self, text, tty):
+        super().__init__(text)
+        self.tty = tty
+
+    def isatty(self):
+        return self.tty
+
+
+def test_ctrl_c_asks_on_a_terminal_and_detaches_elsewhere(monkeypatch, capsys):
+    client = _FakeClient()
+    monkeypatch.setattr("builtins.input", lambda prompt: "y")
+    assert submit.interrupted(client, "http://h:8265", "raysubmit_1", _Stdin("", True)) == \
+        EXIT_INTERRUPTED
+    assert client.stopped == ["raysubmit_1"]
+    assert "STOPPED" in capsys.readouterr().err
+
+    client = _FakeClient()
+    monkeypatch.setattr("builtins.input", lambda prompt: "")
+    assert submit.interrupted(client, "http://h:8265", "raysubmit_2", _Stdin("", True)) == \
+        EXIT_INTERRUPTED
+    assert client.stopped == [] and "detached" in capsys.readouterr().err
+
+    monkeypatch.setattr("builtins.input", lambda prompt: pytest.fail("asked without a tty"))
+    assert submit.interrupted(client, "http://h:8265", "raysubmit_3", _Stdin("y\n", False)) == \
+        EXIT_INTERRUPTED
+    err = capsys.readouterr().err
+    assert client.stopped == [] and "submit --address http://h:8265 stop raysubmit_3" in err
+
+
+def test_token_sources(monkeypatch, tmp_path):
+    """Checked before anything is sent; a configured token turns token mode on."""
+    for var in ("RAY_AUTH_MODE", "RAY_AUTH_TOKEN", "RAY_AUTH_TOKEN_PATH"):
+        monkeypatch.delenv(var, raising=False)
+    monkeypatch.setenv("HOME", str(tmp_path))  # no ~/.ray/auth_token
+    monkeypatch.setenv("RAY_AUTH_TOKEN_PATH", str(tmp_path / "missing"))
+    with pytest.raises(UserError, match="RAY_AUTH_TOKEN_PATH=.* is not a file"):
+        submit.use_token_if_given()
+    (tmp_path / "token").write_text("t")
+    monkeypatch.setenv("RAY_AUTH_TOKEN_PATH", str(tmp_path / "token"))
+    submit.use_token_if_given()
+    assert os.environ["RAY_AUTH_MODE"] == "token"
+
+    monkeypatch.delenv("RAY_AUTH_TOKEN_PATH")
+    with pytest.raises(UserError, match="RAY_AUTH_MODE=token but no token"):
+        submit.use_token_if_given()
+    monkeypatch.setenv("RAY_AUTH_MODE", "disabled")
+    monkeypatch.setenv("RAY_AUTH_TOKEN", "t")
+    submit.use_token_if_given()
+    assert os.environ["RAY_AUTH_MODE"] == "disabled"  # an explicit mode is respected
