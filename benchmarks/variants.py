@@ -143,7 +143,7 @@ def ray_example(args) -> None:
     from ray.train import RunConfig, ScalingConfig
     from ray.train.torch import TorchTrainer
 
-    ray.init(num_cpus=max(os.cpu_count() or 1, args.workers * args.threads),
+    ray.init(address="local", num_cpus=max(os.cpu_count() or 1, args.workers * args.threads),
              include_dashboard=False, logging_level="WARNING")
     try:
         TorchTrainer(_ray_example_worker,

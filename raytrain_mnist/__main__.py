@@ -8,6 +8,9 @@ from typing import Sequence
 
 COMMANDS = {
     "fit": "train the ConvNet data-parallel on Ray Train",
+    "tune": "search hyperparameters with Ray Tune, every trial a Ray Train run",
+    "evaluate": "score a checkpoint on the test set: per-class accuracy, confusion matrix",
+    "submit": "run fit or tune on a Ray cluster through the Jobs API, and follow it",
 }
 
 

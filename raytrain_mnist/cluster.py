@@ -76,6 +76,7 @@ def connect(address: str | None, request: Request) -> Iterator[bool]:
         needed = request.num_workers * request.cpus_per_worker + request.extra_cpus
         try:
             ray.init(
+                address="local",  # a new Ray, never one that `ray start` left running
                 num_cpus=max(os.cpu_count() or 1, int(needed + 0.999)),
                 num_gpus=None if request.use_gpu else 0,
                 include_dashboard=True,

@@ -135,6 +135,14 @@ class RunSettings:
         "PACK", "how workers are placed on nodes: PACK fills nodes first, SPREAD and "
         "STRICT_SPREAD put them on different nodes", PLACEMENT_CHOICES,
     )
+    no_tensorboard: bool = _opt(
+        False, "do not write TensorBoard event files into the run directory"
+    )
+    mlflow: bool = _opt(
+        False, "also log to MLflow (pip install 'raytrain-mnist[mlflow]'); store: "
+        "file:<run_dir>/mlruns"
+    )
+    mlflow_uri: Optional[str] = _opt(None, "MLflow tracking URI (implies --mlflow)")
     socket_ifname: Optional[str] = _opt(
         None, "network interface for Gloo/NCCL traffic (sets GLOO_SOCKET_IFNAME and "
         "NCCL_SOCKET_IFNAME on every worker)",

@@ -247,8 +247,9 @@ def format_epoch(m: dict, epochs: int) -> str:
 class _Printer:
     """Polls the progress actor from a thread and prints epochs as they commit."""
 
-    def __init__(self, actor, epochs: int) -> None:
+    def __init__(self, actor, epochs: int, on_epoch=None) -> None:
         self.actor, self.epochs = actor, epochs
+        self.on_epoch = on_epoch  # tracking.EpochLog.log: TensorBoard (and MLflow)
         self.seen: list[dict] = []
         self.restarts = 0  # worker-group restarts seen (after a worker or node failure)
         self._stop = threading.Event()
@@ -286,6 +287,8 @@ class _Printer:
                       flush=True)
             self.seen.append(m)
             print(format_epoch(m, self.epochs), flush=True)
+            if self.on_epoch is not None:
+                self.on_epoch(m)
 
 
 # --------------------------------------------------------------------------- trainer
@@ -357,12 +360,15 @@ def fit(cfg: FitConfig) -> dict[str, Any]:
               f"{data.train_size} train / {data.test_size} test images from {data.source}",
               flush=True)
         write_file(run_dir, RUN_FILE, json.dumps(_run_identity(cfg), indent=2).encode())
+        from raytrain_mnist.tracking import EpochLog
+
+        tracker = EpochLog(run_dir, cfg)  # a bad --mlflow-uri fails here, before training
         progress = ray.remote(num_cpus=0)(_Progress).remote()
         trainer = build_trainer(cfg, ray.put(data), threads, storage, name,
                                 callbacks=[_progress_callback(progress)])
         result = error = None
         interrupted = False
-        with _Printer(progress, cfg.train.epochs) as printer:
+        with _Printer(progress, cfg.train.epochs, tracker.log) as printer:
             try:
                 result = _fit_interruptibly(trainer)
             except ray.train.TrainingFailedError as exc:
@@ -384,6 +390,7 @@ def fit(cfg: FitConfig) -> dict[str, Any]:
 
         write_file(run_dir, CURVES_FILE, training_curves_png(
             summary["history"], f"{name}: {cfg.run.num_workers} worker(s), {data.kind}"))
+    tracker.close(summary)
     _print_summary(summary)
     if error is not None:
         raise UserError(f"training failed: {_first_line(error)}; resume with: "

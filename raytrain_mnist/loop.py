@@ -110,6 +110,13 @@ def train_one_epoch(model: nn.Module, loader, optimizer: torch.optim.Optimizer,
             "train_images": int(count)}
 
 
+def broadcast_buffers(module: nn.Module) -> None:
+    """Give every rank rank 0's buffers (BatchNorm running statistics)."""
+    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+        for buffer in module.buffers():
+            dist.broadcast(buffer, src=0)
+
+
 def shard(n: int, rank: int, world_size: int) -> slice:
     """Rank ``rank``'s contiguous part of ``range(n)``: every index exactly once, no padding."""
     return slice(n * rank // world_size, n * (rank + 1) // world_size)
@@ -237,6 +244,9 @@ def train_func_per_worker(config: dict[str, Any]) -> None:
         started = time.perf_counter()
         train = train_one_epoch(model, loader, optimizer, scheduler, scaler, autocast, device)
         train_s = time.perf_counter() - started
+        # DDP syncs BatchNorm buffers from rank 0 at the start of each forward, so after the
+        # last step every rank holds its own running stats: evaluate rank 0's, the saved ones.
+        broadcast_buffers(module)
         val = evaluate(module, data.test_images, data.test_labels, device, autocast,
                        rank, world_size)
         best = max(best, val["val_accuracy"])
@@ -244,6 +254,7 @@ def train_func_per_worker(config: dict[str, Any]) -> None:
             "epoch": epoch + 1, "train_loss": train["train_loss"],
             "train_accuracy": train["train_accuracy"], "val_loss": val["val_loss"],
             "val_accuracy": val["val_accuracy"], "images_per_s": train["train_images"] / train_s,
+            "lr": optimizer.param_groups[0]["lr"],
             "epoch_time_s": time.perf_counter() - started,
         })
         metrics = {**history[-1], "val_total": val["val_total"], "best_val_accuracy": best,

@@ -39,11 +39,13 @@ def _isolated_cache(tmp_path_factory, monkeypatch):
 
 @pytest.fixture(scope="session")
 def sample_digits():
-    """Genuine MNIST digits from the sample the package ships with (uint8, int64)."""
+    """Genuine MNIST digits from the sample the package ships with (uint8, int64), shuffled:
+    the sample is sorted by label, so its first digits would all be 0s and 1s."""
     from raytrain_mnist.data import load_sample
 
     data = load_sample()
-    return data.train_images.numpy(), data.train_labels.numpy()
+    order = np.random.default_rng(0).permutation(data.train_size)
+    return data.train_images.numpy()[order], data.train_labels.numpy()[order]
 
 
 def write_tiny_mnist(root: Path, digits, n_train: int = 512, n_test: int = 203,
@@ -69,7 +71,8 @@ def ray_local():
     """One local Ray for the in-process tests, shut down at the end of the session."""
     import ray
 
-    ray.init(num_cpus=4, num_gpus=0, include_dashboard=False, logging_level="WARNING")
+    ray.init(address="local", num_cpus=4, num_gpus=0, include_dashboard=False,
+             logging_level="WARNING")
     yield ray
     ray.shutdown()
 

@@ -1,0 +1,251 @@
+"""Experiment tracking on the driver: TensorBoard event files, and MLflow when asked for.
+
+:class:`EpochLog` receives each committed epoch's metrics (the dict the driver prints) and
+writes them as per-epoch scalars into the run directory, so ``tensorboard --logdir RUN_DIR``
+(or ``--logdir STORAGE_PATH`` to compare runs) shows them. With MLflow (the optional extra
+``pip install 'raytrain-mnist[mlflow]'``) it also records the run's parameters, the same
+metrics, and at the end the best checkpoint, ``summary.json`` and the training curves as
+artifacts; the tracking store is ``file:<run_dir>/mlruns`` unless a tracking URI is given.
+
+Tracking never runs on the workers and never stops a training run: a logging failure after
+start-up is one warning, then that logger is switched off.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import math
+import os
+import time
+from pathlib import Path
+from typing import Any
+
+from raytrain_mnist._cli import EXIT_USAGE, UserError
+
+logger = logging.getLogger(__name__)
+
+#: Per-epoch metrics logged as scalars, under these same names (summary.json's history keys).
+SCALARS = ("train_loss", "train_accuracy", "val_loss", "val_accuracy", "best_val_accuracy",
+           "images_per_s", "epoch_time_s", "lr")
+#: In the run directory: which MLflow run this run logs to, so a resumed run continues it.
+MLFLOW_RUN_FILE = "mlflow_run.json"
+DEFAULT_EXPERIMENT = "raytrain_mnist"
+_MLFLOW_STATUS = {"finished": "FINISHED", "failed": "FAILED", "interrupted": "KILLED"}
+
+
+def _run_setting(config: Any, name: str, default: Any) -> Any:
+    """``config.run.<name>`` when the config has that setting (a FitConfig or its dict)."""
+    run = getattr(config, "run", None)
+    if run is None and isinstance(config, dict):
+        run = config.get("run")
+    if isinstance(run, dict):
+        return run.get(name, default)
+    return getattr(run, name, default)
+
+
+def flat_params(config: Any) -> dict[str, str]:
+    """``{"train.lr": "0.1", "run.num_workers": "2", ...}`` from a FitConfig or its dict."""
+    if dataclasses.is_dataclass(config) and not isinstance(config, type):
+        config = {f.name: dataclasses.asdict(getattr(config, f.name))
+                  for f in dataclasses.fields(config)}
+    params: dict[str, str] = {}
+    for section, values in (config or {}).items():
+        if isinstance(values, dict):
+            params.update({f"{section}.{key}": str(value) for key, value in values.items()})
+        else:
+            params[section] = str(values)
+    return params
+
+
+def _number(value: Any) -> float | None:
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return None
+    return float(value) if math.isfinite(value) else None
+
+
+class EpochLog:
+    """Per-epoch scalars to TensorBoard (and MLflow). Call :meth:`log` once per committed
+    epoch and :meth:`close` once at the end (it is safe to call twice).
+
+    ``tensorboard``/``mlflow``/``mlflow_uri`` left at None are read from the config's run
+    settings when it has them (``no_tensorboard``, ``mlflow``, ``mlflow_uri``), else
+    TensorBoard is on and MLflow is off. A ``mlflow_uri`` turns MLflow on.
+    """
+
+    def __init__(self, run_dir: str | os.PathLike, config: Any = None, *,
+                 tensorboard: bool | None = None, mlflow: bool | None = None,
+                 mlflow_uri: str | None = None, experiment: str | None = None) -> None:
+        self.run_dir = str(run_dir)
+        self.config = config
+        self.best: tuple[float, str] | None = None  # (val_accuracy, checkpoint path)
+        self.logged_epochs: list[int] = []
+        self._closed = False
+        if tensorboard is None:
+            tensorboard = not _run_setting(config, "no_tensorboard", False)
+        if mlflow_uri is None:
+            mlflow_uri = _run_setting(config, "mlflow_uri", None)
+        if mlflow is None:
+            mlflow = bool(_run_setting(config, "mlflow", False)) or bool(mlflow_uri)
+        self._tb = self._open_tensorboard() if tensorboard else None
+        self._mlflow = _Mlflow(self.run_dir, config, mlflow_uri, experiment) if mlflow else None
+
+    # ----------------------------------------------------------------- TensorBoard
+
+    def _open_tensorboard(self):
+        if "://" in self.run_dir:
+            logger.warning("TensorBoard: %s is not a local directory; no event files are "
+                           "written", self.run_dir)
+            return None
+        from torch.utils.tensorboard import SummaryWriter
+
+        writer = SummaryWriter(log_dir=self.run_dir)
+        if self.config is not None:
+            params = flat_params(self.config)
+            table = "\n".join(f"| {key} | {value} |" for key, value in sorted(params.items()))
+            writer.add_text("config", "| setting | value |\n|---|---|\n" + table, 0)
+        return writer
+
+    @property
+    def tensorboard_dir(self) -> str | None:
+        return self._tb.log_dir if self._tb is not None else None
+
+    # ----------------------------------------------------------------- both
+
+    def log(self, metrics: dict[str, Any]) -> None:
+        """One committed epoch: ``epoch`` plus any of :data:`SCALARS` (others are ignored)."""
+        epoch = int(metrics["epoch"])
+        scalars = {key: v for key in SCALARS if (v := _number(metrics.get(key))) is not None}
+        accuracy, checkpoint = scalars.get("val_accuracy"), metrics.get("checkpoint")
+        if checkpoint and accuracy is not None and (self.best is None or accuracy > self.best[0]):
+            self.best = (accuracy, str(checkpoint))
+        self.logged_epochs.append(epoch)
+        if self._tb is not None:
+            for key, value in scalars.items():
+                self._tb.add_scalar(key, value, epoch)
+            self._tb.flush()  # visible to a running `tensorboard` at once; one write per epoch
+        if self._mlflow is not None:
+            self._mlflow.log_metrics(scalars, epoch)
+
+    def close(self, summary: dict[str, Any] | None = None) -> None:
+        """Flush and close. With a ``summary`` (fit's), MLflow also gets the final metrics,
+        the best checkpoint, ``summary.json`` and the training curves, and the run status."""
+        if self._closed:
+            return
+        self._closed = True
+        if self._tb is not None:
+            self._tb.close()
+        if self._mlflow is not None:
+            best = (summary or {}).get("best_checkpoint") or (self.best and self.best[1])
+            self._mlflow.finish(summary, best)
+
+
+class _Mlflow:
+    """MLflow through its client API (no global active run: the driver's threads share it)."""
+
+    def __init__(self, run_dir: str, config: Any, uri: str | None,
+                 experiment: str | None) -> None:
+        try:
+            from mlflow.tracking import MlflowClient
+        except ImportError as exc:
+            raise UserError("MLflow logging needs the optional extra: "
+                            "pip install 'raytrain-mnist[mlflow]'", EXIT_USAGE) from exc
+        self.run_dir = run_dir
+        local = "://" not in run_dir
+        if uri is None:
+            if not local:
+                raise UserError(f"MLflow: the run directory {run_dir} is not local; pass a "
+                                "tracking URI", EXIT_USAGE)
+            uri = (Path(run_dir).resolve() / "mlruns").as_uri()
+        self.uri = uri
+        if uri.startswith("file:"):
+            # MLflow >= 3.7 refuses its file store unless asked; it is the simplest local store.
+            os.environ.setdefault("MLFLOW_ALLOW_FILE_STORE", "true")
+        experiment = experiment or os.environ.get("MLFLOW_EXPERIMENT_NAME", DEFAULT_EXPERIMENT)
+        self.enabled = True
+        try:
+            self.client = MlflowClient(tracking_uri=uri)
+            self.run_id = self._existing_run(local)
+            if self.run_id is None:
+                found = self.client.get_experiment_by_name(experiment)
+                experiment_id = (found.experiment_id if found is not None
+                                 else self.client.create_experiment(experiment))
+                run = self.client.create_run(experiment_id, run_name=Path(run_dir).name,
+                                             tags={"run_dir": run_dir})
+                self.run_id = run.info.run_id
+                self._call("log_batch", self.run_id,
+                           params=_params(flat_params(config)) if config is not None else [])
+                if local:
+                    Path(run_dir).mkdir(parents=True, exist_ok=True)
+                    (Path(run_dir) / MLFLOW_RUN_FILE).write_text(
+                        json.dumps({"tracking_uri": uri, "run_id": self.run_id}, indent=2))
+            else:
+                self.client.update_run(self.run_id, status="RUNNING")
+        except UserError:
+            raise
+        except Exception as exc:  # any store error, before training starts: refuse
+            raise UserError(f"MLflow at {uri}: {_first_line(exc)}") from exc
+        logger.info("MLflow: run %s in %s", self.run_id, uri)
+
+    def _existing_run(self, local: bool) -> str | None:
+        """A resumed run keeps logging to the MLflow run it started."""
+        path = Path(self.run_dir) / MLFLOW_RUN_FILE
+        if not local or not path.is_file():
+            return None
+        try:
+            recorded = json.loads(path.read_text())
+            if recorded.get("tracking_uri") != self.uri:
+                return None
+            self.client.get_run(recorded["run_id"])
+            return recorded["run_id"]
+        except Exception:  # unreadable, or the store no longer has it: start a new one
+            return None
+
+    def _call(self, method: str, *args, **kwargs) -> None:
+        if not self.enabled:
+            return
+        try:
+            getattr(self.client, method)(*args, **kwargs)
+        except Exception as exc:  # tracking must never stop training
+            self.enabled = False
+            logger.warning("MLflow: %s failed (%s); no more MLflow logging for this run",
+                           method, _first_line(exc))
+
+    def log_metrics(self, scalars: dict[str, float], step: int) -> None:
+        from mlflow.entities import Metric
+
+        now = int(time.time() * 1000)
+        self._call("log_batch", self.run_id,
+                   metrics=[Metric(key, value, now, step) for key, value in scalars.items()])
+
+    def finish(self, summary: dict[str, Any] | None, best_checkpoint: str | None) -> None:
+        from mlflow.entities import Metric
+
+        summary = summary or {}
+        now = int(time.time() * 1000)
+        final = {f"final_{key}": v for key in ("val_accuracy", "val_loss", "best_val_accuracy",
+                                               "wall_time_s")
+                 if (v := _number(summary.get(key))) is not None}
+        if final:
+            self._call("log_batch", self.run_id,
+                       metrics=[Metric(k, v, now, 0) for k, v in final.items()])
+        if best_checkpoint and "://" not in best_checkpoint and Path(best_checkpoint).is_dir():
+            self._call("log_artifacts", self.run_id, best_checkpoint, "best_checkpoint")
+        for name in ("summary.json", "training_curves.png"):
+            path = Path(self.run_dir) / name
+            if "://" not in self.run_dir and path.is_file():
+                self._call("log_artifact", self.run_id, str(path))
+        status = _MLFLOW_STATUS.get(summary.get("status"), "FINISHED" if summary else "KILLED")
+        self._call("set_terminated", self.run_id, status)
+
+
+def _params(params: dict[str, str]):
+    from mlflow.entities import Param
+
+    return [Param(key, value[:6000]) for key, value in params.items()]
+
+
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip() or exc.__class__.__name__
+    return text.splitlines()[0][:300]

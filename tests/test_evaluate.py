@@ -1,0 +1,172 @@
+"""`evaluate` on the checkpoints of a real `fit`: same accuracy, valid pictures, clear errors."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+from PIL import Image
+
+from raytrain_mnist import evaluate
+from raytrain_mnist.config import FitConfig, RunSettings, TrainConfig
+from raytrain_mnist.fit import fit
+from tests.conftest import run_cli
+
+
+_FITTED: dict[str, dict] = {}
+
+
+@pytest.fixture(scope="session")
+def trained_run(ray_local, tiny_mnist, tmp_path_factory) -> dict:
+    """One 2-worker fit shared by every test here and in test_tracking.py (a fit costs ~30 s).
+
+    test_tracking.py imports this fixture, which makes it a second fixture to pytest; the
+    module-level cache keeps it one fit per session.
+    """
+    if "summary" in _FITTED:
+        return _FITTED["summary"]
+    cfg = FitConfig(TrainConfig(epochs=2, batch_size=32, lr=0.05),
+                    RunSettings(num_workers=2, cpus_per_worker=1, data_dir=str(tiny_mnist),
+                                dataset="mnist", keep_checkpoints=2,
+                                storage_path=str(tmp_path_factory.mktemp("runs")),
+                                name="evaluated"))
+    summary = fit(cfg)
+    assert summary["status"] == "finished"
+    _FITTED["summary"] = summary
+    return summary
+
+
+def _assert_png(path: Path, min_width: int = 300) -> None:
+    with Image.open(path) as image:
+        image.verify()  # a complete, uncorrupted PNG
+    with Image.open(path) as image:
+        assert image.format == "PNG" and image.size[0] >= min_width, image.size
+
+
+def _assert_one_line_error(code: int, err: str, expected_code: int, fragment: str) -> None:
+    assert code == expected_code, err
+    assert "Traceback" not in err
+    lines = [line for line in err.splitlines() if line.strip()]
+    assert len(lines) == 1, err
+    assert fragment in lines[0], lines[0]
+
+
+def test_cli_on_a_run_dir_reproduces_the_accuracy_fit_reported(trained_run, tiny_mnist):
+    run_dir = Path(trained_run["run_dir"])
+    result = run_cli("evaluate", str(run_dir), "--data-dir", str(tiny_mnist), timeout=120)
+    assert result.returncode == 0, result.stderr + result.stdout
+
+    best = Path(trained_run["best_checkpoint"])
+    out = best.parent / f"evaluation_{best.name}"  # default: beside the checkpoint
+    report = json.loads((out / "evaluation.json").read_text())
+    assert report["checkpoint"] == str(best.resolve())
+    # The best checkpoint's epoch, as fit reported it while training.
+    reported = trained_run["history"][report["epoch"] - 1]
+    assert report["test_size"] == trained_run["val_total"] == 203
+    assert report["correct"] == round(reported["val_accuracy"] * 203)
+    assert report["accuracy"] == pytest.approx(reported["val_accuracy"], abs=1e-12)
+    assert report["loss"] == pytest.approx(reported["val_loss"], rel=0.05)
+    assert report["reported_val_accuracy"] == reported["val_accuracy"]
+    assert sorted(report["per_class_accuracy"]) == [str(d) for d in range(10)]
+    assert sum(report["per_class_size"].values()) == 203
+    assert sum(map(sum, report["confusion_matrix"])) == 203
+    assert len(report["most_confident_errors"]) == min(32, 203 - report["correct"])
+    assert f"accuracy {100 * report['accuracy']:.2f}%" in result.stdout
+    assert "    9 " in result.stdout  # the per-class table
+    _assert_png(out / "confusion_matrix.png", 500)
+    _assert_png(out / "misclassified.png")
+
+
+def test_several_workers_score_like_one_process(trained_run, tmp_path):
+    """2 Ray workers (exact shards, all-reduced) give the same answer, image for image."""
+    latest = Path(trained_run["latest_checkpoint"]) / "state.pt"  # a state.pt file works too
+    one = evaluate.evaluate_checkpoint(latest, out=tmp_path / "one")
+    two = evaluate.evaluate_checkpoint(latest, out=tmp_path / "two", num_workers=2)
+    assert one["epoch"] == two["epoch"] == trained_run["epochs_completed"]
+    assert two["test_size"] == 203 and two["num_workers"] == 2
+    assert two["confusion_matrix"] == one["confusion_matrix"]
+    assert two["accuracy"] == one["accuracy"] == pytest.approx(trained_run["val_accuracy"],
+                                                              abs=1e-12)
+    assert two["loss"] == pytest.approx(one["loss"], rel=1e-5)
+    for name in ("evaluation.json", "confusion_matrix.png", "misclassified.png"):
+        assert (tmp_path / "two" / name).is_file()
+
+
+def test_a_bare_checkpoint_dir_uses_the_flags(trained_run, tiny_mnist, tmp_path):
+    """A checkpoint outside any run directory (as a Tune trial's best can be)."""
+    bare = tmp_path / "somewhere" / "best"
+    shutil.copytree(trained_run["best_checkpoint"], bare)
+    code = evaluate.cli([str(bare), "--data-dir", str(tiny_mnist), "--dataset", "mnist"])
+    assert code == 0
+    report = json.loads((tmp_path / "somewhere" / "evaluation_best" / "evaluation.json")
+                        .read_text())
+    assert report["test_size"] == 203 and report["run"] is None
+    assert report["accuracy"] == report["reported_val_accuracy"]
+
+
+def test_a_tune_experiment_dir_resolves_to_its_best_checkpoint(trained_run, tiny_mnist,
+                                                               tmp_path):
+    """tune's layout: <experiment>/best.json, search.json, runs/<trial>/checkpoint_*; moved."""
+    experiment = tmp_path / "tune-2w-x"
+    checkpoint = experiment / "runs" / "trial_0" / "checkpoint_000"
+    shutil.copytree(trained_run["best_checkpoint"], checkpoint)
+    (experiment / "search.json").write_text(json.dumps({"dataset": "mnist"}))
+    (experiment / "best.json").write_text(json.dumps({
+        "experiment_dir": "/elsewhere/tune-2w-x",
+        "best_checkpoint": "/elsewhere/tune-2w-x/runs/trial_0/checkpoint_000"}))
+    report = evaluate.evaluate_checkpoint(experiment, data_dir=str(tiny_mnist),
+                                          out=tmp_path / "out")
+    assert report["checkpoint"] == str(checkpoint.resolve()) and report["dataset"] == "mnist"
+    assert report["accuracy"] == report["reported_val_accuracy"]
+    with pytest.raises(evaluate.UserError, match="trained and scored on the 'mnist'"):
+        evaluate.evaluate_checkpoint(experiment, dataset="sample")
+
+
+def _corrupt(tmp_path: Path) -> Path:
+    (tmp_path / "corrupt").mkdir()
+    (tmp_path / "corrupt" / "state.pt").write_bytes(b"PK\x03\x04 truncated")
+    return tmp_path / "corrupt"
+
+
+def _foreign(tmp_path: Path) -> Path:
+    torch.save({"weights": torch.zeros(3)}, tmp_path / "foreign.pt")
+    return tmp_path / "foreign.pt"
+
+
+def _text(tmp_path: Path) -> Path:
+    (tmp_path / "notes.txt").write_text("not a checkpoint\n")
+    return tmp_path / "notes.txt"
+
+
+def _empty(tmp_path: Path) -> Path:
+    (tmp_path / "empty").mkdir()
+    return tmp_path / "empty"
+
+
+@pytest.mark.parametrize("make, code, fragment", [
+    (lambda tmp: tmp / "missing", 2, "does not exist"),
+    (_empty, 2, "is neither a run directory"),
+    (_corrupt, 1, "is corrupt or truncated"),
+    (_foreign, 1, "is not a raytrain_mnist checkpoint"),
+    (_text, 2, "is not a checkpoint"),
+])
+def test_bad_targets_are_one_line(make, code, fragment, tmp_path, capsys):
+    target = make(tmp_path)
+    _assert_one_line_error(evaluate.cli([str(target)]), capsys.readouterr().err, code,
+                           fragment)
+
+
+def test_a_different_dataset_than_training_is_refused(trained_run, capsys):
+    code = evaluate.cli([trained_run["run_dir"], "--dataset", "sample"])
+    _assert_one_line_error(code, capsys.readouterr().err, 2,
+                           "trained and scored on the 'mnist' data set")
+
+
+def test_bad_input_through_the_real_cli(tmp_path):
+    result = run_cli("evaluate", str(tmp_path / "nope"), timeout=60)
+    _assert_one_line_error(result.returncode, result.stderr, 2, "does not exist")
+    result = run_cli("evaluate", str(tmp_path), "--num-workers", "0", timeout=60)
+    _assert_one_line_error(result.returncode, result.stderr, 2, "--num-workers must be")

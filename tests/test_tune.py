@@ -1,0 +1,239 @@
+"""`tune` end to end on real Ray (CPU, Gloo): ASHA, results, resume; and bad search spaces.
+
+Every search runs in a subprocess, as a user runs it, with a local Ray of its own. Each
+subprocess gets a private RAY_TMPDIR: Ray's address discovery then never sees another
+cluster's ``ray_current_cluster`` file, and every Ray process it leaves behind can be
+found by that directory and stopped.
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+import os
+import shlex
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import pytest
+from PIL import Image
+
+from raytrain_mnist import checkpoint as ckpt
+from raytrain_mnist.config import ConfigError, TrainConfig
+from raytrain_mnist.search_space import SEARCH_SPACE, SearchSpace, parse_range
+from tests.conftest import REPO, run_cli, write_tiny_mnist
+
+BEST_KEYS = {"best_val_accuracy", "best_config", "best_checkpoint", "fit_command",
+             "num_trials", "num_stopped_early", "best_trial", "trials"}
+
+
+# --------------------------------------------------------------------------- no Ray
+
+@pytest.mark.parametrize("args, message", [
+    (["--range", "lr=-1:0.1"], "lr"),
+    (["--range", "lr=0.3:0.001"], "LOW must be below HIGH"),
+    (["--range", "weight_decay=0:1e-3"], "LOW must be > 0"),
+    (["--range", "momentum=-0.5:0.9"], "--momentum must be a number >= 0"),
+    (["--set", "dropout=0.5"], "unknown parameter 'dropout'"),
+    (["--range", "epochs=1,2"], "--max-epochs"),
+    (["--set", "lr"], "NAME=VALUE"),
+    (["--num-samples", "0"], "--num-samples must be an integer >= 1"),
+    (["--max-concurrent-trials", "0"], "--max-concurrent-trials"),
+    (["--range", "batch_size=64,100", "--num-workers", "3"], "multiple of 3"),
+    (["--lr", "0.05", "--range", "lr=1e-3:0.1"], "both set lr"),
+    (["--grace-period", "3", "--max-epochs", "2"], "--grace-period 3"),
+    (["--range", "batch_size=1:8"], "list of values"),
+])
+def test_bad_search_input_is_one_line_and_exit_2(args, message, tmp_path):
+    done = run_cli("tune", *args, "--storage-path", str(tmp_path), timeout=60)
+    assert done.returncode == 2, done.stdout + done.stderr
+    lines = done.stderr.strip().splitlines()
+    assert len(lines) == 1 and message in lines[0], done.stderr
+    assert "Traceback" not in done.stderr and not list(tmp_path.iterdir())
+
+
+def test_search_space_from_the_command_line():
+    space = SearchSpace.from_cli(sets=["momentum=0.85"], ranges=["lr=1e-4:0.2", "batch_size=32,64"],
+                                 fixed={"weight_decay": 1e-4})
+    assert space.params["lr"].kind == "loguniform" and space.params["lr"].low == 1e-4
+    assert space.params["batch_size"].values == (32, 64)
+    assert space.fixed_values() == {"momentum": 0.85, "weight_decay": 1e-4}
+    assert space.searched == ["lr", "batch_size"]
+    tune_space = space.param_space()["train_loop_config"]
+    assert tune_space["momentum"] == 0.85 and tune_space["weight_decay"] == 1e-4
+    assert parse_range("schedule=onecycle,constant")[1].values == ("onecycle", "constant")
+    # TrainConfig's defaults lie inside the default space: one home for defaults.
+    defaults = TrainConfig()
+    for name, param in SEARCH_SPACE.items():
+        value = getattr(defaults, name)
+        assert (param.low <= value <= param.high) if param.low is not None \
+            else value in param.values, name
+    with pytest.raises(ConfigError, match="unknown parameter"):
+        parse_range("nope=1,2")
+
+
+# --------------------------------------------------------------------------- real searches
+
+@pytest.fixture(scope="module")
+def mixed_mnist(tmp_path_factory, sample_digits) -> Path:
+    """Like ``tiny_mnist``, but drawn from every class: the sample is sorted by label, so
+    its first 715 digits are 0s and 1s, and a test set of only 1s cannot tell a trained
+    model from an untrained one."""
+    import numpy as np
+
+    images, labels = sample_digits
+    order = np.random.default_rng(0).permutation(len(labels))
+    return write_tiny_mnist(tmp_path_factory.mktemp("mixed"), (images[order], labels[order]))
+
+
+def _tune_command(data: Path, storage: Path, name: str, *extra: str) -> list[str]:
+    return [sys.executable, "-m", "raytrain_mnist.tune", "--num-workers", "1",
+            "--cpus-per-worker", "1", "--batch-size", "32", "--dataset", "mnist",
+            "--data-dir", str(data), "--storage-path", str(storage), "--name", name, *extra]
+
+
+@pytest.fixture
+def ray_env():
+    """Environment of a search subprocess; stops whatever Ray it leaves behind."""
+    ray_tmp = Path(tempfile.mkdtemp(prefix="rt", dir="/tmp"))  # short: unix socket paths
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", "RAY_TMPDIR": str(ray_tmp),
+           # Save Tune's experiment state every second (default: 10 s or more).
+           "TUNE_GLOBAL_CHECKPOINT_S": "1"}
+    yield env
+    _stop_processes_under(ray_tmp)
+    shutil.rmtree(ray_tmp, ignore_errors=True)
+
+
+def _stop_processes_under(ray_tmp: Path) -> None:
+    """Kill, by pid, the Ray processes whose command line names our private temp dir
+    (gcs_server, raylet, agents, workers): only the cluster this test started."""
+    out = subprocess.run(["ps", "-eo", "pid=,args="], capture_output=True, text=True).stdout
+    for line in out.splitlines():
+        pid, _, args = line.strip().partition(" ")
+        if str(ray_tmp) in args and int(pid) != os.getpid():
+            try:
+                os.kill(int(pid), signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+
+
+def test_asha_stops_a_bad_trial_and_later_trials_still_run(mixed_mnist, tmp_path, ray_env):
+    # Search seed 2 draws lr 0.05, 1e-6, 0.05 in that order; one trial at a time, so the
+    # hopeless second trial reaches epoch 1 after the first finished, and ASHA stops it.
+    # The local Ray declares 2 CPUs: a leaked worker placement group would starve the third.
+    # The third needs the CPU the stopped trial's workers held (ray-project/ray#54305).
+    command = _tune_command(mixed_mnist, tmp_path, "asha", "--num-samples", "3",
+                            "--max-epochs", "2", "--range", "lr=1e-6,0.05",
+                            "--max-concurrent-trials", "1", "--search-seed", "2",
+                            "--scheduler", "asha", "--grace-period", "1")
+    done = subprocess.run(command, capture_output=True, text=True, cwd=REPO, env=ray_env,
+                          timeout=240)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+
+    exp = tmp_path / "asha"
+    best = json.loads((exp / "best.json").read_text())
+    assert BEST_KEYS <= best.keys()
+    trials = sorted(best["trials"], key=lambda t: t["trial_id"])  # creation order
+    assert [t["config"]["lr"] for t in trials] == [0.05, 1e-6, 0.05], \
+        "Tune's sampler drew another order; pick the seed again"
+    assert trials[1]["stopped_early"] and trials[1]["epochs_run"] == 1
+    # ASHA's only rung is epoch 1, where the third trial beats the median of the first two.
+    assert [t["status"] for t in trials] == ["finished", "stopped early", "finished"]
+    assert trials[2]["epochs_run"] == 2  # the trial after the stopped one ran to the end
+    assert best["num_trials"] == 3 and best["num_stopped_early"] == 1
+    assert best["best_trial"] in (trials[0]["trial_id"], trials[2]["trial_id"])
+    assert best["best_val_accuracy"] > 0.5  # 10 classes, 512 training digits, 2 epochs
+    assert trials[1]["best_val_accuracy"] < 0.3  # lr 1e-6 learns nothing
+
+    # The CSV and the PNG hold exactly these trials.
+    with open(exp / "results.csv", newline="") as f:
+        rows = list(csv.DictReader(f))
+    assert [r["trial_id"] for r in rows] == [t["trial_id"] for t in best["trials"]]
+    assert [r["rank"] for r in rows] == ["1", "2", "3"]
+    by_id = {r["trial_id"]: r for r in rows}
+    for t in trials:
+        row = by_id[t["trial_id"]]
+        assert int(row["epochs_run"]) == t["epochs_run"]
+        assert row["stopped_early"] == str(t["stopped_early"])
+        assert float(row["lr"]) == t["config"]["lr"]
+        assert len(row["val_accuracy_per_epoch"].split()) == t["epochs_run"]
+    with Image.open(exp / "val_accuracy.png") as image:
+        assert image.format == "PNG" and image.size[0] > 400
+
+    # The best checkpoint loads into ConvNet, and the fit command trains its config again.
+    model = ckpt.load_model(best["best_checkpoint"])
+    assert sum(p.numel() for p in model.parameters()) > 0
+    assert Path(best["best_checkpoint"]).is_relative_to(exp)
+    from raytrain_mnist.fit import parse_config
+
+    argv = shlex.split(best["fit_command"])
+    assert argv[:3] == ["python", "-m", "raytrain_mnist.fit"]
+    assert parse_config(argv[3:]).train.to_dict() == best["best_config"]
+
+    out = done.stdout
+    assert "rank" in out and "stopped early" in out and "reproduce with:" in out
+    assert f"best checkpoint: {best['best_checkpoint']}" in out
+
+
+def _experiment_state(exp: Path) -> dict[str, str]:
+    """Trial id -> status in Tune's saved experiment state."""
+    statuses: dict[str, str] = {}
+    for path in exp.glob("experiment_state-*.json"):
+        try:
+            state = json.loads(path.read_text())
+        except (OSError, ValueError):
+            continue  # being written
+        for trial_json, _ in state.get("trial_data", []):
+            trial = json.loads(trial_json)
+            statuses[trial["trial_id"]] = trial["status"]
+    return statuses
+
+
+def test_interrupted_search_resumes_without_rerunning_finished_trials(mixed_mnist, tmp_path,
+                                                                      ray_env):
+    command = _tune_command(mixed_mnist, tmp_path, "resume", "--num-samples", "2",
+                            "--max-epochs", "1", "--scheduler", "fifo", "--set", "lr=0.05",
+                            "--max-concurrent-trials", "1")
+    exp = tmp_path / "resume"
+    driver = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                              text=True, cwd=REPO, env=ray_env, start_new_session=True)
+    seen, first = [], None
+    try:
+        for line in driver.stdout:
+            seen.append(line)
+            if line.startswith("trial ") and line.rstrip().endswith(" finished"):
+                first = line.split()[1]
+                break
+        assert first is not None, "".join(seen)
+        deadline = time.monotonic() + 60
+        while _experiment_state(exp).get(first) != "TERMINATED":
+            assert time.monotonic() < deadline, f"{first} never saved as finished"
+            time.sleep(0.5)
+        result_file = next(exp.glob(f"trial_{first}/result.json"))
+        before = result_file.read_text()
+        run_dir = exp / "runs" / first
+        checkpoints_before = sorted(p.name for p in run_dir.glob("checkpoint_*"))
+    finally:
+        os.killpg(driver.pid, signal.SIGKILL)  # the driver and the Ray it started
+        driver.wait(timeout=30)
+        _stop_processes_under(Path(ray_env["RAY_TMPDIR"]))
+
+    rerun = subprocess.run(command, capture_output=True, text=True, cwd=REPO, env=ray_env,
+                           timeout=240)
+    assert rerun.returncode == 0, rerun.stdout[-3000:] + rerun.stderr[-3000:]
+    assert "resuming search 'resume'" in rerun.stdout, rerun.stdout
+    assert f"trial {first} started" not in rerun.stdout  # not run again
+    assert result_file.read_text() == before  # same iterations, same timestamps
+    assert sorted(p.name for p in run_dir.glob("checkpoint_*")) == checkpoints_before
+
+    best = json.loads((exp / "best.json").read_text())
+    assert best["num_trials"] == 2
+    assert [t["status"] for t in best["trials"]] == ["finished", "finished"]
+    assert all(t["epochs_run"] == 1 for t in best["trials"])
+    with open(exp / "results.csv", newline="") as f:
+        assert len(list(csv.DictReader(f))) == 2
