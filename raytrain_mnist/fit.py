@@ -21,8 +21,8 @@ from pathlib import Path
 from typing import Any, Iterator, Sequence
 
 from raytrain_mnist import cluster
-from raytrain_mnist._cli import (EXIT_FAILURE, EXIT_INTERRUPTED, EXIT_USAGE, ArgumentParser,
-                                 UserError, add_dataclass_args, dataclass_from_args, run_cli,
+from raytrain_mnist._cli import (EXIT_FAILURE, EXIT_USAGE, ArgumentParser, UserError,
+                                 add_dataclass_args, cause_line, dataclass_from_args, run_cli,
                                  setup_logging)
 from raytrain_mnist.config import FitConfig, RunSettings, TrainConfig
 
@@ -393,7 +393,7 @@ def fit(cfg: FitConfig) -> dict[str, Any]:
     tracker.close(summary)
     _print_summary(summary)
     if error is not None:
-        raise UserError(f"training failed: {_first_line(error)}; resume with: "
+        raise UserError(f"training failed: {cause_line(error)}; resume with: "
                         f"{resume_command(cfg)} (worker logs: /tmp/ray/session_latest/logs)", EXIT_FAILURE)
     if summary["status"] == "interrupted":
         print(f"interrupted after {summary['epochs_completed']} epoch(s); resume with: "
@@ -428,13 +428,6 @@ def _fit_interruptibly(trainer):
 def _committed_metrics(run_dir: str) -> dict:
     """Metrics of the latest committed checkpoint, from Ray's snapshot."""
     return (_snapshot(run_dir).get("latest_checkpoint_result") or {}).get("metrics", {})
-
-
-def _first_line(exc: BaseException) -> str:
-    text = str(exc).strip() or exc.__class__.__name__
-    lines = [line for line in text.splitlines() if line.strip()]
-    # Ray wraps the worker's exception; its last line is the one that names the cause.
-    return lines[-1].strip() if lines else text
 
 
 def resume_command(cfg: FitConfig) -> str:
@@ -485,7 +478,7 @@ def _summarize(cfg, name, run_dir, data, threads, result, metrics, printer, wall
         "workers": metrics.get("workers", []),
         "config": {"train": cfg.train.to_dict(), "run": dataclasses.asdict(cfg.run)},
         "history": history,
-        "error": None if error is None else _first_line(error),
+        "error": None if error is None else cause_line(error),
     }
 
 

@@ -30,7 +30,7 @@ from typing import Any, Sequence
 
 from raytrain_mnist import cluster
 from raytrain_mnist._cli import (EXIT_USAGE, ArgumentParser, UserError,
-                                 add_dataclass_args, dataclass_from_args, run_cli,
+                                 add_dataclass_args, cause_line, dataclass_from_args, run_cli,
                                  setup_logging)
 from raytrain_mnist.config import FitConfig, RunSettings, TrainConfig
 from raytrain_mnist.fit import build_trainer, claim_run_dir, storage_root, write_file
@@ -455,7 +455,7 @@ def collect_trials(grid, metric: str, mode: str, epochs: int) -> list[dict]:
             "best_val_accuracy": max((h["val_accuracy"] for h in history), default=None),
             "best_checkpoint": _best_checkpoint(history, best_row),
             "history": history,
-            "error": None if result.error is None else _first_line(result.error),
+            "error": None if result.error is None else cause_line(result.error),
         })
     sign = -1 if mode == "max" else 1
     trials.sort(key=lambda t: (t[f"best_{metric}"] is None,
@@ -495,11 +495,6 @@ def _best_checkpoint(history: list[dict], best_row: dict | None) -> str | None:
         return best_row["checkpoint"]
     kept = [h for h in history if exists(h["checkpoint"])]
     return max(kept, key=lambda h: h["val_accuracy"])["checkpoint"] if kept else None
-
-
-def _first_line(error: BaseException) -> str:
-    lines = [line.strip() for line in str(error).splitlines() if line.strip()]
-    return lines[-1] if lines else error.__class__.__name__
 
 
 def fit_command(cmd: TuneCommand, config: dict) -> str:

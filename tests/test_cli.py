@@ -87,7 +87,6 @@ def test_help_lists_every_flag():
 
 
 def test_console_script_dispatches(tmp_path):
-    import shutil
     import subprocess
     import sys
     from pathlib import Path

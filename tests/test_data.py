@@ -1,6 +1,5 @@
 """Data sources resolve in order, and broken files are clear errors on the driver."""
 
-import gzip
 import struct
 
 import numpy as np
