@@ -21,6 +21,15 @@ logger = logging.getLogger(__name__)
 
 _CONNECT_TIMEOUT_S = 5.0
 
+#: Ray Train settings for a Ray this process starts (its processes inherit the environment;
+#: a value the user set wins). One machine is never drained for preemption, so the watcher
+#: actor is pure start-up cost; and polling workers every 0.5 s instead of 2 s commits each
+#: checkpoint sooner and ends a run 1.5 s earlier.
+LOCAL_TRAIN_ENV = {
+    "RAY_TRAIN_ENABLE_PREEMPTION_WATCHER": "0",
+    "RAY_TRAIN_HEALTH_CHECK_INTERVAL_S": "0.5",
+}
+
 
 def _worker_logs_to_driver() -> bool:
     """Worker and controller output stays in Ray's log files unless asked for: the driver
@@ -74,6 +83,8 @@ def connect(address: str | None, request: Request) -> Iterator[bool]:
         started = False
     else:
         needed = request.num_workers * request.cpus_per_worker + request.extra_cpus
+        for key, value in LOCAL_TRAIN_ENV.items():
+            os.environ.setdefault(key, value)
         try:
             ray.init(
                 address="local",  # a new Ray, never one that `ray start` left running

@@ -7,7 +7,10 @@ need a token create their own in a temporary directory.
 
 from __future__ import annotations
 
+import contextlib
 import os
+import signal
+import socket
 import sys
 from pathlib import Path
 
@@ -18,8 +21,45 @@ import pytest
 os.environ["RAY_AUTH_MODE"] = "disabled"
 os.environ["RAYTRAIN_MNIST_NO_DOWNLOAD"] = "1"
 os.environ.setdefault("RAY_DEDUP_LOGS", "0")
+# What `fit` sets for a Ray it starts itself, here for the clusters the tests start too.
+from raytrain_mnist.cluster import LOCAL_TRAIN_ENV  # noqa: E402
+
+for _key, _value in LOCAL_TRAIN_ENV.items():
+    os.environ.setdefault(_key, _value)
 
 REPO = Path(__file__).resolve().parents[1]
+
+#: Every process of a cluster a test starts by hand carries ``MARKER_VAR=<its marker>`` in
+#: its environment, so that the test can kill exactly what it started (never `ray stop`).
+MARKER_VAR = "RAYTRAIN_MNIST_TEST_CLUSTER"
+
+
+def free_ports(n: int) -> list[int]:
+    socks = [socket.socket() for _ in range(n)]
+    for s in socks:
+        s.bind(("127.0.0.1", 0))
+    ports = [s.getsockname()[1] for s in socks]
+    for s in socks:
+        s.close()
+    return ports
+
+
+def kill_marked(marker: str) -> list[int]:
+    """SIGKILL every process whose environment holds ``MARKER_VAR=marker``: ours only."""
+    needle = f"{MARKER_VAR}={marker}".encode()
+    killed = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit() or int(entry.name) == os.getpid():
+            continue
+        try:
+            environ = (entry / "environ").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if needle in environ:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(int(entry.name), signal.SIGKILL)
+                killed.append(int(entry.name))
+    return killed
 
 
 def full_data_dir() -> Path | None:
@@ -75,6 +115,49 @@ def ray_local():
              logging_level="WARNING")
     yield ray
     ray.shutdown()
+
+
+@pytest.fixture(scope="session")
+def three_nodes():
+    """A Ray cluster on this machine, reached by address like a real one: a head that hosts
+    no training (0 CPUs) and three 1-CPU nodes (a test that removes one adds another).
+    Started by the first test that needs it, stopped at the end of the session."""
+    from ray.cluster_utils import Cluster
+
+    cluster = Cluster(initialize_head=True,
+                      head_node_args={"num_cpus": 0, "include_dashboard": False})
+    nodes = [cluster.add_node(num_cpus=1) for _ in range(3)]
+    cluster.wait_for_nodes()
+    yield cluster, nodes
+    cluster.shutdown()
+
+
+@pytest.fixture(scope="session")
+def fitted(ray_local, tiny_mnist, tmp_path_factory) -> dict:
+    """One 2-worker, 3-epoch `fit` on tiny data, shared by the tests of fit, evaluate and
+    tracking (a fit costs ~20 s of Ray Train start-up): ``cfg``, ``summary`` and ``out``,
+    what it printed."""
+    import contextlib
+    import io
+
+    from raytrain_mnist.config import FitConfig, RunSettings, TrainConfig
+    from raytrain_mnist.fit import fit
+
+    cfg = FitConfig(TrainConfig(epochs=3, batch_size=32, lr=0.05),
+                    RunSettings(num_workers=2, cpus_per_worker=1, data_dir=str(tiny_mnist),
+                                dataset="mnist", keep_checkpoints=2,
+                                storage_path=str(tmp_path_factory.mktemp("runs")),
+                                name="fitted"))
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        summary = fit(cfg)
+    return {"cfg": cfg, "summary": summary, "out": out.getvalue()}
+
+
+@pytest.fixture
+def trained_run(fitted) -> dict:
+    """The shared fit's summary.json."""
+    return fitted["summary"]
 
 
 def run_cli(*args: str, env: dict | None = None, timeout: float = 300, cwd=None):

@@ -11,32 +11,7 @@ import torch
 from PIL import Image
 
 from raytrain_mnist import evaluate
-from raytrain_mnist.config import FitConfig, RunSettings, TrainConfig
-from raytrain_mnist.fit import fit
 from tests.conftest import run_cli
-
-
-_FITTED: dict[str, dict] = {}
-
-
-@pytest.fixture(scope="session")
-def trained_run(ray_local, tiny_mnist, tmp_path_factory) -> dict:
-    """One 2-worker fit shared by every test here and in test_tracking.py (a fit costs ~30 s).
-
-    test_tracking.py imports this fixture, which makes it a second fixture to pytest; the
-    module-level cache keeps it one fit per session.
-    """
-    if "summary" in _FITTED:
-        return _FITTED["summary"]
-    cfg = FitConfig(TrainConfig(epochs=2, batch_size=32, lr=0.05),
-                    RunSettings(num_workers=2, cpus_per_worker=1, data_dir=str(tiny_mnist),
-                                dataset="mnist", keep_checkpoints=2,
-                                storage_path=str(tmp_path_factory.mktemp("runs")),
-                                name="evaluated"))
-    summary = fit(cfg)
-    assert summary["status"] == "finished"
-    _FITTED["summary"] = summary
-    return summary
 
 
 def _assert_png(path: Path, min_width: int = 300) -> None:

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
+from pathlib import Path
 
 import pytest
 from PIL import Image
@@ -19,18 +21,8 @@ SUMMARY_KEYS = {"name", "run_dir", "status", "data_source", "train_size", "test_
 HISTORY_KEYS = {"epoch", "train_loss", "val_loss", "val_accuracy", "images_per_s", "epoch_time_s"}
 
 
-def _cfg(tiny_mnist, storage, name, **train):
-    return FitConfig(TrainConfig(**{"epochs": 3, "batch_size": 32, "lr": 0.05, **train}),
-                     RunSettings(num_workers=2, cpus_per_worker=1, data_dir=str(tiny_mnist),
-                                 dataset="mnist", storage_path=str(storage), name=name))
-
-
-def test_two_workers_train_report_every_epoch_and_write_results(ray_local, tiny_mnist, tmp_path,
-                                                               capsys):
-    cfg = _cfg(tiny_mnist, tmp_path, "two")
-    summary = fit(cfg)
-
-    out = capsys.readouterr().out
+def test_two_workers_train_report_every_epoch_and_write_results(fitted, capsys):
+    cfg, summary, out = fitted["cfg"], fitted["summary"], fitted["out"]
     assert [line.split()[1] for line in out.splitlines() if line.startswith("epoch  ")] == \
         ["1/3", "2/3", "3/3"]
     assert SUMMARY_KEYS <= summary.keys()
@@ -43,7 +35,7 @@ def test_two_workers_train_report_every_epoch_and_write_results(ray_local, tiny_
     assert all(HISTORY_KEYS <= h.keys() for h in summary["history"])
     assert {w["rank"] for w in summary["workers"]} == {0, 1}
 
-    run_dir = tmp_path / "two"
+    run_dir = Path(summary["run_dir"])
     assert json.loads((run_dir / "summary.json").read_text()) == summary
     with Image.open(run_dir / "training_curves.png") as image:
         assert image.format == "PNG" and image.size[0] > 400
@@ -61,7 +53,7 @@ def test_two_workers_train_report_every_epoch_and_write_results(ray_local, tiny_
 
     # Other settings under the same name are refused, and nothing is touched.
     with pytest.raises(UserError, match="other settings .*lr: 0.05 then, 0.1 now") as info:
-        fit(_cfg(tiny_mnist, tmp_path, "two", lr=0.1))
+        fit(dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, lr=0.1)))
     assert info.value.exit_code == 2
     assert sorted(p.name for p in run_dir.iterdir()) == before
 

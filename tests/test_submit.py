@@ -10,7 +10,6 @@ no `ray stop`, which would stop every Ray on the machine.
 
 from __future__ import annotations
 
-import contextlib
 import io
 import json
 import os
@@ -18,7 +17,6 @@ import re
 import secrets
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -32,42 +30,9 @@ import pytest
 from raytrain_mnist import submit
 from raytrain_mnist._cli import EXIT_INTERRUPTED, UserError
 
-from .conftest import REPO, write_tiny_mnist
+from .conftest import MARKER_VAR, REPO, free_ports, kill_marked, write_tiny_mnist
 
 RAY = str(Path(sys.executable).with_name("ray"))
-MARKER_VAR = "RAYTRAIN_MNIST_TEST_CLUSTER"
-
-
-# --------------------------------------------------------------------------- helpers
-
-def free_ports(n: int) -> list[int]:
-    socks = [socket.socket() for _ in range(n)]
-    for s in socks:
-        s.bind(("127.0.0.1", 0))
-    ports = [s.getsockname()[1] for s in socks]
-    for s in socks:
-        s.close()
-    return ports
-
-
-def kill_marked(marker: str) -> list[int]:
-    """SIGKILL every process whose environment holds ``MARKER_VAR=marker``: ours only."""
-    needle = f"{MARKER_VAR}={marker}".encode()
-    killed = []
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit() or int(entry.name) == os.getpid():
-            continue
-        try:
-            environ = (entry / "environ").read_bytes().split(b"\0")
-        except OSError:
-            continue
-        if needle in environ:
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(int(entry.name), signal.SIGKILL)
-                killed.append(int(entry.name))
-    return killed
-
-
 def run_submit(*args: str, env: dict, timeout: float = 120, **kw) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "raytrain_mnist.submit", *args], env=env,
                           capture_output=True, text=True, timeout=timeout, cwd=REPO,

@@ -10,7 +10,6 @@ import pytest
 
 from raytrain_mnist._cli import UserError
 from raytrain_mnist.tracking import SCALARS, EpochLog
-from tests.test_evaluate import trained_run  # noqa: F401  (the shared fit, a fixture)
 
 LOGGED = ["train_loss", "train_accuracy", "val_loss", "val_accuracy", "images_per_s",
           "epoch_time_s", "best_val_accuracy"]
@@ -35,7 +34,7 @@ def _scalars(run_dir: Path) -> dict[str, list[tuple[int, float]]]:
             for tag in events.Tags()["scalars"]}
 
 
-def test_every_epoch_becomes_tensorboard_scalars(trained_run, tmp_path):  # noqa: F811
+def test_every_epoch_becomes_tensorboard_scalars(trained_run, tmp_path):
     run_dir = tmp_path / "run"
     log = EpochLog(run_dir, trained_run["config"])
     _replay(log, trained_run)
@@ -77,7 +76,7 @@ def test_mlflow_without_the_extra_is_one_clear_error(tmp_path, monkeypatch):
     assert info.value.exit_code == 2
 
 
-def test_mlflow_records_params_metrics_and_the_best_checkpoint(trained_run,  # noqa: F811
+def test_mlflow_records_params_metrics_and_the_best_checkpoint(trained_run,
                                                                tmp_path):
     pytest.importorskip("mlflow", reason="the optional extra raytrain-mnist[mlflow]")
     from mlflow.tracking import MlflowClient

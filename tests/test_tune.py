@@ -122,27 +122,80 @@ def _stop_processes_under(ray_tmp: Path) -> None:
                 pass
 
 
-def test_asha_stops_a_bad_trial_and_later_trials_still_run(mixed_mnist, tmp_path, ray_env):
+def _experiment_state(exp: Path) -> dict[str, str]:
+    """Trial id -> status in Tune's saved experiment state."""
+    statuses: dict[str, str] = {}
+    for path in exp.glob("experiment_state-*.json"):
+        try:
+            state = json.loads(path.read_text())
+        except (OSError, ValueError):
+            continue  # being written
+        for trial_json, _ in state.get("trial_data", []):
+            trial = json.loads(trial_json)
+            statuses[trial["trial_id"]] = trial["status"]
+    return statuses
+
+
+def test_asha_stops_a_bad_trial_the_next_still_runs_and_a_killed_search_resumes(
+        mixed_mnist, tmp_path, ray_env):
     # Search seed 2 draws lr 0.05, 1e-6, 0.05 in that order; one trial at a time, so the
     # hopeless second trial reaches epoch 1 after the first finished, and ASHA stops it.
-    # The local Ray declares 2 CPUs: a leaked worker placement group would starve the third.
-    # The third needs the CPU the stopped trial's workers held (ray-project/ray#54305).
+    # The local Ray declares 2 CPUs: a leaked worker placement group would starve the third,
+    # which needs the CPU the stopped trial's workers held (ray-project/ray#54305).
     command = _tune_command(mixed_mnist, tmp_path, "asha", "--num-samples", "3",
                             "--max-epochs", "2", "--range", "lr=1e-6,0.05",
                             "--max-concurrent-trials", "1", "--search-seed", "2",
                             "--scheduler", "asha", "--grace-period", "1")
+    exp = tmp_path / "asha"
+
+    # 1. Run until the third trial starts, then kill the driver and the Ray it started.
+    driver = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                              text=True, cwd=REPO, env=ray_env, start_new_session=True)
+    seen: list[str] = []
+    started: list[str] = []
+    try:
+        for line in driver.stdout:
+            seen.append(line)
+            if line.startswith("trial ") and " started: " in line:
+                started.append(line.split()[1])
+                if len(started) == 3:
+                    break
+        assert len(started) == 3, "".join(seen)
+        output = "".join(seen)
+        assert f"trial {started[0]} finished" in output
+        assert f"trial {started[1]} stopped early after epoch 1" in output
+        deadline = time.monotonic() + 60
+        while any(_experiment_state(exp).get(t) != "TERMINATED" for t in started[:2]):
+            assert time.monotonic() < deadline, "the finished trials were never saved"
+            time.sleep(0.5)
+        results_before = {t: next(exp.glob(f"trial_{t}/result.json")).read_text()
+                          for t in started[:2]}
+        checkpoints_before = sorted(p.name for p in (exp / "runs" / started[0]).glob("checkpoint_*"))
+    finally:
+        os.killpg(driver.pid, signal.SIGKILL)
+        driver.wait(timeout=30)
+        _stop_processes_under(Path(ray_env["RAY_TMPDIR"]))
+
+    # 2. The same command resumes: the unfinished trial runs, the ended ones do not.
     done = subprocess.run(command, capture_output=True, text=True, cwd=REPO, env=ray_env,
                           timeout=240)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    assert "resuming search 'asha'" in done.stdout, done.stdout
+    for trial_id in started[:2]:
+        assert f"trial {trial_id} started" not in done.stdout  # not run again
+        assert next(exp.glob(f"trial_{trial_id}/result.json")).read_text() == \
+            results_before[trial_id]  # same iterations, same timestamps
+    assert sorted(p.name for p in (exp / "runs" / started[0]).glob("checkpoint_*")) == \
+        checkpoints_before
+    assert f"trial {started[2]} started" in done.stdout
 
-    exp = tmp_path / "asha"
     best = json.loads((exp / "best.json").read_text())
     assert BEST_KEYS <= best.keys()
     trials = sorted(best["trials"], key=lambda t: t["trial_id"])  # creation order
+    assert [t["trial_id"] for t in trials] == started
     assert [t["config"]["lr"] for t in trials] == [0.05, 1e-6, 0.05], \
         "Tune's sampler drew another order; pick the seed again"
     assert trials[1]["stopped_early"] and trials[1]["epochs_run"] == 1
-    # ASHA's only rung is epoch 1, where the third trial beats the median of the first two.
     assert [t["status"] for t in trials] == ["finished", "stopped early", "finished"]
     assert trials[2]["epochs_run"] == 2  # the trial after the stopped one ran to the end
     assert best["num_trials"] == 3 and best["num_stopped_early"] == 1
@@ -178,62 +231,3 @@ def test_asha_stops_a_bad_trial_and_later_trials_still_run(mixed_mnist, tmp_path
     out = done.stdout
     assert "rank" in out and "stopped early" in out and "reproduce with:" in out
     assert f"best checkpoint: {best['best_checkpoint']}" in out
-
-
-def _experiment_state(exp: Path) -> dict[str, str]:
-    """Trial id -> status in Tune's saved experiment state."""
-    statuses: dict[str, str] = {}
-    for path in exp.glob("experiment_state-*.json"):
-        try:
-            state = json.loads(path.read_text())
-        except (OSError, ValueError):
-            continue  # being written
-        for trial_json, _ in state.get("trial_data", []):
-            trial = json.loads(trial_json)
-            statuses[trial["trial_id"]] = trial["status"]
-    return statuses
-
-
-def test_interrupted_search_resumes_without_rerunning_finished_trials(mixed_mnist, tmp_path,
-                                                                      ray_env):
-    command = _tune_command(mixed_mnist, tmp_path, "resume", "--num-samples", "2",
-                            "--max-epochs", "1", "--scheduler", "fifo", "--set", "lr=0.05",
-                            "--max-concurrent-trials", "1")
-    exp = tmp_path / "resume"
-    driver = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                              text=True, cwd=REPO, env=ray_env, start_new_session=True)
-    seen, first = [], None
-    try:
-        for line in driver.stdout:
-            seen.append(line)
-            if line.startswith("trial ") and line.rstrip().endswith(" finished"):
-                first = line.split()[1]
-                break
-        assert first is not None, "".join(seen)
-        deadline = time.monotonic() + 60
-        while _experiment_state(exp).get(first) != "TERMINATED":
-            assert time.monotonic() < deadline, f"{first} never saved as finished"
-            time.sleep(0.5)
-        result_file = next(exp.glob(f"trial_{first}/result.json"))
-        before = result_file.read_text()
-        run_dir = exp / "runs" / first
-        checkpoints_before = sorted(p.name for p in run_dir.glob("checkpoint_*"))
-    finally:
-        os.killpg(driver.pid, signal.SIGKILL)  # the driver and the Ray it started
-        driver.wait(timeout=30)
-        _stop_processes_under(Path(ray_env["RAY_TMPDIR"]))
-
-    rerun = subprocess.run(command, capture_output=True, text=True, cwd=REPO, env=ray_env,
-                           timeout=240)
-    assert rerun.returncode == 0, rerun.stdout[-3000:] + rerun.stderr[-3000:]
-    assert "resuming search 'resume'" in rerun.stdout, rerun.stdout
-    assert f"trial {first} started" not in rerun.stdout  # not run again
-    assert result_file.read_text() == before  # same iterations, same timestamps
-    assert sorted(p.name for p in run_dir.glob("checkpoint_*")) == checkpoints_before
-
-    best = json.loads((exp / "best.json").read_text())
-    assert best["num_trials"] == 2
-    assert [t["status"] for t in best["trials"]] == ["finished", "finished"]
-    assert all(t["epochs_run"] == 1 for t in best["trials"])
-    with open(exp / "results.csv", newline="") as f:
-        assert len(list(csv.DictReader(f))) == 2
