@@ -106,30 +106,83 @@ def tiny_mnist(tmp_path_factory, sample_digits) -> Path:
     return write_tiny_mnist(tmp_path_factory.mktemp("tiny"), sample_digits)
 
 
+# --------------------------------------------------------------------------- shared Rays
+#
+# A Ray that sits idle still burns a few percent of a core (raylet, GCS, idle workers), and
+# this machine has two. The shared ones are session fixtures, started by the first test that
+# needs one and stopped right after the last; the tests that share them run back to back.
+
+_SHARED = ("ray_local", "three_nodes")
+_STOP_AFTER_LAST_USER: dict[str, object] = {}  # name -> its stop function, once started
+_LAST_USER: dict[str, str] = {}  # name -> node id of the last test that uses it
+
+
+def _shared_by(item) -> int:
+    """Sort key: tests without a shared Ray first, then those of each shared Ray in turn."""
+    for rank, name in enumerate(reversed(_SHARED)):
+        if name in item.fixturenames:
+            return len(_SHARED) - rank
+    return 0
+
+
+def pytest_collection_modifyitems(items):
+    items.sort(key=_shared_by)  # stable: file order within each group
+
+
+def pytest_collection_finish(session):
+    for item in session.items:  # after -k and deselection: the tests that will run
+        for name in _SHARED:
+            if name in item.fixturenames:
+                _LAST_USER[name] = item.nodeid
+
+
+@pytest.hookimpl(trylast=True)
+def pytest_runtest_teardown(item, nextitem):
+    for name, last in _LAST_USER.items():
+        if item.nodeid == last and name in _STOP_AFTER_LAST_USER:
+            _STOP_AFTER_LAST_USER.pop(name)()
+
+
+def _stopping(name: str, stop):
+    """Register ``stop`` to run after the last test that uses ``name``; return a function
+    for the fixture's own teardown that runs it at most once."""
+    done = []
+
+    def once():
+        if not done:
+            done.append(True)
+            stop()
+
+    _STOP_AFTER_LAST_USER[name] = once
+    return once
+
+
 @pytest.fixture(scope="session")
 def ray_local():
-    """One local Ray for the in-process tests, shut down at the end of the session."""
+    """One local Ray in this process (3 CPUs: the most any in-process test asks for)."""
     import ray
 
-    ray.init(address="local", num_cpus=4, num_gpus=0, include_dashboard=False,
+    ray.init(address="local", num_cpus=3, num_gpus=0, include_dashboard=False,
              logging_level="WARNING")
+    stop = _stopping("ray_local", ray.shutdown)
     yield ray
-    ray.shutdown()
+    stop()
 
 
 @pytest.fixture(scope="session")
 def three_nodes():
     """A Ray cluster on this machine, reached by address like a real one: a head that hosts
     no training (0 CPUs) and three 1-CPU nodes (a test that removes one adds another).
-    Started by the first test that needs it, stopped at the end of the session."""
+    Started by the first test that needs it, stopped after the last."""
     from ray.cluster_utils import Cluster
 
     cluster = Cluster(initialize_head=True,
                       head_node_args={"num_cpus": 0, "include_dashboard": False})
     nodes = [cluster.add_node(num_cpus=1) for _ in range(3)]
     cluster.wait_for_nodes()
+    stop = _stopping("three_nodes", cluster.shutdown)
     yield cluster, nodes
-    cluster.shutdown()
+    stop()
 
 
 @pytest.fixture(scope="session")
@@ -158,6 +211,25 @@ def fitted(ray_local, tiny_mnist, tmp_path_factory) -> dict:
 def trained_run(fitted) -> dict:
     """The shared fit's summary.json."""
     return fitted["summary"]
+
+
+def run_cli_here(*args: str):
+    """``raytrain-mnist ...`` in this process, for the error paths that end before any Ray
+    starts: the same exit status and output, without a new interpreter importing torch."""
+    import contextlib
+    import io
+    import subprocess
+
+    from raytrain_mnist.__main__ import main
+
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        try:
+            code = main(list(args))
+        except SystemExit as exc:  # argparse's usage errors
+            code = exc.code if isinstance(exc.code, int) else 1
+    return subprocess.CompletedProcess(["raytrain-mnist", *args], code, out.getvalue(),
+                                       err.getvalue())
 
 
 def run_cli(*args: str, env: dict | None = None, timeout: float = 300, cwd=None):

@@ -1,4 +1,5 @@
-"""The real CLI: bad input is one line and a non-zero exit, never a traceback or a hang."""
+"""The CLI as users call it: bad input is one line and a non-zero exit, never a traceback or
+a hang. (Error paths that end before Ray starts run in this process, the rest as subprocesses.)"""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ import time
 
 import pytest
 
-from tests.conftest import run_cli
+from tests.conftest import run_cli, run_cli_here
 
 
 def _unused_port() -> int:
@@ -63,7 +64,7 @@ def test_unreachable_cluster_address_fails_fast(tmp_path):
 
 def test_storage_path_that_is_a_file(tmp_path):
     (tmp_path / "file").write_text("precious")
-    result = run_cli("fit", "--dataset", "sample", "--storage-path", str(tmp_path / "file"))
+    result = run_cli_here("fit", "--dataset", "sample", "--storage-path", str(tmp_path / "file"))
     _assert_one_line_error(result, 2, "is a file, not a directory")
     assert (tmp_path / "file").read_text() == "precious"
 
@@ -126,8 +127,7 @@ def _broken_data(tmp_path, sample_digits, name, mutate):
 ])
 def test_broken_data_files(tmp_path, sample_digits, name, mutate, fragment):
     data = _broken_data(tmp_path, sample_digits, name, mutate)
-    result = run_cli("fit", "--data-dir", str(data), "--storage-path", str(tmp_path / "runs"),
-                     timeout=60)
+    result = run_cli_here("fit", "--data-dir", str(data), "--storage-path", str(tmp_path / "runs"))
     _assert_one_line_error(result, 1, fragment)
     assert not (tmp_path / "runs").exists()
 
@@ -192,8 +192,8 @@ def test_checkpoints_that_cannot_resume(tmp_path, shape, fragment):
         state = _foreign_model_state()
     storage = _run_dir_with_checkpoint(tmp_path, payload, state)
     before = _tree(storage)
-    result = run_cli("fit", "--dataset", "sample", "--storage-path", str(storage),
-                     "--name", "r", timeout=60)
+    result = run_cli_here("fit", "--dataset", "sample", "--storage-path", str(storage),
+                     "--name", "r")
     _assert_one_line_error(result, 1, fragment)
     assert "cannot resume run 'r'" in result.stderr
     assert _tree(storage) == before
@@ -205,21 +205,20 @@ def test_resuming_with_other_settings_is_refused(tmp_path):
 
     storage = _run_dir_with_checkpoint(tmp_path, state={"model": ConvNet().state_dict()})
     before = _tree(storage)
-    result = run_cli("fit", "--dataset", "sample", "--storage-path", str(storage),
-                     "--name", "r", "--lr", "0.01", timeout=60)
+    result = run_cli_here("fit", "--dataset", "sample", "--storage-path", str(storage),
+                     "--name", "r", "--lr", "0.01")
     _assert_one_line_error(result, 2, "was started with other settings (lr: 0.1 then, 0.01 now)")
     assert _tree(storage) == before
 
 
 def test_unwritable_storage_path(tmp_path):
-    result = run_cli("fit", "--dataset", "sample", "--storage-path", "/proc/raytrain_runs",
-                     timeout=60)
+    result = run_cli_here("fit", "--dataset", "sample", "--storage-path", "/proc/raytrain_runs")
     _assert_one_line_error(result, 2, "--storage-path /proc/raytrain_runs is not writable")
 
 
 def test_corrupt_run_file(tmp_path):
     (tmp_path / "runs" / "r").mkdir(parents=True)
     (tmp_path / "runs" / "r" / "run.json").write_text("{not json")
-    result = run_cli("fit", "--dataset", "sample", "--storage-path", str(tmp_path / "runs"),
-                     "--name", "r", timeout=60)
+    result = run_cli_here("fit", "--dataset", "sample", "--storage-path", str(tmp_path / "runs"),
+                     "--name", "r")
     _assert_one_line_error(result, 1, "run.json is unreadable")

@@ -12,101 +12,95 @@ from raytrain_mnist.loop import (BatchedTensorDataset, build_optimizer, evaluate
                                  make_train_loader, set_epoch, shard, train_one_epoch)
 from raytrain_mnist.model import ConvNet, normalize
 
-GLOBAL_BATCH, SEED = 16, 7
+WORLD, GLOBAL_BATCH, SEED = 3, 24, 7
+TEST_SIZE = 203  # not a multiple of 3: a DistributedSampler would pad the last shard
 CFG = TrainConfig(lr=0.05, momentum=0.9, weight_decay=1e-3, schedule="constant", seed=SEED)
 
 
-def _fit(ray_local, func, num_workers, config):
-    from ray.train import RunConfig, ScalingConfig
-    from ray.train.torch import TorchTrainer
+def _on_each_worker(config):
+    """One optimizer step through the product's own loader, DDP wrapper and train step, then
+    the product's sharded evaluation of an untouched model; every rank's weights come back."""
+    import contextlib
 
-    trainer = TorchTrainer(func, train_loop_config=config,
-                           scaling_config=ScalingConfig(num_workers=num_workers),
-                           run_config=RunConfig(storage_path=config["storage"]))
-    return trainer.fit()
-
-
-def _one_ddp_step(config):
-    """One optimizer step through the product's own loader, DDP wrapper and train step."""
     import ray.train
     import ray.train.torch
     import torch.distributed as dist
 
-    images, labels = config["images"], config["labels"]
-    world = ray.train.get_context().get_world_size()
+    ctx = ray.train.get_context()
+    world = ctx.get_world_size()
     torch.manual_seed(SEED)
     model = ray.train.torch.prepare_model(ConvNet())
     loader = ray.train.torch.prepare_data_loader(
-        make_train_loader(images, labels, GLOBAL_BATCH // world, SEED))
+        make_train_loader(config["images"], config["labels"], GLOBAL_BATCH // world, SEED))
     set_epoch(loader, 0, SEED)  # the product's own epoch seeding
     optimizer, scheduler = build_optimizer(model, CFG, len(loader))
     scaler = torch.amp.GradScaler("cpu", enabled=False)
-    import contextlib
     train_one_epoch(model, loader, optimizer, scheduler, scaler, contextlib.nullcontext(),
                     torch.device("cpu"))
     params = [p.detach().numpy().copy() for p in model.module.parameters()]  # no tensors back
     everyone = [None] * world
     dist.all_gather_object(everyone, params)
-    return everyone
+
+    torch.manual_seed(0)
+    metrics = evaluate(ConvNet(), config["test_images"], config["test_labels"],
+                       torch.device("cpu"), rank=ctx.get_world_rank(), world_size=world)
+    return {"params": everyone, "eval": metrics}
 
 
-def test_one_ddp_step_on_two_workers_matches_one_single_process_step(ray_local, tmp_path,
-                                                                    sample_digits):
-    images = torch.from_numpy(sample_digits[0][:GLOBAL_BATCH].copy())
-    labels = torch.from_numpy(sample_digits[1][:GLOBAL_BATCH].copy())
-    result = _fit(ray_local, _one_ddp_step, 2,
-                  {"images": images, "labels": labels, "storage": str(tmp_path)})
-    rank0, rank1 = result.return_value
+@pytest.fixture(scope="module")
+def on_three_workers(ray_local, tmp_path_factory, sample_digits) -> dict:
+    """One 3-worker TorchTrainer run of the product's step and evaluation (~20 s of start-up
+    shared by the tests below), with the data it used."""
+    from ray.train import RunConfig, ScalingConfig
+    from ray.train.torch import TorchTrainer
 
-    # The same global batch in one process. BatchNorm normalises each replica's half with
-    # that half's statistics (SyncBatchNorm, which would share them, is GPU-only), so the
-    # single-process step runs the two halves DDP's sampler picked and averages their
-    # gradients: exactly the gradient DDP's all-reduce computes.
+    images, labels = (torch.from_numpy(a.copy()) for a in sample_digits)
+    data = {"images": images[:GLOBAL_BATCH], "labels": labels[:GLOBAL_BATCH],
+            "test_images": images[-TEST_SIZE:], "test_labels": labels[-TEST_SIZE:]}
+    trainer = TorchTrainer(_on_each_worker, train_loop_config=data,
+                           scaling_config=ScalingConfig(num_workers=WORLD),
+                           run_config=RunConfig(storage_path=str(tmp_path_factory.mktemp("ddp"))))
+    return {**data, **trainer.fit().return_value}
+
+
+def test_one_ddp_step_on_three_workers_matches_one_single_process_step(on_three_workers):
+    # The same global batch in one process. BatchNorm normalises each replica's third with
+    # that third's statistics (SyncBatchNorm, which would share them, is GPU-only), so the
+    # single-process step runs the thirds DDP's sampler picked and averages their gradients:
+    # exactly the gradient DDP's all-reduce computes.
     torch.manual_seed(SEED)
     model = ConvNet()
     optimizer, _ = build_optimizer(model, CFG, 1)
-    dataset = BatchedTensorDataset(images, labels)
+    dataset = BatchedTensorDataset(on_three_workers["images"], on_three_workers["labels"])
     optimizer.zero_grad()
-    for rank in range(2):
-        sampler = DistributedSampler(dataset, num_replicas=2, rank=rank, shuffle=True, seed=SEED)
+    for rank in range(WORLD):
+        sampler = DistributedSampler(dataset, num_replicas=WORLD, rank=rank, shuffle=True,
+                                     seed=SEED)
         sampler.set_epoch(0)
         x, y = dataset.__getitems__(list(sampler))
-        (F.cross_entropy(model(normalize(x)), y) / 2).backward()
+        (F.cross_entropy(model(normalize(x)), y) / WORLD).backward()
     optimizer.step()
 
     torch.manual_seed(SEED)
     initial = list(ConvNet().parameters())
-    for p0, p1, reference, start in zip(rank0, rank1, model.parameters(), initial):
-        p0, p1 = torch.from_numpy(p0), torch.from_numpy(p1)
-        assert torch.equal(p0, p1), "the two replicas diverged"
-        torch.testing.assert_close(p0, reference.detach(), rtol=1e-5, atol=1e-6)
-        assert not torch.equal(p0, start.detach()), "the step did not move the weights"
+    replicas = [[torch.from_numpy(p.copy()) for p in params]
+                for params in on_three_workers["params"]]
+    for i, (reference, start) in enumerate(zip(model.parameters(), initial, strict=True)):
+        first = replicas[0][i]
+        assert all(torch.equal(first, other[i]) for other in replicas[1:]), "replicas diverged"
+        torch.testing.assert_close(first, reference.detach(), rtol=1e-5, atol=1e-6)
+        assert not torch.equal(first, start.detach()), "the step did not move the weights"
 
 
-def _evaluate_on_workers(config):
-    import ray.train
-
-    ctx = ray.train.get_context()
+def test_distributed_evaluation_counts_every_test_image_exactly_once(on_three_workers):
+    # Shards of 68, 68 and 67 images. (Two workers and 203 images: every test of fit.)
     torch.manual_seed(0)
-    metrics = evaluate(ConvNet(), config["images"], config["labels"], torch.device("cpu"),
-                       rank=ctx.get_world_rank(), world_size=ctx.get_world_size())
-    return metrics
-
-
-def test_distributed_evaluation_counts_every_test_image_exactly_once(ray_local, tmp_path,
-                                                                     sample_digits):
-    # 203 images on 3 workers: shards of 68, 68 and 67, where a DistributedSampler would pad
-    # the last with a repeated image. (Two workers and 203 images: every test of fit.)
-    n, num_workers = 203, 3
-    images = torch.from_numpy(sample_digits[0][:n].copy())
-    labels = torch.from_numpy(sample_digits[1][:n].copy())
-    result = _fit(ray_local, _evaluate_on_workers, num_workers,
-                  {"images": images, "labels": labels, "storage": str(tmp_path)})
-    torch.manual_seed(0)
-    single = evaluate(ConvNet(), images, labels, torch.device("cpu"))
-    assert result.return_value["val_total"] == single["val_total"] == n
-    assert result.return_value["val_accuracy"] == pytest.approx(single["val_accuracy"], abs=0)
-    assert result.return_value["val_loss"] == pytest.approx(single["val_loss"], rel=1e-5)
+    single = evaluate(ConvNet(), on_three_workers["test_images"],
+                      on_three_workers["test_labels"], torch.device("cpu"))
+    sharded = on_three_workers["eval"]
+    assert sharded["val_total"] == single["val_total"] == TEST_SIZE
+    assert sharded["val_accuracy"] == pytest.approx(single["val_accuracy"], abs=0)
+    assert sharded["val_loss"] == pytest.approx(single["val_loss"], rel=1e-5)
 
 
 @pytest.mark.parametrize("n, world", [(203, 1), (203, 2), (203, 3), (10000, 7), (5, 8)])

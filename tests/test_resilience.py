@@ -153,14 +153,15 @@ def test_ctrl_c_stops_cleanly_and_prints_the_resume_command(tmp_path, sample_dig
     assert summary["latest_checkpoint"]
 
 
-def test_two_runs_at_once_and_a_name_already_running(three_nodes, tmp_path, sample_digits):
+def test_two_runs_at_once_one_in_bf16_and_a_name_already_running(three_nodes, tmp_path, sample_digits):
     cluster, _ = three_nodes
     data = write_tiny_mnist(tmp_path / "data", sample_digits, n_train=1024, n_test=203)
     storage = tmp_path / "runs"
     first = _start(_fit(cluster.address, data, storage, "first", "--num-workers", "1",
                         epochs=2))
+    # The second run also shows bf16 autocast training on CPU.
     second = _start(_fit(cluster.address, data, storage, "second", "--num-workers", "1",
-                         epochs=2))
+                         "--amp", "bf16", epochs=2))
     _read_until(first, "starting run 'first'", [])
 
     started = time.monotonic()
@@ -177,3 +178,6 @@ def test_two_runs_at_once_and_a_name_already_running(three_nodes, tmp_path, samp
         summary = json.loads((storage / name / "summary.json").read_text())
         assert summary["status"] == "finished" and summary["epochs_completed"] == 2
         assert Path(summary["latest_checkpoint"]).parent == storage / name
+        assert summary["config"]["train"]["amp"] == ("bf16" if name == "second" else "off")
+        losses = [h["train_loss"] for h in summary["history"]]
+        assert losses[1] < losses[0] and summary["val_accuracy"] > 0.3  # chance is 0.1
