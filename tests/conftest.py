@@ -163,7 +163,7 @@ def ray_local():
     import ray
 
     ray.init(address="local", num_cpus=3, num_gpus=0, include_dashboard=False,
-             logging_level="WARNING")
+             logging_level="WARNING", log_to_driver=False)  # fit prints what matters
     stop = _stopping("ray_local", ray.shutdown)
     yield ray
     stop()

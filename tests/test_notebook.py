@@ -47,7 +47,7 @@ def test_quickstart_runs_headless(tmp_path):
     params = next(i for i, c in enumerate(nb.cells) if "parameters" in c.metadata.get("tags", []))
     # Papermill-style: a cell after the parameters cell overrides them.
     nb.cells.insert(params + 1, nbformat.v4.new_code_cell(
-        f"EPOCHS = 1\nSTORAGE = {str(tmp_path / 'runs')!r}\nTUNE_SAMPLES = 1"))
+        f"EPOCHS = 1\nNUM_WORKERS = 1\nSTORAGE = {str(tmp_path / 'runs')!r}\nTUNE_SAMPLES = 1"))
     started = time.monotonic()
     # The kernel inherits this process's environment (RAY_AUTH_MODE=disabled, the cache).
     NotebookClient(nb, timeout=240, kernel_name="python3",
