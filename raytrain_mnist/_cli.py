@@ -90,15 +90,19 @@ def run_cli(main: Callable[[Sequence[str] | None], int], argv: Sequence[str] | N
         return EXIT_FAILURE
 
 
+def _lines(exc: BaseException) -> list[str]:
+    return [line.strip() for line in str(exc).splitlines() if line.strip()]
+
+
 def cause_line(exc: BaseException) -> str:
     """The line of an error message that names the cause. Ray wraps a worker's exception
     in its own text; the last line is the worker's."""
-    lines = [line.strip() for line in str(exc).splitlines() if line.strip()]
+    lines = _lines(exc)
     return lines[-1] if lines else exc.__class__.__name__
 
 
 def _one_line(exc: BaseException) -> str:
-    lines = [line.strip() for line in str(exc).splitlines() if line.strip()]
+    lines = _lines(exc)
     return lines[0][:300] if lines else ""
 
 

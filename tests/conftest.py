@@ -121,11 +121,10 @@ _LAST_USER: dict[str, str] = {}  # name -> node id of the last test that uses it
 
 
 def _shared_by(item) -> int:
-    """Sort key: tests without a shared Ray first, then those of each shared Ray in turn."""
-    for rank, name in enumerate(reversed(_SHARED)):
-        if name in item.fixturenames:
-            return len(_SHARED) - rank
-    return 0
+    """Sort key: tests without a shared Ray first, then those of each shared Ray in turn
+    (a test that needs several goes with the last of them)."""
+    return max((rank for rank, name in enumerate(_SHARED, start=1)
+                if name in item.fixturenames), default=0)
 
 
 def pytest_collection_modifyitems(items):
@@ -193,7 +192,6 @@ def fitted(ray_local, tiny_mnist, tmp_path_factory) -> dict:
     """One 2-worker, 3-epoch `fit` on tiny data, shared by the tests of fit, evaluate and
     tracking (a fit costs ~20 s of Ray Train start-up): ``cfg``, ``summary`` and ``out``,
     what it printed."""
-    import contextlib
     import io
 
     from raytrain_mnist.config import FitConfig, RunSettings, TrainConfig
@@ -219,7 +217,6 @@ def trained_run(fitted) -> dict:
 def run_cli_here(*args: str):
     """``raytrain-mnist ...`` in this process, for the error paths that end before any Ray
     starts: the same exit status and output, without a new interpreter importing torch."""
-    import contextlib
     import io
     import subprocess
 

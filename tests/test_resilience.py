@@ -63,9 +63,11 @@ def test_a_worker_a_node_and_the_driver_die_and_the_run_ends_like_a_calm_one(
     cluster, nodes = three_nodes
     data = write_tiny_mnist(tmp_path / "data", sample_digits, n_train=2048, n_test=203)
     storage = tmp_path / "runs"
-    command = _fit(cluster.address, data, storage, "hurt", "--placement-strategy", "SPREAD",
-                   epochs=8)
-    run = _start(command)
+    def command(name: str) -> list[str]:
+        return _fit(cluster.address, data, storage, name, "--placement-strategy", "SPREAD",
+                    epochs=8)
+
+    run = _start(command("hurt"))
     seen: list[str] = []
 
     # 1. SIGKILL a worker process once epoch 1's checkpoint is committed.
@@ -91,7 +93,7 @@ def test_a_worker_a_node_and_the_driver_die_and_the_run_ends_like_a_calm_one(
     assert "".join(seen).count("workers restarted from the checkpoint of epoch") >= 1
 
     # The same command again resumes from the last committed epoch and finishes.
-    rerun = subprocess.run(command, capture_output=True, text=True, cwd=REPO, env=ENV,
+    rerun = subprocess.run(command("hurt"), capture_output=True, text=True, cwd=REPO, env=ENV,
                            timeout=400)
     assert rerun.returncode == 0, "".join(seen) + rerun.stdout + rerun.stderr
     summary = json.loads((storage / "hurt" / "summary.json").read_text())
@@ -104,9 +106,8 @@ def test_a_worker_a_node_and_the_driver_die_and_the_run_ends_like_a_calm_one(
 
     # An uninterrupted run of the same command ends with the same weights: model, optimiser,
     # schedule and data order all came back after every failure.
-    calm = subprocess.run(_fit(cluster.address, data, storage, "calm", "--placement-strategy",
-                               "SPREAD", epochs=8), capture_output=True, text=True, cwd=REPO,
-                          env=ENV, timeout=400)
+    calm = subprocess.run(command("calm"), capture_output=True, text=True, cwd=REPO, env=ENV,
+                          timeout=400)
     assert calm.returncode == 0, calm.stdout + calm.stderr
     straight = json.loads((storage / "calm" / "summary.json").read_text())
     hurt_state = ckpt.load(summary["latest_checkpoint"])
@@ -154,7 +155,8 @@ def test_ctrl_c_stops_cleanly_and_prints_the_resume_command(tmp_path, sample_dig
     assert summary["latest_checkpoint"]
 
 
-def test_two_runs_at_once_one_in_bf16_and_a_name_already_running(three_nodes, tmp_path, sample_digits):
+def test_two_runs_at_once_one_in_bf16_and_a_name_already_running(three_nodes, tmp_path,
+                                                                 sample_digits):
     cluster, _ = three_nodes
     data = write_tiny_mnist(tmp_path / "data", sample_digits, n_train=1024, n_test=203)
     storage = tmp_path / "runs"
