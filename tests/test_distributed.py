@@ -85,11 +85,17 @@ def test_one_ddp_step_on_three_workers_matches_one_single_process_step(on_three_
     initial = list(ConvNet().parameters())
     replicas = [[torch.from_numpy(p.copy()) for p in params]
                 for params in on_three_workers["params"]]
-    for i, (reference, start) in enumerate(zip(model.parameters(), initial, strict=True)):
-        first = replicas[0][i]
-        assert all(torch.equal(first, other[i]) for other in replicas[1:]), "replicas diverged"
-        torch.testing.assert_close(first, reference.detach(), rtol=1e-5, atol=1e-6)
-        assert not torch.equal(first, start.detach()), "the step did not move the weights"
+    for params in replicas[1:]:
+        assert all(torch.equal(a, b) for a, b in zip(replicas[0], params)), "replicas diverged"
+    # The step DDP took is the single-process step up to float rounding: sums in another
+    # order (the all-reduce, conv kernels split over threads) move a few weights by ~1e-5,
+    # while a wrong step (a summed instead of averaged gradient, say) is off by its own size.
+    step = torch.cat([(p - s.detach()).flatten() for p, s in zip(replicas[0], initial,
+                                                                   strict=True)])
+    expected = torch.cat([(p - s).detach().flatten() for p, s in zip(model.parameters(),
+                                                                      initial, strict=True)])
+    assert expected.norm() > 0, "the step did not move the weights"
+    assert (step - expected).norm() <= 1e-4 * expected.norm()
 
 
 def test_distributed_evaluation_counts_every_test_image_exactly_once(on_three_workers):

@@ -117,29 +117,10 @@ def test_a_worker_a_node_and_the_driver_die_and_the_run_ends_like_a_calm_one(
     assert summary["val_accuracy"] == pytest.approx(straight["val_accuracy"], abs=1e-9)
 
 
-def test_worker_failures_beyond_max_failures_end_in_one_line(three_nodes, tmp_path,
-                                                            sample_digits):
-    cluster, _ = three_nodes
-    data = write_tiny_mnist(tmp_path / "data", sample_digits, n_train=2048, n_test=203)
-    storage = tmp_path / "runs"
-    run = _start(_fit(cluster.address, data, storage, "fragile", "--max-failures", "0"))
-    seen: list[str] = []
-    _read_until(run, "epoch   1/4", seen)
-    os.kill(_committed_workers(storage / "fragile")[0]["pid"], signal.SIGKILL)
-    out, _ = run.communicate(timeout=300)
-    assert run.returncode == 1, out
-    errors = [line for line in out.splitlines() if line.startswith("raytrain-mnist: error:")]
-    assert len(errors) == 1 and "training failed:" in errors[0], out
-    assert "resume with: python -m raytrain_mnist.fit" in errors[0]
-    assert "Traceback" not in out
-    summary = json.loads((storage / "fragile" / "summary.json").read_text())
-    assert summary["status"] == "failed" and summary["latest_checkpoint"]
-
-
 def test_ctrl_c_stops_cleanly_and_prints_the_resume_command(tmp_path, sample_digits):
     data = write_tiny_mnist(tmp_path / "data", sample_digits, n_train=2048, n_test=203)
     storage = tmp_path / "runs"
-    command = _fit("", data, storage, "stopped")
+    command = _fit("", data, storage, "stopped", "--num-workers", "1")
     del command[3:5]  # no --address: this run starts (and must stop) its own local Ray
     run = _start(command)
     seen: list[str] = []
@@ -155,32 +136,46 @@ def test_ctrl_c_stops_cleanly_and_prints_the_resume_command(tmp_path, sample_dig
     assert summary["latest_checkpoint"]
 
 
-def test_two_runs_at_once_one_in_bf16_and_a_name_already_running(three_nodes, tmp_path,
-                                                                 sample_digits):
+def test_two_runs_at_once_one_fails_beyond_max_failures_one_trains_in_bf16(
+        three_nodes, tmp_path, sample_digits):
+    """Two runs share a cluster: one loses a worker with --max-failures 0 and ends in one
+    line; the other, in bf16 autocast on CPU, trains on undisturbed; a third run under a
+    name already running is refused."""
     cluster, _ = three_nodes
-    data = write_tiny_mnist(tmp_path / "data", sample_digits, n_train=1024, n_test=203)
     storage = tmp_path / "runs"
-    first = _start(_fit(cluster.address, data, storage, "first", "--num-workers", "1",
-                        epochs=2))
-    # The second run also shows bf16 autocast training on CPU.
-    second = _start(_fit(cluster.address, data, storage, "second", "--num-workers", "1",
+    small = write_tiny_mnist(tmp_path / "small", sample_digits, n_train=1024, n_test=203)
+    large = write_tiny_mnist(tmp_path / "large", sample_digits, n_train=2048, n_test=203)
+    steady = _start(_fit(cluster.address, small, storage, "steady", "--num-workers", "1",
                          "--amp", "bf16", epochs=2))
-    _read_until(first, "starting run 'first'", [])
+    fragile = _start(_fit(cluster.address, large, storage, "fragile", "--num-workers", "1",
+                          "--max-failures", "0", epochs=8))
+    _read_until(steady, "starting run 'steady'", [])
 
     started = time.monotonic()
-    clash = subprocess.run(_fit(cluster.address, data, storage, "first", "--num-workers", "1",
-                                epochs=2), capture_output=True, text=True, cwd=REPO, env=ENV,
-                           timeout=60)
+    clash = subprocess.run(_fit(cluster.address, small, storage, "steady", "--num-workers",
+                                "1", "--amp", "bf16", epochs=2), capture_output=True,
+                           text=True, cwd=REPO, env=ENV, timeout=60)
     assert clash.returncode == 1 and time.monotonic() - started < 30
-    assert "run 'first' is already running" in clash.stderr
+    assert "run 'steady' is already running" in clash.stderr
     assert "Traceback" not in clash.stderr + clash.stdout
 
-    for run, name in ((first, "first"), (second, "second")):
-        out, _ = run.communicate(timeout=300)
-        assert run.returncode == 0, out
-        summary = json.loads((storage / name / "summary.json").read_text())
-        assert summary["status"] == "finished" and summary["epochs_completed"] == 2
-        assert Path(summary["latest_checkpoint"]).parent == storage / name
-        assert summary["config"]["train"]["amp"] == ("bf16" if name == "second" else "off")
-        losses = [h["train_loss"] for h in summary["history"]]
-        assert losses[1] < losses[0] and summary["val_accuracy"] > 0.3  # chance is 0.1
+    seen: list[str] = []
+    _read_until(fragile, "epoch   1/8", seen)
+    os.kill(_committed_workers(storage / "fragile")[0]["pid"], signal.SIGKILL)
+    out, _ = fragile.communicate(timeout=300)
+    assert fragile.returncode == 1, "".join(seen) + out
+    errors = [line for line in out.splitlines() if line.startswith("raytrain-mnist: error:")]
+    assert len(errors) == 1 and "training failed:" in errors[0], out
+    assert "resume with: python -m raytrain_mnist.fit" in errors[0]
+    assert "Traceback" not in out
+    failed = json.loads((storage / "fragile" / "summary.json").read_text())
+    assert failed["status"] == "failed" and failed["latest_checkpoint"]
+
+    out, _ = steady.communicate(timeout=300)
+    assert steady.returncode == 0, out
+    summary = json.loads((storage / "steady" / "summary.json").read_text())
+    assert summary["status"] == "finished" and summary["epochs_completed"] == 2
+    assert Path(summary["latest_checkpoint"]).parent == storage / "steady"
+    assert summary["config"]["train"]["amp"] == "bf16"
+    losses = [h["train_loss"] for h in summary["history"]]
+    assert losses[1] < losses[0] and summary["val_accuracy"] > 0.3  # chance is 0.1

@@ -150,11 +150,11 @@ def test_token_is_required_and_checked_and_addresses_fail_fast(head):
 
 def test_fit_job_is_followed_to_success_and_ctrl_c_detaches(head, tmp_path):
     token_env = client_env(head, RAY_AUTH_MODE="token", RAY_AUTH_TOKEN=head["token"])
-    # The plain Ray CLI form, documented in the README, submitted without waiting.
+    # The plain Ray CLI form, documented in the README, submitted without waiting: the same
+    # working-dir upload and entry point, asked only for its help (one fit job is enough).
     plain = subprocess.run(
         [RAY, "job", "submit", "--address", head["url"], "--working-dir", str(REPO),
-         "--no-wait", "--", "python", "-m", "raytrain_mnist.fit",
-         *fit_args(head, tmp_path, "plain")[2:]],
+         "--no-wait", "--", "python", "-m", "raytrain_mnist.fit", "--help"],
         env=token_env, capture_output=True, text=True, timeout=120, cwd=REPO)
     assert plain.returncode == 0, plain.stderr + plain.stdout
     plain_id = re.search(r"(raysubmit_\w+)", plain.stdout + plain.stderr).group(1)
@@ -168,33 +168,37 @@ def test_fit_job_is_followed_to_success_and_ctrl_c_detaches(head, tmp_path):
             env=client_env(head, RAY_AUTH_MODE="token",
                            RAY_AUTH_TOKEN_PATH=str(head["token_path"])),
             stdout=stdout, stderr=stderr, stdin=subprocess.DEVNULL, cwd=REPO)
+    deadline = time.monotonic() + 120
+    while not (submitted := re.search(r"submitted (raysubmit_\w+)", err.read_text())):
+        assert followed.poll() is None and time.monotonic() < deadline, err.read_text()
+        time.sleep(0.2)
+    job_id = submitted.group(1)
 
-    # Meanwhile, Ctrl-C on a client following the plain job, with no terminal: it detaches,
-    # says how to stop the job, and the job goes on.
+    # Meanwhile, Ctrl-C on a second client following the same job, with no terminal: it
+    # detaches, says how to stop the job, and the job goes on.
     detach = subprocess.Popen(
         [sys.executable, "-m", "raytrain_mnist.submit", "--address", head["url"], "logs",
-         "--follow", plain_id], env=token_env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+         "--follow", job_id], env=token_env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
         stdin=subprocess.DEVNULL, text=True, cwd=REPO)
-    assert detach.stderr.readline().startswith(f"following job {plain_id}")
+    assert detach.stderr.readline().startswith(f"following job {job_id}")
     time.sleep(1)
     detach.send_signal(signal.SIGINT)
     _, detach_err = detach.communicate(timeout=30)
     assert detach.returncode == EXIT_INTERRUPTED, detach_err
-    assert "detached" in detach_err and f"stop {plain_id}" in detach_err, detach_err
+    assert "detached" in detach_err and f"stop {job_id}" in detach_err, detach_err
     assert "Traceback" not in detach_err
 
     assert followed.wait(timeout=240) == 0, err.read_text()[-3000:] + out.read_text()[-3000:]
-    job_id = re.search(r"submitted (raysubmit_\w+)", err.read_text()).group(1)
     assert "val_accuracy" in out.read_text()  # the job's own output, streamed
     assert f"job {job_id} succeeded" in err.read_text()
     summary = json.loads((tmp_path / "runs" / "followed" / "summary.json").read_text())
     assert summary["status"] == "finished" and summary["val_total"] == 203
 
-    # The plain job finished too; following it now returns its outcome at once.
+    # The plain job finished too; following it now returns its outcome and output at once.
     proc = run_submit("--address", head["url"], "logs", "--follow", plain_id, env=token_env,
                       timeout=240)
     assert proc.returncode == 0, proc.stderr
-    assert (tmp_path / "runs" / "plain" / "summary.json").is_file()
+    assert "--num-workers" in proc.stdout, proc.stdout[-2000:]
 
     proc = run_submit("--address", head["url"], "status", job_id, env=token_env)
     assert proc.returncode == 0 and f"{job_id}: SUCCEEDED" in proc.stdout, proc.stderr
