@@ -82,6 +82,7 @@ def connect(address: str | None, request: Request) -> Iterator[bool]:
             raise UserError(f"cannot connect to the Ray cluster at {address}: {exc}") from exc
         started = False
     else:
+        _check_local_gpus(request)  # seconds sooner than starting a Ray to find out
         needed = request.num_workers * request.cpus_per_worker + request.extra_cpus
         for key, value in LOCAL_TRAIN_ENV.items():
             os.environ.setdefault(key, value)
@@ -125,6 +126,23 @@ def _check_reachable(address: str) -> None:
             f"no Ray cluster answers at {address} ({exc.strerror or exc}); start one with "
             "`ray start --head` or drop --address to train on a local Ray"
         ) from exc
+
+
+def _check_local_gpus(request: Request) -> None:
+    """A local Ray sees this machine's GPUs, as PyTorch does (``CUDA_VISIBLE_DEVICES``
+    included): refuse ``--use-gpu`` before starting Ray when there are too few."""
+    if not request.use_gpu:
+        return
+    import torch
+
+    found = torch.cuda.device_count()
+    if found < request.num_workers:
+        raise UserError(
+            f"--use-gpu asks for {request.num_workers} GPU worker(s) but the cluster has "
+            f"{found} GPU(s) (this machine; no --address or RAY_ADDRESS given); drop "
+            "--use-gpu to train on CPUs, lower --num-workers, or pass --address of a GPU "
+            "cluster"
+        )
 
 
 def placeable_workers(per_node: list[dict[str, float]], request: Request) -> int:
