@@ -171,6 +171,7 @@ def claim_run_dir(run_dir: str, fresh: bool) -> Iterator[None]:
     except Timeout:
         raise UserError(f"run '{path.name}' is already running in {path.parent}; wait for it, "
                         "or pick another --name") from None
+    created = False
     try:
         if fresh and path.exists():
             n = 1
@@ -178,9 +179,12 @@ def claim_run_dir(run_dir: str, fresh: bool) -> Iterator[None]:
                 n += 1
             path.rename(path.with_name(f"{path.name}.previous-{n}"))
             print(f"--fresh: the previous run is kept in {path.name}.previous-{n}")
+        created = not path.exists()
         path.mkdir(exist_ok=True)
         yield
     finally:
+        if created and path.is_dir() and not any(path.iterdir()):  # refused before any write
+            path.rmdir()
         lock.release()
 
 
