@@ -137,12 +137,15 @@ def _check_local_gpus(request: Request) -> None:
 
     found = torch.cuda.device_count()
     if found < request.num_workers:
-        raise UserError(
-            f"--use-gpu asks for {request.num_workers} GPU worker(s) but the cluster has "
-            f"{found} GPU(s) (this machine; no --address or RAY_ADDRESS given); drop "
-            "--use-gpu to train on CPUs, lower --num-workers, or pass --address of a GPU "
-            "cluster"
-        )
+        raise _too_few_gpus(request, found, "(this machine; no --address or RAY_ADDRESS "
+                            "given); drop --use-gpu to train on CPUs, lower --num-workers, "
+                            "or pass --address of a GPU cluster")
+
+
+def _too_few_gpus(request: Request, found: float, rest: str) -> UserError:
+    """The one wording of "--use-gpu cannot be served", locally and on a cluster."""
+    return UserError(f"--use-gpu asks for {request.num_workers} GPU worker(s) but the "
+                     f"cluster has {found:g} GPU(s) {rest}")
 
 
 def placeable_workers(per_node: list[dict[str, float]], request: Request) -> int:
@@ -178,11 +181,8 @@ def preflight(request: Request) -> None:
                         request.num_workers)
             return
     if request.use_gpu and total_gpus < request.num_workers:
-        raise UserError(
-            f"--use-gpu asks for {request.num_workers} GPU worker(s) but the cluster has "
-            f"{total_gpus:g} GPU(s) and no autoscaler that could add them; drop --use-gpu "
-            "to train on CPUs, or lower --num-workers"
-        )
+        raise _too_few_gpus(request, total_gpus, "and no autoscaler that could add them; "
+                            "drop --use-gpu to train on CPUs, or lower --num-workers")
     raise UserError(
         f"the cluster cannot place {request.num_workers} worker(s) x {request.cpus_per_worker} "
         f"CPU(s) (it has {total_cpus:g} CPUs over {len(nodes)} node(s)); lower --num-workers "
