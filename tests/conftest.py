@@ -106,7 +106,9 @@ def write_tiny_mnist(root: Path, digits, n_train: int = 512, n_test: int = 203,
 
 @pytest.fixture(scope="session")
 def tiny_mnist(tmp_path_factory, sample_digits) -> Path:
-    return write_tiny_mnist(tmp_path_factory.mktemp("tiny"), sample_digits)
+    """2048 training digits: an epoch of 2 workers takes ~1.5 s here, long enough for the
+    failure scenario to kill things between epochs."""
+    return write_tiny_mnist(tmp_path_factory.mktemp("tiny"), sample_digits, n_train=2048)
 
 
 # --------------------------------------------------------------------------- shared Rays
@@ -189,15 +191,15 @@ def three_nodes():
 
 @pytest.fixture(scope="session")
 def fitted(ray_local, tiny_mnist, tmp_path_factory) -> dict:
-    """One 2-worker, 3-epoch `fit` on tiny data, shared by the tests of fit, evaluate and
-    tracking (a fit costs ~20 s of Ray Train start-up): ``cfg``, ``summary`` and ``out``,
-    what it printed."""
+    """One 2-worker, 8-epoch `fit` on tiny data on one node, shared by the tests of fit,
+    evaluate and tracking, and the uninterrupted reference of the failure scenario (a fit
+    costs ~20 s of Ray Train start-up): ``cfg``, ``summary`` and ``out``, what it printed."""
     import io
 
     from raytrain_mnist.config import FitConfig, RunSettings, TrainConfig
     from raytrain_mnist.fit import fit
 
-    cfg = FitConfig(TrainConfig(epochs=3, batch_size=32, lr=0.05),
+    cfg = FitConfig(TrainConfig(epochs=8, batch_size=32, lr=0.05),
                     RunSettings(num_workers=2, cpus_per_worker=1, data_dir=str(tiny_mnist),
                                 dataset="mnist", keep_checkpoints=2,
                                 storage_path=str(tmp_path_factory.mktemp("runs")),

@@ -49,7 +49,7 @@ def _assert_one_line_error(result, code: int, fragment: str) -> None:
     (["--dataset", "mnist"], 1, "full MNIST not found; tried"),
 ])
 def test_bad_flags(args, code, fragment, tmp_path):
-    result = run_cli("fit", "--storage-path", str(tmp_path / "runs"), *args, timeout=60)
+    result = run_cli_here("fit", "--storage-path", str(tmp_path / "runs"), *args)
     _assert_one_line_error(result, code, fragment)
     assert not (tmp_path / "runs").exists(), "a refused command wrote into the storage path"
 
