@@ -107,6 +107,18 @@ def connect(address: str | None, request: Request) -> Iterator[bool]:
             ray.shutdown()
 
 
+def worker_logs_dir() -> str:
+    """The worker logs of the connected Ray session on this node (every node keeps its own,
+    at the same path when its Ray started alike). The session's directory has no public API;
+    without it, Ray's default place."""
+    import ray
+
+    try:
+        return ray._private.worker.global_worker.node.get_logs_dir_path()
+    except AttributeError:  # not connected, or Ray moved it
+        return "/tmp/ray/session_latest/logs"
+
+
 def _check_reachable(address: str) -> None:
     """Fail in seconds, with one line, where ``ray.init`` would retry for minutes."""
     if address == "auto" or address.startswith("ray://"):

@@ -376,7 +376,7 @@ def fit(cfg: FitConfig) -> dict[str, Any]:
             try:
                 result = _fit_interruptibly(trainer)
             except ray.train.TrainingFailedError as exc:
-                error = exc
+                error, logs = exc, cluster.worker_logs_dir()
             except KeyboardInterrupt:
                 interrupted = True
                 print("\nCtrl-C: stopping the workers; the last committed checkpoint is kept",
@@ -398,7 +398,7 @@ def fit(cfg: FitConfig) -> dict[str, Any]:
     _print_summary(summary)
     if error is not None:
         raise UserError(f"training failed: {cause_line(error)}; resume with: "
-                        f"{resume_command(cfg)} (worker logs: /tmp/ray/session_latest/logs)", EXIT_FAILURE)
+                        f"{resume_command(cfg)} (worker logs: {logs})", EXIT_FAILURE)
     if summary["status"] == "interrupted":
         print(f"interrupted after {summary['epochs_completed']} epoch(s); resume with: "
               f"{resume_command(cfg)}", file=sys.stderr)

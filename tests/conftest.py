@@ -11,6 +11,7 @@ import contextlib
 import os
 import signal
 import socket
+import subprocess
 import sys
 from pathlib import Path
 
@@ -65,6 +66,24 @@ def kill_marked(marker: str) -> list[int]:
     return killed
 
 
+def processes_under(ray_tmp: Path) -> list[int]:
+    """The processes whose command line names ``ray_tmp``: those of a Ray started with
+    ``RAY_TMPDIR=ray_tmp`` (gcs_server, raylet, agents, workers), nobody else's."""
+    out = subprocess.run(["ps", "-eo", "pid=,args="], capture_output=True, text=True).stdout
+    pids = []
+    for line in out.splitlines():
+        pid, _, args = line.strip().partition(" ")
+        if str(ray_tmp) in args and int(pid) != os.getpid():
+            pids.append(int(pid))
+    return pids
+
+
+def kill_processes_under(ray_tmp: Path) -> None:
+    for pid in processes_under(ray_tmp):
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
+
+
 def full_data_dir() -> Path | None:
     """The full MNIST set, when this checkout has it (RAYTRAIN_MNIST_DATA or ../shared)."""
     candidates = [os.environ.get("RAYTRAIN_MNIST_DATA"), REPO.parent / "shared" / "data" / "mnist"]
@@ -117,7 +136,7 @@ def tiny_mnist(tmp_path_factory, sample_digits) -> Path:
 # this machine has two. The shared ones are session fixtures, started by the first test that
 # needs one and stopped right after the last; the tests that share them run back to back.
 
-_SHARED = ("ray_local", "three_nodes")
+_SHARED = ("ray_local", "two_nodes")
 _STOP_AFTER_LAST_USER: dict[str, object] = {}  # name -> its stop function, once started
 _LAST_USER: dict[str, str] = {}  # name -> node id of the last test that uses it
 
@@ -174,17 +193,17 @@ def ray_local():
 
 
 @pytest.fixture(scope="session")
-def three_nodes():
+def two_nodes():
     """A Ray cluster on this machine, reached by address like a real one: a head that hosts
-    no training (0 CPUs) and three 1-CPU nodes (a test that removes one adds another).
+    no training (0 CPUs) and two 1-CPU nodes (a test that removes one adds another).
     Started by the first test that needs it, stopped after the last."""
     from ray.cluster_utils import Cluster
 
     cluster = Cluster(initialize_head=True,
                       head_node_args={"num_cpus": 0, "include_dashboard": False})
-    nodes = [cluster.add_node(num_cpus=1) for _ in range(3)]
+    nodes = [cluster.add_node(num_cpus=1) for _ in range(2)]
     cluster.wait_for_nodes()
-    stop = _stopping("three_nodes", cluster.shutdown)
+    stop = _stopping("two_nodes", cluster.shutdown)
     yield cluster, nodes
     stop()
 
@@ -220,7 +239,6 @@ def run_cli_here(*args: str):
     """``raytrain-mnist ...`` in this process, for the error paths that end before any Ray
     starts: the same exit status and output, without a new interpreter importing torch."""
     import io
-    import subprocess
 
     from raytrain_mnist.__main__ import main
 
@@ -236,7 +254,6 @@ def run_cli_here(*args: str):
 
 def run_cli(*args: str, env: dict | None = None, timeout: float = 300, cwd=None):
     """Run ``python -m raytrain_mnist ...`` as a user would; returns CompletedProcess."""
-    import subprocess
 
     return subprocess.run(
         [sys.executable, "-m", "raytrain_mnist", *args],

@@ -56,8 +56,8 @@ def test_bad_flags(args, code, fragment, tmp_path):
 
 def test_unreachable_cluster_address_fails_fast(tmp_path):
     started = time.monotonic()
-    result = run_cli("fit", "--dataset", "sample", "--storage-path", str(tmp_path),
-                     "--address", f"127.0.0.1:{_unused_port()}", timeout=60)
+    result = run_cli_here("fit", "--dataset", "sample", "--storage-path", str(tmp_path),
+                          "--address", f"127.0.0.1:{_unused_port()}")
     _assert_one_line_error(result, 1, "no Ray cluster answers at 127.0.0.1:")
     assert time.monotonic() - started < 30
 
@@ -71,8 +71,8 @@ def test_storage_path_that_is_a_file(tmp_path):
 
 def test_use_gpu_without_gpus_is_one_clear_error_within_30_s(tmp_path):
     started = time.monotonic()
-    result = run_cli("fit", "--use-gpu", "--dataset", "sample", "--storage-path",
-                     str(tmp_path), timeout=90)
+    result = run_cli_here("fit", "--use-gpu", "--dataset", "sample", "--storage-path",
+                          str(tmp_path))
     _assert_one_line_error(result, 1, "--use-gpu asks for 2 GPU worker(s) but the cluster has 0")
     assert time.monotonic() - started < 30
 

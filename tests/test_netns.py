@@ -85,7 +85,7 @@ def test_two_workers_across_two_namespaces_over_the_named_interface(two_hosts, s
     root = Path(tempfile.mkdtemp(prefix="rtns", dir="/tmp"))  # short: Ray's socket paths
     env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
     env.update({MARKER_VAR: marker, "RAY_TMPDIR": str(root), "PYTHONUNBUFFERED": "1"})
-    common = ["--num-cpus=1", "--num-gpus=0", "--disable-usage-stats"]
+    common = ["--num-cpus=2", "--num-gpus=0", "--disable-usage-stats"]  # two runs at once
     try:
         data = write_tiny_mnist(root / "data", sample_digits)
         for ns, args in (
@@ -98,25 +98,29 @@ def test_two_workers_across_two_namespaces_over_the_named_interface(two_hosts, s
                                      stdin=subprocess.DEVNULL)
             assert started.returncode == 0, started.stdout + started.stderr
 
-        def fit(name: str, *extra: str) -> subprocess.CompletedProcess:
-            return subprocess.run(
+        def fit(name: str, *extra: str) -> subprocess.Popen:
+            return subprocess.Popen(
                 ["ip", "netns", "exec", head_ns, sys.executable, "-m", "raytrain_mnist.fit",
                  "--address", f"{HEAD_IP}:{GCS_PORT}", "--num-workers", "2",
                  "--cpus-per-worker", "1", "--placement-strategy", "STRICT_SPREAD",
                  "--epochs", "1", "--batch-size", "32", "--lr", "0.05", "--dataset", "mnist",
                  "--data-dir", str(data), "--storage-path", str(root / "runs"), "--name", name,
-                 *extra], env=env, cwd=REPO, capture_output=True, text=True, timeout=300,
-                stdin=subprocess.DEVNULL)
+                 *extra], env=env, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                text=True, stdin=subprocess.DEVNULL)
 
-        # Left to itself, Gloo uses what the hostname resolves to (127.0.0.1 with Ubuntu's
-        # /etc/hosts and this machine's; an address absent from the namespace elsewhere),
-        # and the ranks never reach each other.
-        lost = fit("lost", "--max-failures", "0")
+        def finish(run: subprocess.Popen) -> subprocess.CompletedProcess:
+            out, err = run.communicate(timeout=300)
+            return subprocess.CompletedProcess(run.args, run.returncode, out, err)
+
+        # Both at once, a rank of each on each host. Left to itself, Gloo uses what the
+        # hostname resolves to (127.0.0.1 with Ubuntu's /etc/hosts and this machine's; an
+        # address absent from the namespace elsewhere), and the ranks never reach each other.
+        lost, found = fit("lost", "--max-failures", "0"), fit("veth", "--socket-ifname", IFNAME)
+        lost, found = finish(lost), finish(found)
         assert lost.returncode == 1, lost.stdout[-3000:] + lost.stderr[-3000:]
         assert "training failed:" in lost.stderr and "gloo" in lost.stderr.lower(), \
             lost.stderr[-3000:]
-
-        found = fit("veth", "--socket-ifname", IFNAME)
+        assert f"(worker logs: {root}/ray/session_" in lost.stderr  # where this Ray keeps them
         assert found.returncode == 0, found.stdout[-3000:] + found.stderr[-3000:]
         summary = json.loads((root / "runs" / "veth" / "summary.json").read_text())
     finally:

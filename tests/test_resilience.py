@@ -5,9 +5,11 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -15,16 +17,9 @@ import pytest
 import torch
 
 from raytrain_mnist import checkpoint as ckpt
-from tests.conftest import REPO, write_tiny_mnist
+from tests.conftest import REPO, kill_processes_under, processes_under
 
 ENV = {**os.environ, "PYTHONUNBUFFERED": "1"}
-
-
-def _fit(address, data, storage, name, *extra, epochs=4):
-    return [sys.executable, "-m", "raytrain_mnist.fit", "--address", address,
-            "--num-workers", "2", "--cpus-per-worker", "1", "--epochs", str(epochs),
-            "--batch-size", "32", "--lr", "0.05", "--seed", "5", "--dataset", "mnist",
-            "--data-dir", str(data), "--storage-path", str(storage), "--name", name, *extra]
 
 
 def _start(command) -> subprocess.Popen:
@@ -59,12 +54,12 @@ def _committed_workers(run_dir: Path, after: set[int] = frozenset(),
 
 
 def test_a_worker_dies_a_node_goes_the_driver_is_killed_and_the_run_ends_as_on_one_node(
-        three_nodes, fitted, tiny_mnist, tmp_path):
-    """One run on three nodes, ranks on different nodes, ``--max-failures 1``: a killed
+        two_nodes, fitted, tiny_mnist, tmp_path):
+    """One run on two nodes, a rank on each, ``--max-failures 1``: a killed
     worker is restarted; a lost node is the failure too many, and the run ends in one
     line; run again, it resumes, and a driver killed mid-epoch loses nothing either. It ends
     with the very weights of the same run on one node, never interrupted (``fitted``)."""
-    cluster, nodes = three_nodes
+    cluster, nodes = two_nodes
     train, calm = fitted["cfg"].train, fitted["summary"]  # 2 workers on one local node
     storage = tmp_path / "runs"
     command = [sys.executable, "-m", "raytrain_mnist.fit", "--address", cluster.address,
@@ -151,20 +146,33 @@ def test_a_worker_dies_a_node_goes_the_driver_is_killed_and_the_run_ends_as_on_o
     assert summary["val_accuracy"] == pytest.approx(calm["val_accuracy"], abs=1e-9)
 
 
-def test_ctrl_c_stops_cleanly_and_prints_the_resume_command(tmp_path, sample_digits):
-    data = write_tiny_mnist(tmp_path / "data", sample_digits, n_train=2048, n_test=203)
+def test_ctrl_c_stops_cleanly_prints_the_resume_command_and_stops_its_own_ray(
+        tiny_mnist, tmp_path):
+    ray_tmp = Path(tempfile.mkdtemp(prefix="rtc", dir="/tmp"))  # short: Ray's socket paths
     storage = tmp_path / "runs"
-    command = _fit("", data, storage, "stopped", "--num-workers", "1")
-    del command[3:5]  # no --address: this run starts (and must stop) its own local Ray
-    run = _start(command)
-    seen: list[str] = []
-    _read_until(run, "epoch   1/4", seen)
-    run.send_signal(signal.SIGINT)
-    out, _ = run.communicate(timeout=120)
-    assert run.returncode == 130, "".join(seen) + out
-    assert "Traceback" not in out
-    resume = [line for line in out.splitlines() if "resume with:" in line]
-    assert resume and "--name stopped" in resume[0], out
-    summary = json.loads((storage / "stopped" / "summary.json").read_text())
-    assert summary["status"] == "interrupted" and summary["epochs_completed"] >= 1
-    assert summary["latest_checkpoint"]
+    # No --address: this run starts (and must stop) its own local Ray, under ray_tmp.
+    run = subprocess.Popen(
+        [sys.executable, "-m", "raytrain_mnist.fit", "--num-workers", "1", "--epochs", "4",
+         "--batch-size", "32", "--dataset", "mnist", "--data-dir", str(tiny_mnist),
+         "--storage-path", str(storage), "--name", "stopped"],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=REPO,
+        env={**ENV, "RAY_TMPDIR": str(ray_tmp)})
+    try:
+        seen: list[str] = []
+        _read_until(run, "epoch   1/4", seen)
+        run.send_signal(signal.SIGINT)
+        out, _ = run.communicate(timeout=120)
+        assert run.returncode == 130, "".join(seen) + out
+        assert "Traceback" not in out
+        resume = [line for line in out.splitlines() if "resume with:" in line]
+        assert resume and "--name stopped" in resume[0], out
+        summary = json.loads((storage / "stopped" / "summary.json").read_text())
+        assert summary["status"] == "interrupted" and summary["epochs_completed"] >= 1
+        assert summary["latest_checkpoint"]
+        deadline = time.monotonic() + 20  # the last workers may take a moment to exit
+        while (left := processes_under(ray_tmp)) and time.monotonic() < deadline:
+            time.sleep(0.5)
+        assert not left, f"processes of the run's own Ray outlived it: {left}"
+    finally:
+        kill_processes_under(ray_tmp)
+        shutil.rmtree(ray_tmp, ignore_errors=True)

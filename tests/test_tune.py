@@ -26,7 +26,7 @@ from PIL import Image
 from raytrain_mnist import checkpoint as ckpt
 from raytrain_mnist.config import ConfigError, TrainConfig
 from raytrain_mnist.search_space import SEARCH_SPACE, SearchSpace, parse_range
-from tests.conftest import REPO, run_cli, write_tiny_mnist
+from tests.conftest import REPO, kill_processes_under, run_cli, write_tiny_mnist
 
 BEST_KEYS = {"best_val_accuracy", "best_config", "best_checkpoint", "fit_command",
              "num_trials", "num_stopped_early", "best_trial", "trials"}
@@ -105,21 +105,8 @@ def ray_env():
            # Save Tune's experiment state every second (default: 10 s or more).
            "TUNE_GLOBAL_CHECKPOINT_S": "1"}
     yield env
-    _stop_processes_under(ray_tmp)
+    kill_processes_under(ray_tmp)
     shutil.rmtree(ray_tmp, ignore_errors=True)
-
-
-def _stop_processes_under(ray_tmp: Path) -> None:
-    """Kill, by pid, the Ray processes whose command line names our private temp dir
-    (gcs_server, raylet, agents, workers): only the cluster this test started."""
-    out = subprocess.run(["ps", "-eo", "pid=,args="], capture_output=True, text=True).stdout
-    for line in out.splitlines():
-        pid, _, args = line.strip().partition(" ")
-        if str(ray_tmp) in args and int(pid) != os.getpid():
-            try:
-                os.kill(int(pid), signal.SIGKILL)
-            except ProcessLookupError:
-                pass
 
 
 def _experiment_state(exp: Path) -> dict[str, str]:
@@ -174,7 +161,7 @@ def test_asha_stops_a_bad_trial_the_next_still_runs_and_a_killed_search_resumes(
     finally:
         os.killpg(driver.pid, signal.SIGKILL)
         driver.wait(timeout=30)
-        _stop_processes_under(Path(ray_env["RAY_TMPDIR"]))
+        kill_processes_under(Path(ray_env["RAY_TMPDIR"]))
 
     # 2. The same command resumes: the unfinished trial runs, the ended ones do not.
     done = subprocess.run(command, capture_output=True, text=True, cwd=REPO, env=ray_env,
