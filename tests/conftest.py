@@ -142,8 +142,9 @@ _LAST_USER: dict[str, str] = {}  # name -> node id of the last test that uses it
 
 
 def _shared_by(item) -> int:
-    """Sort key: tests without a shared Ray first, then those of each shared Ray in turn
-    (a test that needs several goes with the last of them)."""
+    """Sort key: tests without a shared Ray first, then those of each shared Ray in turn.
+    A test that needs several goes with the last of them and finds the others' fixtures
+    already made (``fitted`` for the failure scenario): it must not need those Rays live."""
     return max((rank for rank, name in enumerate(_SHARED, start=1)
                 if name in item.fixturenames), default=0)
 
@@ -154,9 +155,8 @@ def pytest_collection_modifyitems(items):
 
 def pytest_collection_finish(session):
     for item in session.items:  # after -k and deselection: the tests that will run
-        for name in _SHARED:
-            if name in item.fixturenames:
-                _LAST_USER[name] = item.nodeid
+        if rank := _shared_by(item):
+            _LAST_USER[_SHARED[rank - 1]] = item.nodeid
 
 
 @pytest.hookimpl(trylast=True)
@@ -236,8 +236,9 @@ def trained_run(fitted) -> dict:
 
 
 def run_cli_here(*args: str):
-    """``raytrain-mnist ...`` in this process, for the error paths that end before any Ray
-    starts: the same exit status and output, without a new interpreter importing torch."""
+    """``raytrain-mnist ...`` in this process, for what ends before any Ray starts (error
+    paths, one-process evaluation): the same exit status and output, without a new
+    interpreter importing torch."""
     import io
 
     from raytrain_mnist.__main__ import main

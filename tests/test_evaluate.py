@@ -11,7 +11,7 @@ import torch
 from PIL import Image
 
 from raytrain_mnist import evaluate
-from tests.conftest import run_cli
+from tests.conftest import run_cli, run_cli_here
 
 
 def _assert_png(path: Path, min_width: int = 300) -> None:
@@ -31,7 +31,7 @@ def _assert_one_line_error(code: int, err: str, expected_code: int, fragment: st
 
 def test_cli_on_a_run_dir_reproduces_the_accuracy_fit_reported(trained_run, tiny_mnist):
     run_dir = Path(trained_run["run_dir"])
-    result = run_cli("evaluate", str(run_dir), "--data-dir", str(tiny_mnist), timeout=120)
+    result = run_cli_here("evaluate", str(run_dir), "--data-dir", str(tiny_mnist))
     assert result.returncode == 0, result.stderr + result.stdout
 
     best = Path(trained_run["best_checkpoint"])
