@@ -260,9 +260,15 @@ def follow(client, url: str, job_id: str) -> int:
             sys.stdout.write(chunk)
             sys.stdout.flush()
 
+    print(f"following job {job_id} (Ctrl-C: stop it or detach)", file=sys.stderr, flush=True)
+    with _one_line_errors(url, job_id):
+        status = client.get_job_status(job_id)
+    if status.is_terminal():  # all there is, at once: Ray's tail takes seconds to find out
+        with _one_line_errors(url, job_id):
+            sys.stdout.write(client.get_job_logs(job_id))
+        sys.stdout.flush()
+        return outcome(client, url, job_id, status)
     try:
-        print(f"following job {job_id} (Ctrl-C: stop it or detach)", file=sys.stderr,
-              flush=True)
         with _one_line_errors(url, job_id):
             asyncio.run(tail())
     except KeyboardInterrupt:
