@@ -48,10 +48,11 @@ def free_ports(n: int) -> list[int]:
     return ports
 
 
-def kill_marked(marker: str) -> list[int]:
-    """SIGKILL every process whose environment holds ``MARKER_VAR=marker``: ours only."""
+def marked(marker: str) -> list[int]:
+    """The processes whose environment holds ``MARKER_VAR=marker``: what one test started
+    (a Ray inherits it down to its workers), nobody else's."""
     needle = f"{MARKER_VAR}={marker}".encode()
-    killed = []
+    pids = []
     for entry in Path("/proc").iterdir():
         if not entry.name.isdigit() or int(entry.name) == os.getpid():
             continue
@@ -60,28 +61,18 @@ def kill_marked(marker: str) -> list[int]:
         except OSError:
             continue
         if needle in environ:
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(int(entry.name), signal.SIGKILL)
-                killed.append(int(entry.name))
-    return killed
-
-
-def processes_under(ray_tmp: Path) -> list[int]:
-    """The processes whose command line names ``ray_tmp``: those of a Ray started with
-    ``RAY_TMPDIR=ray_tmp`` (gcs_server, raylet, agents, workers), nobody else's."""
-    out = subprocess.run(["ps", "-eo", "pid=,args="], capture_output=True, text=True).stdout
-    pids = []
-    for line in out.splitlines():
-        pid, _, args = line.strip().partition(" ")
-        if str(ray_tmp) in args and int(pid) != os.getpid():
-            pids.append(int(pid))
+            pids.append(int(entry.name))
     return pids
 
 
-def kill_processes_under(ray_tmp: Path) -> None:
-    for pid in processes_under(ray_tmp):
+def kill_marked(marker: str) -> list[int]:
+    """SIGKILL every process that carries ``marker``: ours only."""
+    killed = []
+    for pid in marked(marker):
         with contextlib.suppress(ProcessLookupError):
             os.kill(pid, signal.SIGKILL)
+            killed.append(pid)
+    return killed
 
 
 def full_data_dir() -> Path | None:
@@ -255,7 +246,6 @@ def run_cli_here(*args: str):
 
 def run_cli(*args: str, env: dict | None = None, timeout: float = 300, cwd=None):
     """Run ``python -m raytrain_mnist ...`` as a user would; returns CompletedProcess."""
-
     return subprocess.run(
         [sys.executable, "-m", "raytrain_mnist", *args],
         capture_output=True, text=True, timeout=timeout, cwd=cwd or REPO,

@@ -5,19 +5,18 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import signal
 import subprocess
 import sys
-import tempfile
 import time
+import uuid
 from pathlib import Path
 
 import pytest
 import torch
 
 from raytrain_mnist import checkpoint as ckpt
-from tests.conftest import REPO, kill_processes_under, processes_under
+from tests.conftest import MARKER_VAR, REPO, kill_marked, marked
 
 ENV = {**os.environ, "PYTHONUNBUFFERED": "1"}
 
@@ -55,10 +54,10 @@ def _committed_workers(run_dir: Path, after: set[int] = frozenset(),
 
 def test_a_worker_dies_a_node_goes_the_driver_is_killed_and_the_run_ends_as_on_one_node(
         two_nodes, fitted, tiny_mnist, tmp_path):
-    """One run on two nodes, a rank on each, ``--max-failures 1``: a killed
-    worker is restarted; a lost node is the failure too many, and the run ends in one
-    line; run again, it resumes, and a driver killed mid-epoch loses nothing either. It ends
-    with the very weights of the same run on one node, never interrupted (``fitted``)."""
+    """One run on two nodes, a rank on each, ``--max-failures 1``: a killed worker is
+    restarted; a lost node is the failure too many, and the run ends in one line; run again,
+    it resumes, and a driver killed mid-epoch loses nothing either. It ends with the very
+    weights of the same run on one node, never interrupted (``fitted``)."""
     cluster, nodes = two_nodes
     train, calm = fitted["cfg"].train, fitted["summary"]  # 2 workers on one local node
     storage = tmp_path / "runs"
@@ -148,15 +147,15 @@ def test_a_worker_dies_a_node_goes_the_driver_is_killed_and_the_run_ends_as_on_o
 
 def test_ctrl_c_stops_cleanly_prints_the_resume_command_and_stops_its_own_ray(
         tiny_mnist, tmp_path):
-    ray_tmp = Path(tempfile.mkdtemp(prefix="rtc", dir="/tmp"))  # short: Ray's socket paths
+    marker = uuid.uuid4().hex  # carried by the driver and every process of its Ray
     storage = tmp_path / "runs"
-    # No --address: this run starts (and must stop) its own local Ray, under ray_tmp.
+    # No --address: this run starts (and must stop) its own local Ray.
     run = subprocess.Popen(
         [sys.executable, "-m", "raytrain_mnist.fit", "--num-workers", "1", "--epochs", "4",
          "--batch-size", "32", "--dataset", "mnist", "--data-dir", str(tiny_mnist),
          "--storage-path", str(storage), "--name", "stopped"],
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=REPO,
-        env={**ENV, "RAY_TMPDIR": str(ray_tmp)})
+        env={**ENV, MARKER_VAR: marker})
     try:
         seen: list[str] = []
         _read_until(run, "epoch   1/4", seen)
@@ -170,9 +169,8 @@ def test_ctrl_c_stops_cleanly_prints_the_resume_command_and_stops_its_own_ray(
         assert summary["status"] == "interrupted" and summary["epochs_completed"] >= 1
         assert summary["latest_checkpoint"]
         deadline = time.monotonic() + 20  # the last workers may take a moment to exit
-        while (left := processes_under(ray_tmp)) and time.monotonic() < deadline:
+        while (left := marked(marker)) and time.monotonic() < deadline:
             time.sleep(0.5)
         assert not left, f"processes of the run's own Ray outlived it: {left}"
     finally:
-        kill_processes_under(ray_tmp)
-        shutil.rmtree(ray_tmp, ignore_errors=True)
+        kill_marked(marker)

@@ -18,6 +18,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import uuid
 from pathlib import Path
 
 import pytest
@@ -26,7 +27,7 @@ from PIL import Image
 from raytrain_mnist import checkpoint as ckpt
 from raytrain_mnist.config import ConfigError, TrainConfig
 from raytrain_mnist.search_space import SEARCH_SPACE, SearchSpace, parse_range
-from tests.conftest import REPO, kill_processes_under, run_cli, write_tiny_mnist
+from tests.conftest import MARKER_VAR, REPO, kill_marked, run_cli, write_tiny_mnist
 
 BEST_KEYS = {"best_val_accuracy", "best_config", "best_checkpoint", "fit_command",
              "num_trials", "num_stopped_early", "best_trial", "trials"}
@@ -102,10 +103,11 @@ def ray_env():
     """Environment of a search subprocess; stops whatever Ray it leaves behind."""
     ray_tmp = Path(tempfile.mkdtemp(prefix="rt", dir="/tmp"))  # short: unix socket paths
     env = {**os.environ, "PYTHONUNBUFFERED": "1", "RAY_TMPDIR": str(ray_tmp),
+           MARKER_VAR: uuid.uuid4().hex,  # on every process of the Ray a search starts
            # Save Tune's experiment state every second (default: 10 s or more).
            "TUNE_GLOBAL_CHECKPOINT_S": "1"}
     yield env
-    kill_processes_under(ray_tmp)
+    kill_marked(env[MARKER_VAR])
     shutil.rmtree(ray_tmp, ignore_errors=True)
 
 
@@ -161,7 +163,7 @@ def test_asha_stops_a_bad_trial_the_next_still_runs_and_a_killed_search_resumes(
     finally:
         os.killpg(driver.pid, signal.SIGKILL)
         driver.wait(timeout=30)
-        kill_processes_under(Path(ray_env["RAY_TMPDIR"]))
+        kill_marked(ray_env[MARKER_VAR])
 
     # 2. The same command resumes: the unfinished trial runs, the ended ones do not.
     done = subprocess.run(command, capture_output=True, text=True, cwd=REPO, env=ray_env,
