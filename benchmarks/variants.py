@@ -33,10 +33,11 @@ def _product_loop(args, rank: int = 0, world: int = 1, sampler=None) -> None:
 
     from raytrain_mnist.config import TrainConfig
     from raytrain_mnist.data import load_mnist
-    from raytrain_mnist.loop import (build_optimizer, evaluate, make_train_loader, set_epoch,
-                                     train_one_epoch)
+    from raytrain_mnist.loop import (build_optimizer, evaluate, keep_freed_memory,
+                                     make_train_loader, set_epoch, train_one_epoch)
     from raytrain_mnist.model import ConvNet
 
+    keep_freed_memory()  # part of the product's training path, as in every fit worker
     torch.set_num_threads(args.threads)
     cfg = TrainConfig(epochs=args.epochs, batch_size=args.batch_size)
     data = load_mnist(args.data_dir, "mnist")

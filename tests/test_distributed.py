@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import subprocess
+import sys
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -113,3 +116,32 @@ def test_distributed_evaluation_counts_every_test_image_exactly_once(on_three_wo
 def test_shards_cover_every_index_once(n, world):
     covered = [i for rank in range(world) for i in range(n)[shard(n, rank, world)]]
     assert covered == list(range(n))
+
+
+_FAULTS_PER_STEP = """
+import resource, torch, torch.nn.functional as F
+from raytrain_mnist.loop import keep_freed_memory
+from raytrain_mnist.model import ConvNet, normalize
+torch.set_num_threads(1)
+model, images = ConvNet(), torch.randint(0, 256, (128, 28, 28), dtype=torch.uint8)
+labels = torch.randint(0, 10, (128,))
+def faults_per_step(steps=8):
+    for _ in range(2):  # warm-up: glibc settles its thresholds
+        F.cross_entropy(model(normalize(images)), labels).backward()
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+    for _ in range(steps):
+        F.cross_entropy(model(normalize(images)), labels).backward()
+    return (resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before) / steps
+default = faults_per_step()
+assert keep_freed_memory()
+print(default, faults_per_step())
+"""
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc's malloc only")
+def test_keep_freed_memory_stops_each_step_from_faulting_its_activations_back_in():
+    out = subprocess.run([sys.executable, "-c", _FAULTS_PER_STEP], capture_output=True,
+                         text=True, check=True).stdout
+    default, kept = map(float, out.split())
+    assert default > 200, f"expected the default allocator to re-fault activations: {out}"
+    assert kept < default / 4, out
