@@ -67,8 +67,9 @@ def keep_freed_memory() -> bool:
         mallopt = libc.mallopt
     except (OSError, AttributeError):  # musl and friends: no mallopt
         return False
-    m_trim_threshold, m_mmap_threshold = -1, -3  # <malloc.h>
-    return bool(mallopt(m_mmap_threshold, 32 << 20)) and bool(mallopt(m_trim_threshold, 512 << 20))
+    m_trim_threshold, m_top_pad, m_mmap_threshold = -1, -2, -3  # <malloc.h>
+    return all(mallopt(param, value) for param, value in (
+        (m_mmap_threshold, 32 << 20), (m_trim_threshold, 512 << 20), (m_top_pad, 64 << 20)))
 
 
 def make_train_loader(images: torch.Tensor, labels: torch.Tensor, batch_size: int,
