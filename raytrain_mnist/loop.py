@@ -56,8 +56,8 @@ def keep_freed_memory() -> bool:
     free top exceeds twice the largest recently freed block, and deletes a thread arena's
     64 MiB heap as soon as it is empty (Ray Train runs the loop off the main thread), so each
     step's activations go back to the OS when backward frees them and are page-faulted back,
-    zero-filled, by the next forward: 1500-2600 page faults per step of the ConvNet at batch
-    128, about 70 with these settings (README, "Performance"). A fixed mmap threshold
+    zero-filled, by the next forward: 1100-2600 page faults per step of the ConvNet at batch
+    128, about 100 with these settings (README, "Performance"). A fixed mmap threshold
     (32 MiB, glibc's cap), a high trim threshold and a top pad larger than a thread heap keep
     the memory; blocks above 32 MiB are still mapped and unmapped. Process-wide; call it in
     a process that trains. Returns False where the C library has no effective ``mallopt``.
@@ -67,11 +67,12 @@ def keep_freed_memory() -> bool:
     try:
         libc = ctypes.CDLL(None)
         mallopt = libc.mallopt
-    except (OSError, AttributeError):  # musl and friends: no mallopt
+    except (OSError, AttributeError):  # a C library without mallopt
         return False
     m_trim_threshold, m_top_pad, m_mmap_threshold = -1, -2, -3  # <malloc.h>
-    return all(mallopt(param, value) for param, value in (
-        (m_mmap_threshold, 32 << 20), (m_trim_threshold, 512 << 20), (m_top_pad, 64 << 20)))
+    applied = [mallopt(param, value) for param, value in (
+        (m_mmap_threshold, 32 << 20), (m_trim_threshold, 512 << 20), (m_top_pad, 64 << 20))]
+    return all(applied)  # musl's mallopt exists and returns 0: nothing changed
 
 
 def make_train_loader(images: torch.Tensor, labels: torch.Tensor, batch_size: int,

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import platform
 import subprocess
 import sys
 
@@ -142,7 +143,7 @@ thread.join()
 """
 
 
-@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc's malloc only")
+@pytest.mark.skipif(platform.libc_ver()[0] != "glibc", reason="tunes glibc's malloc only")
 def test_keep_freed_memory_stops_each_step_from_faulting_its_activations_back_in():
     out = subprocess.run([sys.executable, "-c", _FAULTS_PER_STEP], capture_output=True,
                          text=True, check=True).stdout
