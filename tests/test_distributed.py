@@ -135,8 +135,8 @@ def faults_per_step(steps=8):
     return (resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before) / steps
 def measure():  # off the main thread, like Ray Train's loop: its own malloc arena
     default = faults_per_step()
-    assert keep_freed_memory()
-    print(default, faults_per_step())
+    applied = keep_freed_memory()
+    print(default, faults_per_step(), applied)
 thread = threading.Thread(target=measure)
 thread.start()
 thread.join()
@@ -147,6 +147,8 @@ thread.join()
 def test_keep_freed_memory_stops_each_step_from_faulting_its_activations_back_in():
     out = subprocess.run([sys.executable, "-c", _FAULTS_PER_STEP], capture_output=True,
                          text=True, check=True).stdout
-    default, kept = map(float, out.split())
+    default, kept, applied = out.split()
+    assert applied == "True", f"mallopt refused a setting: {out}"
+    default, kept = float(default), float(kept)
     assert default > 200, f"expected the default allocator to re-fault activations: {out}"
     assert kept < default / 4, out
