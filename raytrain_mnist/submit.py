@@ -263,11 +263,10 @@ def follow(client, url: str, job_id: str) -> int:
     print(f"following job {job_id} (Ctrl-C: stop it or detach)", file=sys.stderr, flush=True)
     with _one_line_errors(url, job_id):
         status = client.get_job_status(job_id)
-    if status.is_terminal():  # all there is, at once: Ray's tail takes seconds to find out
-        with _one_line_errors(url, job_id):
+        if status.is_terminal():  # all there is, at once: Ray's tail takes seconds to see it
             sys.stdout.write(client.get_job_logs(job_id))
-        sys.stdout.flush()
-        return outcome(client, url, job_id, status)
+            sys.stdout.flush()
+            return outcome(client, url, job_id, status)
     try:
         with _one_line_errors(url, job_id):
             asyncio.run(tail())
