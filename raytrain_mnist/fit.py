@@ -295,45 +295,6 @@ class _Printer:
                 self.on_epoch(m)
 
 
-# --------------------------------------------------------------------------- trainer
-
-def build_trainer(cfg: FitConfig, data_ref, threads: int, storage: str, name: str,
-                  callbacks: list | None = None):
-    """The TorchTrainer for ``cfg``; shared by fit and each Tune trial."""
-    import ray
-    from ray.train import CheckpointConfig, FailureConfig, RunConfig, ScalingConfig
-    from ray.train.torch import TorchConfig, TorchTrainer
-
-    from raytrain_mnist.loop import train_func_per_worker
-
-    run = cfg.run
-    env_vars = {}
-    if run.socket_ifname:
-        env_vars = {"GLOO_SOCKET_IFNAME": run.socket_ifname,
-                    "NCCL_SOCKET_IFNAME": run.socket_ifname}
-    return TorchTrainer(
-        train_func_per_worker,
-        train_loop_config={"train": cfg.train.to_dict(), "data": data_ref, "threads": threads},
-        torch_config=TorchConfig(backend=None if run.backend == "auto" else run.backend,
-                                 init_method=run.init_method),
-        scaling_config=ScalingConfig(num_workers=run.num_workers, use_gpu=run.use_gpu,
-                                     resources_per_worker={"CPU": threads},
-                                     placement_strategy=run.placement_strategy),
-        run_config=RunConfig(
-            name=name,
-            storage_path=storage,
-            failure_config=FailureConfig(max_failures=run.max_failures),
-            checkpoint_config=CheckpointConfig(num_to_keep=run.keep_checkpoints,
-                                               checkpoint_score_attribute="val_accuracy",
-                                               checkpoint_score_order="max"),
-            callbacks=callbacks or [],
-            # Ray Train's INFO lines (every report, every checkpoint) drown the epoch lines.
-            logging_config=ray.LoggingConfig(log_level="WARNING"),
-            worker_runtime_env={"env_vars": env_vars} if env_vars else None,
-        ),
-    )
-
-
 def fit(cfg: FitConfig) -> dict[str, Any]:
     """Train as ``cfg`` says; return the summary (also written to ``summary.json``)."""
     started = time.perf_counter()
@@ -368,8 +329,12 @@ def fit(cfg: FitConfig) -> dict[str, Any]:
 
         tracker = EpochLog(run_dir, cfg)  # a bad --mlflow-uri fails here, before training
         progress = ray.remote(num_cpus=0)(_Progress).remote()
-        trainer = build_trainer(cfg, ray.put(data), threads, storage, name,
-                                callbacks=[_progress_callback(progress)])
+        from raytrain_mnist.loop import train_func_per_worker
+        from raytrain_mnist.trainer import build_trainer
+
+        loop_config = {"train": cfg.train.to_dict(), "data": ray.put(data), "threads": threads}
+        trainer = build_trainer(cfg.run, train_func_per_worker, loop_config, threads, storage,
+                                name, callbacks=[_progress_callback(progress)])
         result = error = None
         interrupted = False
         with _Printer(progress, cfg.train.epochs, tracker.log) as printer:

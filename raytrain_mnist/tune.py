@@ -1,6 +1,6 @@
 """Driver and CLI of ``python -m raytrain_mnist.tune``: a Ray Tune search over fit's trainer.
 
-Every trial is a full ``TorchTrainer`` run of fit's worker loop (``fit.build_trainer``),
+Every trial is a full ``TorchTrainer`` run of fit's worker loop (``trainer.build_trainer``),
 built and fitted inside a Tune function trainable: Ray 2.60's Train V2 no longer accepts
 ``Tuner(TorchTrainer(...))``. ``TuneReportCallback`` hands every epoch to Tune, so ASHA can
 stop bad trials early. Each trial's Train run is named after its trial id, so a retried or
@@ -33,7 +33,7 @@ from raytrain_mnist._cli import (EXIT_USAGE, ArgumentParser, UserError,
                                  add_dataclass_args, cause_line, dataclass_from_args, run_cli,
                                  setup_logging)
 from raytrain_mnist.config import FitConfig, RunSettings, TrainConfig
-from raytrain_mnist.fit import build_trainer, claim_run_dir, storage_root, write_file
+from raytrain_mnist.fit import claim_run_dir, storage_root, write_file
 from raytrain_mnist.search_space import (SearchSpace, TuneSettings, check_budget,
                                          experiment_identity, experiment_name, searchable)
 
@@ -136,10 +136,14 @@ def _trial(config: dict, setup: dict, data: list) -> None:
     """One Tune trial: fit's TorchTrainer with the sampled values, named by the trial id."""
     from ray import tune
 
+    from raytrain_mnist.loop import train_func_per_worker
+    from raytrain_mnist.trainer import build_trainer
+
     train = TrainConfig.from_dict({**setup["train"], **config["train_loop_config"]})
     cfg = FitConfig(train, RunSettings(**setup["run"]))
-    trainer = build_trainer(cfg, data[0], setup["threads"], setup["runs_root"],
-                            tune.get_context().get_trial_id(),
+    loop_config = {"train": cfg.train.to_dict(), "data": data[0], "threads": setup["threads"]}
+    trainer = build_trainer(cfg.run, train_func_per_worker, loop_config, setup["threads"],
+                            setup["runs_root"], tune.get_context().get_trial_id(),
                             callbacks=[_tune_report_callback()])
     trainer.fit()  # raises when the run fails: Tune records the error and may retry
 

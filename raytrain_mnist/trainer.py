@@ -1,0 +1,55 @@
+"""The one builder of every ``TorchTrainer`` the package starts: fit, each Tune trial and
+evaluate's workers. A run setting (``--socket-ifname``, ``--placement-strategy``,
+``--backend``, the GPU request) is honoured by all of them or by none.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+from raytrain_mnist.config import RunSettings
+
+#: The metric the kept checkpoints are ranked by (``--keep-checkpoints``); runs.py reads the
+#: best checkpoint by the same one.
+CHECKPOINT_METRIC = "val_accuracy"
+
+
+def worker_env(run: RunSettings) -> dict[str, str]:
+    """Environment variables every worker needs for this run's settings."""
+    if not run.socket_ifname:
+        return {}
+    return {"GLOO_SOCKET_IFNAME": run.socket_ifname, "NCCL_SOCKET_IFNAME": run.socket_ifname}
+
+
+def build_trainer(run: RunSettings, train_func: Callable[[dict], Any], loop_config: dict,
+                  threads: int, storage: str, name: str, callbacks: list | None = None,
+                  storage_filesystem=None):
+    """A ``TorchTrainer`` running ``train_func(loop_config)`` on ``run.num_workers`` workers
+    of ``threads`` CPUs each, its run directory ``<storage>/<name>``."""
+    import ray
+    from ray.train import CheckpointConfig, FailureConfig, RunConfig, ScalingConfig
+    from ray.train.torch import TorchConfig, TorchTrainer
+
+    env_vars = worker_env(run)
+    return TorchTrainer(
+        train_func,
+        train_loop_config=loop_config,
+        torch_config=TorchConfig(backend=None if run.backend == "auto" else run.backend,
+                                 init_method=run.init_method),
+        scaling_config=ScalingConfig(num_workers=run.num_workers, use_gpu=run.use_gpu,
+                                     resources_per_worker={"CPU": threads},
+                                     placement_strategy=run.placement_strategy),
+        run_config=RunConfig(
+            name=name,
+            storage_path=storage,
+            storage_filesystem=storage_filesystem,
+            failure_config=FailureConfig(max_failures=run.max_failures),
+            checkpoint_config=CheckpointConfig(num_to_keep=run.keep_checkpoints,
+                                               checkpoint_score_attribute=CHECKPOINT_METRIC,
+                                               checkpoint_score_order="max"),
+            callbacks=callbacks or [],
+            # Ray Train's INFO lines (every report, every checkpoint) drown the epoch lines.
+            logging_config=ray.LoggingConfig(log_level="WARNING"),
+            worker_runtime_env={"env_vars": env_vars} if env_vars else None,
+        ),
+    )
