@@ -2,14 +2,17 @@
 
 ``train_func_per_worker`` runs in every Ray Train worker. It is plain PyTorch around four
 Ray calls: ``get_checkpoint`` (resume), ``prepare_model`` (DDP), ``prepare_data_loader``
-(DistributedSampler, device placement) and ``report`` (metrics + checkpoint, every epoch).
-``train_one_epoch`` and ``evaluate`` take objects, not globals, and work without Ray.
+(the DistributedSampler) and ``report`` (metrics + checkpoint, every epoch). The data lives
+where the model lives: on a GPU, the uint8 tensors are moved there once and every batch is
+gathered there. ``train_step``, ``train_one_epoch`` and ``evaluate`` take objects, not
+globals, and work without Ray.
 """
 
 from __future__ import annotations
 
 import contextlib
 import ctypes
+import dataclasses
 import logging
 import os
 import sys
@@ -41,11 +44,17 @@ class BatchedTensorDataset(TensorDataset):
 
     DataLoader calls ``__getitems__`` with the batch's indices when it exists; the default
     path indexes each sample and stacks them again, which costs more than the model on CPU.
-    Pair it with ``collate_fn=tuple``.
+    Pair it with ``collate_fn=tuple``. Tensors on a GPU are gathered there: only the indices
+    travel.
     """
 
     def __getitems__(self, indices: list[int]) -> list[torch.Tensor]:
         index = torch.as_tensor(indices)
+        device = self.tensors[0].device
+        if device.type == "cuda":
+            # From pageable memory a copy waits for the GPU to drain its queue; from pinned
+            # memory it is queued behind the previous step, and the host runs ahead.
+            index = index.pin_memory().to(device, non_blocking=True)
         return [t[index] for t in self.tensors]
 
 
@@ -77,7 +86,8 @@ def keep_freed_memory() -> bool:
 
 def make_train_loader(images: torch.Tensor, labels: torch.Tensor, batch_size: int,
                       seed: int) -> DataLoader:
-    """A shuffled loader over in-memory uint8 tensors; one batch is one gather."""
+    """A shuffled loader over in-memory uint8 tensors (on the CPU or a GPU); one batch is one
+    gather, on the tensors' device. The order depends on the seed only, not the device."""
     return DataLoader(
         BatchedTensorDataset(images, labels),
         batch_size=batch_size,
@@ -113,29 +123,55 @@ def all_reduce_sum(values: torch.Tensor) -> torch.Tensor:
     return values
 
 
+def train_step(model: nn.Module, images: torch.Tensor, labels: torch.Tensor,
+               optimizer: torch.optim.Optimizer, scheduler, scaler: torch.amp.GradScaler,
+               autocast) -> tuple[torch.Tensor, torch.Tensor]:
+    """One optimizer step on one batch of uint8 ``images``; returns the (detached) loss and
+    logits, in the precision autocast gave them.
+
+    With fp16 the scaler multiplies the loss before backward; when any gradient comes out
+    inf or NaN, ``scaler.step`` skips the optimizer step and ``scaler.update`` lowers the
+    scale, so an overflow costs one batch instead of poisoning the weights.
+    """
+    with autocast:
+        logits = model(normalize(images))
+        loss = F.cross_entropy(logits, labels)
+    optimizer.zero_grad(set_to_none=True)
+    scaler.scale(loss).backward()  # DDP all-reduces gradients during backward
+    scaler.step(optimizer)
+    scaler.update()
+    scheduler.step()
+    return loss.detach(), logits.detach()
+
+
 def train_one_epoch(model: nn.Module, loader, optimizer: torch.optim.Optimizer,
                     scheduler, scaler: torch.amp.GradScaler, autocast,
                     device: torch.device) -> dict[str, float]:
-    """One pass over ``loader``; returns loss and accuracy over every rank's samples."""
+    """One pass over ``loader``; returns loss and accuracy over every rank's samples, the
+    steps taken, the CPU seconds (user + system) all ranks' processes spent on them, and
+    when the first step had finished (unix time)."""
     model.train()
+    cpu_started = time.process_time()
     # Running sums stay on the device: reading them (.item()) would sync every step.
     sums = torch.zeros(3, dtype=torch.float64, device=device)  # loss, correct, count
+    steps, first_step_at = 0, None
     for images, labels in loader:
-        with autocast:
-            logits = model(normalize(images))
-            loss = F.cross_entropy(logits, labels)
-        optimizer.zero_grad(set_to_none=True)
-        scaler.scale(loss).backward()  # DDP all-reduces gradients during backward
-        scaler.step(optimizer)
-        scaler.update()
-        scheduler.step()
+        loss, logits = train_step(model, images, labels, optimizer, scheduler, scaler,
+                                  autocast)
         n = labels.numel()
-        sums += torch.stack([loss.detach().double() * n,
-                             (logits.argmax(1) == labels).sum().double(),
-                             torch.tensor(n, dtype=torch.float64, device=device)])
-    loss_sum, correct, count = all_reduce_sum(sums).tolist()
+        sums[0] += loss.double() * n
+        sums[1] += (logits.argmax(1) == labels).sum()
+        sums[2] += n  # a Python number: no host-to-device copy
+        steps += 1
+        if first_step_at is None:  # once per epoch: start-up ends at the first real step
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+            first_step_at = time.time()
+    cpu = torch.tensor([time.process_time() - cpu_started], dtype=torch.float64, device=device)
+    loss_sum, correct, count, cpu_s = all_reduce_sum(torch.cat([sums, cpu])).tolist()
     return {"train_loss": loss_sum / count, "train_accuracy": correct / count,
-            "train_images": int(count)}
+            "train_images": int(count), "train_steps": steps, "cpu_s": cpu_s,
+            "first_step_at": first_step_at}
 
 
 def broadcast_buffers(module: nn.Module) -> None:
@@ -184,6 +220,27 @@ def use_sync_bn(setting: str, device: torch.device, world_size: int) -> bool:
     return setting == "on"
 
 
+def build_model(sync_bn: bool) -> nn.Module:
+    """The ConvNet, its BatchNorms made SyncBatchNorms when asked: same parameters and
+    buffers under the same names, so checkpoints load into a plain :class:`ConvNet`."""
+    model = ConvNet()
+    return nn.SyncBatchNorm.convert_sync_batchnorm(model) if sync_bn else model
+
+
+def grad_scaler(amp: str, device: torch.device) -> torch.amp.GradScaler:
+    """Loss scaling for fp16 only; disabled it passes everything through unchanged."""
+    return torch.amp.GradScaler(device.type, enabled=amp == "fp16")
+
+
+def to_device(data: MnistData, device: torch.device) -> MnistData:
+    """The data set on ``device``, moved once (a no-op on the CPU): batches are then gathered
+    and normalised where the model is, with no host-to-device copy per step."""
+    if device.type == "cpu":
+        return data
+    return dataclasses.replace(data, **{name: getattr(data, name).to(device) for name in (
+        "train_images", "train_labels", "test_images", "test_labels")})
+
+
 def build_optimizer(model: nn.Module, cfg: TrainConfig, steps_per_epoch: int):
     optimizer = torch.optim.SGD(model.parameters(), lr=cfg.lr, momentum=cfg.momentum,
                                 nesterov=cfg.momentum > 0, weight_decay=cfg.weight_decay)
@@ -195,11 +252,18 @@ def build_optimizer(model: nn.Module, cfg: TrainConfig, steps_per_epoch: int):
     return optimizer, scheduler
 
 
-def _worker_placement() -> list[dict[str, Any]]:
+def _backend() -> str | None:
+    return dist.get_backend() if dist.is_available() and dist.is_initialized() else None
+
+
+def _worker_placement(device: torch.device) -> list[dict[str, Any]]:
     """Where every rank runs, gathered once so rank 0 can report it."""
     ctx = ray.train.get_context()
     me = {"rank": ctx.get_world_rank(), "node_id": ray.get_runtime_context().get_node_id(),
-          "node_ip": ray.util.get_node_ip_address(), "pid": os.getpid()}
+          "node_ip": ray.util.get_node_ip_address(), "pid": os.getpid(),
+          "device": str(device), "backend": _backend()}
+    if device.type == "cuda":
+        me["gpu"] = torch.cuda.get_device_name(device)
     if ctx.get_world_size() == 1:
         return [me]
     everyone: list[Any] = [None] * ctx.get_world_size()
@@ -230,13 +294,14 @@ def train_func_per_worker(config: dict[str, Any]) -> None:
     keep_freed_memory()
     torch.set_num_threads(config["threads"])
     device = ray.train.torch.get_device()
-    data: MnistData = ray.get(config["data"])  # the object store, not a download per worker
+    if device.type == "cuda":
+        torch.backends.cudnn.benchmark = True  # fixed shapes: the fastest kernels, found once
+    # The object store, not a download per worker; then onto the GPU, once.
+    data: MnistData = to_device(ray.get(config["data"]), device)
 
     torch.manual_seed(cfg.seed)  # same initial weights on every rank
-    model = ConvNet()
     sync_bn = use_sync_bn(cfg.sync_bn, device, world_size)
-    if sync_bn:
-        model = nn.SyncBatchNorm.convert_sync_batchnorm(model)
+    model = build_model(sync_bn)
 
     state = None
     checkpoint = ray.train.get_checkpoint()
@@ -249,9 +314,10 @@ def train_func_per_worker(config: dict[str, Any]) -> None:
 
     loader = make_train_loader(data.train_images, data.train_labels,
                                cfg.batch_size // world_size, cfg.seed)
-    loader = ray.train.torch.prepare_data_loader(loader)  # DistributedSampler, to device
+    # Ray's sampler and order; batches come from the data's device, so nothing to move.
+    loader = ray.train.torch.prepare_data_loader(loader, move_to_device=False)
     optimizer, scheduler = build_optimizer(model, cfg, len(loader))
-    scaler = torch.amp.GradScaler(device.type, enabled=cfg.amp == "fp16")
+    scaler = grad_scaler(cfg.amp, device)
     autocast = amp_context(cfg.amp, device)
 
     start_epoch, history, best = 0, [], 0.0
@@ -263,10 +329,11 @@ def train_func_per_worker(config: dict[str, Any]) -> None:
         start_epoch, history, best = state["epoch"], state["history"], state["best_val_accuracy"]
         if rank == 0:
             logger.info("resumed from the checkpoint of epoch %d", start_epoch)
-    placement = _worker_placement()
+    placement = _worker_placement(device)
     if rank == 0:
-        logger.info("%d worker(s) on %s, SyncBatchNorm %s, AMP %s", world_size, device.type,
-                    "on" if sync_bn else "off", cfg.amp)
+        logger.info("%d worker(s) on %s, process group %s, SyncBatchNorm %s, AMP %s",
+                    world_size, device.type, _backend() or "none", "on" if sync_bn else "off",
+                    cfg.amp)
 
     for epoch in range(start_epoch, cfg.epochs):
         set_epoch(loader, epoch, cfg.seed)
@@ -284,12 +351,15 @@ def train_func_per_worker(config: dict[str, Any]) -> None:
             "train_accuracy": train["train_accuracy"], "val_loss": val["val_loss"],
             "val_accuracy": val["val_accuracy"], "images_per_s": train["train_images"] / train_s,
             "lr": optimizer.param_groups[0]["lr"],
-            "epoch_time_s": time.perf_counter() - started,
+            "epoch_time_s": time.perf_counter() - started, "train_s": train_s,
+            "cpu_s_per_step": train["cpu_s"] / max(train["train_steps"], 1),
+            # Unix times, for the benchmark's start-up and time-to-accuracy end points.
+            "first_step_at": train["first_step_at"], "evaluated_at": time.time(),
         })
         metrics = {**history[-1], "val_total": val["val_total"], "best_val_accuracy": best,
                    "resumed_from_epoch": None if state is None else state["epoch"],
                    "started_at": started_at,
-                   "workers": placement, "history": history}
+                   "workers": placement}  # per epoch only: the driver builds the history
         # Rank 0 writes the checkpoint; every rank reports (report is a barrier).
         with tempfile.TemporaryDirectory() as directory:
             report_checkpoint = None
