@@ -39,13 +39,21 @@ def _worker_logs_to_driver() -> bool:
 
 @dataclass(frozen=True)
 class Request:
-    """What a run asks of the cluster: ``num_workers`` bundles of CPUs (+ one GPU each)."""
+    """What a run asks of the cluster: ``num_workers`` bundles of CPUs (+ GPUs with
+    ``use_gpu``: ``gpus_per_worker`` each, a fraction when workers share a GPU)."""
 
     num_workers: int
     cpus_per_worker: int
     use_gpu: bool
     #: CPUs needed besides the workers (a Tune trial actor, for example).
     extra_cpus: float = 0
+    gpus_per_worker: float = 1
+
+    @classmethod
+    def for_run(cls, run, cpus_per_worker: int, extra_cpus: float = 0) -> "Request":
+        """The request of a :class:`~raytrain_mnist.config.RunSettings`."""
+        return cls(run.num_workers, cpus_per_worker, run.use_gpu, extra_cpus,
+                   run.gpus if run.use_gpu else 1)
 
 
 def resolve_address(address: str | None) -> str | None:
@@ -148,7 +156,7 @@ def _check_local_gpus(request: Request) -> None:
     import torch
 
     found = torch.cuda.device_count()
-    if found < request.num_workers:
+    if gpu_workers(found, request.gpus_per_worker) < request.num_workers:
         raise _too_few_gpus(request, found, "(this machine; no --address or RAY_ADDRESS "
                             "given); drop --use-gpu to train on CPUs, lower --num-workers, "
                             "or pass --address of a GPU cluster")
@@ -156,8 +164,26 @@ def _check_local_gpus(request: Request) -> None:
 
 def _too_few_gpus(request: Request, found: float, rest: str) -> UserError:
     """The one wording of "--use-gpu cannot be served", locally and on a cluster."""
-    return UserError(f"--use-gpu asks for {request.num_workers} GPU worker(s) but the "
+    each = ("" if request.gpus_per_worker == 1
+            else f" of {request.gpus_per_worker:g} GPU (--gpus-per-worker)")
+    return UserError(f"--use-gpu asks for {request.num_workers} GPU worker(s){each} but the "
                      f"cluster has {found:g} GPU(s) {rest}")
+
+
+#: Ray accounts resources in fixed point, in units of 1/10,000.
+_RESOURCE_UNITS = 10_000
+
+
+def gpu_workers(gpus: float, gpus_per_worker: float) -> int:
+    """How many workers asking for ``gpus_per_worker`` fit on a node with ``gpus`` GPUs.
+
+    A fraction is taken from one device, never split over two, so each GPU holds
+    ``floor(1 / fraction)`` workers (0.4 each: two per GPU, not five on two GPUs).
+    """
+    need = round(gpus_per_worker * _RESOURCE_UNITS)
+    if gpus_per_worker < 1:
+        return int(gpus) * (_RESOURCE_UNITS // need)
+    return round(gpus * _RESOURCE_UNITS) // need
 
 
 def placeable_workers(per_node: list[dict[str, float]], request: Request) -> int:
@@ -166,7 +192,7 @@ def placeable_workers(per_node: list[dict[str, float]], request: Request) -> int
     for resources in per_node:
         fits = resources.get("CPU", 0) // request.cpus_per_worker
         if request.use_gpu:
-            fits = min(fits, resources.get("GPU", 0) // 1)
+            fits = min(fits, gpu_workers(resources.get("GPU", 0), request.gpus_per_worker))
         count += int(fits)
     return count
 
@@ -186,13 +212,14 @@ def preflight(request: Request) -> None:
     total_cpus = sum(n.get("CPU", 0) for n in nodes)
     ceiling = _autoscaler_ceiling()
     if ceiling:
-        gpu_ok = not request.use_gpu or ceiling.get("GPU", 0) >= request.num_workers
+        gpu_ok = not request.use_gpu or gpu_workers(
+            ceiling.get("GPU", 0), request.gpus_per_worker) >= request.num_workers
         cpu_ok = ceiling.get("CPU", 0) >= request.num_workers * request.cpus_per_worker
         if gpu_ok and cpu_ok:
             logger.info("waiting for the autoscaler to add nodes for %d workers",
                         request.num_workers)
             return
-    if request.use_gpu and total_gpus < request.num_workers:
+    if request.use_gpu and gpu_workers(total_gpus, request.gpus_per_worker) < request.num_workers:
         raise _too_few_gpus(request, total_gpus, "and no autoscaler that could add them; "
                             "drop --use-gpu to train on CPUs, or lower --num-workers")
     raise UserError(

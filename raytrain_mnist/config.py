@@ -92,13 +92,19 @@ class RunSettings:
     """Where a run executes and where its data and results live."""
 
     num_workers: int = _opt(2, "training workers (Ray actors), one per GPU or CPU slot")
-    use_gpu: bool = _opt(False, "give each worker one GPU (NCCL backend by default)")
+    use_gpu: bool = _opt(False, "train on GPUs, one per worker unless --gpus-per-worker says "
+                                 "otherwise (NCCL backend by default)")
+    gpus_per_worker: Optional[float] = _opt(
+        None, "GPUs per worker with --use-gpu (default 1): a fraction such as 0.25 puts "
+        "several workers on one GPU (their traffic then goes over Gloo), or a whole number",
+    )
     cpus_per_worker: Optional[int] = _opt(
         None, "CPUs (and torch threads) per worker; default: this machine's cores / workers "
         "on a local Ray, 1 on a cluster",
     )
     backend: str = _opt(
-        "auto", "process-group backend: auto = NCCL with GPUs, Gloo without", BACKEND_CHOICES
+        "auto", "process-group backend: auto = NCCL with a GPU per worker, Gloo on CPUs or "
+        "on shared GPUs", BACKEND_CHOICES
     )
     init_method: str = _opt(
         "env", "process-group initialisation: env:// (MASTER_ADDR/PORT) or tcp://host:port",
@@ -153,6 +159,7 @@ class RunSettings:
         if self.cpus_per_worker is not None:
             _check_int("cpus-per-worker", self.cpus_per_worker, 1)
         _check_choice("backend", self.backend, BACKEND_CHOICES)
+        self._check_gpus_per_worker()
         _check_choice("init-method", self.init_method, INIT_METHOD_CHOICES)
         _check_choice("dataset", self.dataset, DATASET_CHOICES)
         _check_choice("placement-strategy", self.placement_strategy, PLACEMENT_CHOICES)
@@ -167,6 +174,52 @@ class RunSettings:
             check_run_name(self.name)
         if self.socket_ifname is not None and not self.socket_ifname.strip():
             raise ConfigError("--socket-ifname must name a network interface, e.g. eth0")
+
+    def _check_gpus_per_worker(self) -> None:
+        f = self.gpus_per_worker
+        if f is None:
+            return
+        if not self.use_gpu:
+            raise ConfigError("--gpus-per-worker needs --use-gpu")
+        ok = isinstance(f, (int, float)) and not isinstance(f, bool) and math.isfinite(f)
+        # Ray's rules: a fraction of one GPU in steps of 0.0001, or whole GPUs (it cannot
+        # split 1.5 over devices).
+        if not ok or f <= 0 or (f > 1 and f != int(f)) or round(f, 4) != f:
+            raise ConfigError(f"--gpus-per-worker must be in (0, 1] (at most 4 decimals) or "
+                              f"a whole number, e.g. 0.5 (2 workers per GPU) or 2; got {f!r}")
+        if self.backend == "nccl" and f < 1:
+            raise ConfigError(
+                f"--backend nccl cannot run workers that share a GPU (--gpus-per-worker {f:g}): "
+                "NCCL refuses two ranks on one device; use --backend auto or gloo")
+
+    @property
+    def gpus(self) -> float:
+        """GPUs each worker asks Ray for: 0 without --use-gpu."""
+        if not self.use_gpu:
+            return 0
+        return 1 if self.gpus_per_worker is None else self.gpus_per_worker
+
+    @property
+    def shares_gpus(self) -> bool:
+        """Several workers on one GPU (a fractional --gpus-per-worker)."""
+        return 0 < self.gpus < 1
+
+    @property
+    def resolved_backend(self) -> str:
+        """The process-group backend this run uses: "nccl" or "gloo"."""
+        if self.backend != "auto":
+            return self.backend
+        return "nccl" if self.use_gpu and not self.shares_gpus else "gloo"
+
+    @property
+    def backend_description(self) -> str:
+        """``resolved_backend`` and why, for the start line."""
+        name = {"nccl": "NCCL", "gloo": "Gloo"}[self.resolved_backend]
+        if self.backend != "auto":
+            return f"{name} (--backend {self.backend})"
+        if self.shares_gpus:
+            return f"{name} on CUDA tensors (workers share a GPU; NCCL needs one GPU per rank)"
+        return f"{name} (auto: {'GPUs' if self.use_gpu else 'CPUs'})"
 
 
 @dataclass(frozen=True)

@@ -25,19 +25,20 @@ def build_trainer(run: RunSettings, train_func: Callable[[dict], Any], loop_conf
                   threads: int, storage: str, name: str, callbacks: list | None = None,
                   storage_filesystem=None):
     """A ``TorchTrainer`` running ``train_func(loop_config)`` on ``run.num_workers`` workers
-    of ``threads`` CPUs each, its run directory ``<storage>/<name>``."""
+    of ``threads`` CPUs (and ``run.gpus`` GPUs) each, its run directory ``<storage>/<name>``."""
     import ray
     from ray.train import CheckpointConfig, FailureConfig, RunConfig, ScalingConfig
     from ray.train.torch import TorchConfig, TorchTrainer
 
     env_vars = worker_env(run)
+    resources = {"CPU": threads, **({"GPU": run.gpus} if run.use_gpu else {})}
     return TorchTrainer(
         train_func,
         train_loop_config=loop_config,
-        torch_config=TorchConfig(backend=None if run.backend == "auto" else run.backend,
-                                 init_method=run.init_method),
+        # Workers sharing a GPU get Gloo (on CUDA tensors): NCCL refuses two ranks on one device.
+        torch_config=TorchConfig(backend=run.resolved_backend, init_method=run.init_method),
         scaling_config=ScalingConfig(num_workers=run.num_workers, use_gpu=run.use_gpu,
-                                     resources_per_worker={"CPU": threads},
+                                     resources_per_worker=resources,
                                      placement_strategy=run.placement_strategy),
         run_config=RunConfig(
             name=name,
