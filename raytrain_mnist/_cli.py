@@ -13,8 +13,11 @@ import dataclasses
 import gc
 import logging
 import os
+import shlex
+import shutil
 import sys
 import typing
+from pathlib import Path
 from typing import Any, Callable, Sequence
 
 from raytrain_mnist.config import ConfigError
@@ -48,14 +51,19 @@ class ArgumentParser(argparse.ArgumentParser):
         self.exit(EXIT_USAGE, f"{self.prog}: error: {message} (see --help)\n")
 
 
-def add_dataclass_args(parser: argparse.ArgumentParser, cls: type, title: str) -> None:
-    """One flag per field of ``cls``: ``--field-name``, typed, with the field's default."""
+def add_dataclass_args(parser: argparse.ArgumentParser, cls: type, title: str,
+                       only: Sequence[str] | None = None,
+                       defaults: dict[str, Any] | None = None) -> None:
+    """One flag per field of ``cls`` (or of those named in ``only``): ``--field-name``,
+    typed, with the field's default (or the one ``defaults`` gives for this command)."""
     group = parser.add_argument_group(title)
     hints = typing.get_type_hints(cls)
     for f in dataclasses.fields(cls):
+        if only is not None and f.name not in only:
+            continue
         flag = "--" + f.name.replace("_", "-")
         meta = f.metadata
-        default = f.default
+        default = (defaults or {}).get(f.name, f.default)
         kind = _base_type(hints[f.name])
         if kind is bool:
             group.add_argument(flag, dest=f.name, action="store_true", default=default,
@@ -67,8 +75,49 @@ def add_dataclass_args(parser: argparse.ArgumentParser, cls: type, title: str) -
                            metavar=None if meta.get("choices") else f.name.upper())
 
 
-def dataclass_from_args(cls: type, args: argparse.Namespace) -> Any:
-    return cls(**{f.name: getattr(args, f.name) for f in dataclasses.fields(cls)})
+def invocation(command: str) -> list[str]:
+    """How this process was started, as the words that start ``command`` again: the console
+    script, ``python -m raytrain_mnist COMMAND``, or ``python -m raytrain_mnist.COMMAND``.
+    From Python (a notebook), the ``-m`` form."""
+    script = Path(sys.argv[0] if sys.argv and sys.argv[0] else "")
+    if script.name == "raytrain-mnist":
+        return ["raytrain-mnist", command]
+    python = "python" if _same_file(shutil.which("python"), sys.executable) else sys.executable
+    if script.parent.name == "raytrain_mnist" and script.stem == command:
+        return [python, "-m", f"raytrain_mnist.{command}"]
+    return [python, "-m", "raytrain_mnist", command]
+
+
+def _same_file(a: str | None, b: str) -> bool:
+    return bool(a) and os.path.realpath(a) == os.path.realpath(b)
+
+
+def flags_of(*configs: Any, skip: Sequence[str] = ()) -> list[str]:
+    """The flags that rebuild ``configs`` (dataclass instances): every value that differs
+    from its default, in field order. Inverse of :func:`add_dataclass_args`."""
+    words: list[str] = []
+    for config in configs:
+        for f in dataclasses.fields(config):
+            value = getattr(config, f.name)
+            if f.name in skip or value == f.default or value is None:
+                continue
+            flag = "--" + f.name.replace("_", "-")
+            if value is True:
+                words.append(flag)
+            elif value is not False:
+                words += [flag, repr(value) if isinstance(value, float) else str(value)]
+    return words
+
+
+def command_line(words: Sequence[str]) -> str:
+    return " ".join(shlex.quote(w) for w in words)
+
+
+def dataclass_from_args(cls: type, args: argparse.Namespace,
+                        only: Sequence[str] | None = None) -> Any:
+    """``cls`` from the parsed flags (those in ``only``; the rest keep their defaults)."""
+    return cls(**{f.name: getattr(args, f.name) for f in dataclasses.fields(cls)
+                  if only is None or f.name in only})
 
 
 def _base_type(hint: Any) -> type:

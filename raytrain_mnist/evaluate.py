@@ -26,17 +26,16 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Sequence
 
-from raytrain_mnist._cli import (EXIT_USAGE, ArgumentParser, UserError, run_cli,
-                                 setup_logging)
-from raytrain_mnist.config import DATASET_CHOICES, ConfigError
+from raytrain_mnist._cli import (EXIT_USAGE, ArgumentParser, UserError, add_dataclass_args,
+                                 cause_line, dataclass_from_args, run_cli, setup_logging)
+from raytrain_mnist.config import DATASET_CHOICES, ConfigError, RunSettings
+from raytrain_mnist.runs import (BEST_FILE, CHECKPOINT_METRIC, RUNS_DIR, SEARCH_FILE,
+                                 STATE_FILE, SUMMARY_FILE, Run, check_no_credentials, data_identity,
+                                 is_uri)
 
 EVALUATION_FILE = "evaluation.json"
 CONFUSION_FILE = "confusion_matrix.png"
 MISCLASSIFIED_FILE = "misclassified.png"
-_SUMMARY_FILE = "summary.json"  # fit.SUMMARY_FILE; not imported, to keep --help light
-_STATE_FILE = "state.pt"  # checkpoint.STATE_FILE
-_SEARCH_FILE = "search.json"  # tune.SEARCH_FILE
-_BEST_FILE = "best.json"  # tune.BEST_FILE
 _TOP_WRONG = 32
 
 
@@ -44,82 +43,109 @@ _TOP_WRONG = 32
 class Target:
     """What RUN_DIR_OR_CHECKPOINT resolved to."""
 
-    checkpoint: Path  # the checkpoint directory, or a bare state.pt file
+    checkpoint: str  # the checkpoint directory (a local path or a URI), or a bare state.pt
     summary: dict | None  # the summary of the run that wrote it, when found
-    summary_path: Path | None
+    run: Run | None  # the run (or Tune experiment) it belongs to, when found
 
 
 # --------------------------------------------------------------------------- resolving
 
 def resolve_target(target: str | os.PathLike) -> Target:
-    """A run directory, a ``summary.json``, a Tune experiment directory (its ``best.json``),
-    a checkpoint directory or a ``state.pt`` file."""
-    path = Path(target).expanduser()
+    """A run directory (its best committed checkpoint), a Tune experiment directory (its
+    best trial's), a checkpoint directory or a ``state.pt`` file; local or a URI.
+
+    Only checkpoints that lie inside the run given are followed: a path recorded in a file
+    of the run never leads elsewhere.
+    """
+    text = str(target)
+    if is_uri(text):
+        check_no_credentials(text, "RUN_DIR_OR_CHECKPOINT")
+        run = Run.at(text)
+        if run.is_file(STATE_FILE):
+            return _checkpoint_target(text, run)
+        if not run.exists():
+            raise UserError(f"{text} does not exist", EXIT_USAGE)
+        return _run_target(run)
+    path = Path(text).expanduser()
     if not path.exists():
         raise UserError(f"{path} does not exist; pass a run directory, a checkpoint "
-                        f"directory or a {_STATE_FILE} file", EXIT_USAGE)
-    if path.is_file() and path.name == _SUMMARY_FILE:
+                        f"directory or a {STATE_FILE} file", EXIT_USAGE)
+    if path.is_file() and path.name in (SUMMARY_FILE, BEST_FILE):
         path = path.parent
-    if path.is_dir() and not (path / _STATE_FILE).is_file():
-        summary_path = path / _SUMMARY_FILE
-        best = _read_summary(path / _BEST_FILE)
-        if not summary_path.is_file() and best is not None and "experiment_dir" in best:
-            # A Tune experiment: best.json names the best trial's checkpoint.
-            return resolve_target(_best_checkpoint(best, path))
-        if not summary_path.is_file():
-            checkpoints = sorted(path.glob(f"checkpoint_*/{_STATE_FILE}"))
-            hint = (f"; pass one of its checkpoints, e.g. {checkpoints[-1].parent}"
-                    if checkpoints else "")
-            raise UserError(f"{path} is neither a run directory (no {_SUMMARY_FILE}) nor a "
-                            f"checkpoint (no {_STATE_FILE}){hint}", EXIT_USAGE)
-        summary = _read_summary(summary_path)
-        if summary is None:
-            raise UserError(f"{summary_path} is unreadable; pass a checkpoint directory instead")
-        return Target(_best_checkpoint(summary, path), summary, summary_path)
+    if path.is_dir() and not (path / STATE_FILE).is_file():
+        return _run_target(Run.at(path))
     if path.is_file():
         with path.open("rb") as f:
             if f.read(4) != b"PK\x03\x04":  # torch.save writes a zip archive
                 raise UserError(f"{path} is not a checkpoint: pass a run directory, a "
-                                f"checkpoint directory or a {_STATE_FILE} file", EXIT_USAGE)
-    checkpoint = path
-    # A checkpoint inside a run directory: that run's summary says which data it used.
-    # In a Tune experiment (<experiment>/runs/<trial>/checkpoint_*), search.json says
-    # which data set was asked for.
-    for parent in list(path.parents)[:4]:
-        summary = _read_summary(parent / _SUMMARY_FILE)
-        if summary is not None and "dataset" in summary:
-            return Target(checkpoint, summary, parent / _SUMMARY_FILE)
-        search = _read_summary(parent / _SEARCH_FILE)
-        if search is not None and search.get("dataset") in ("mnist", "sample"):
-            return Target(checkpoint, {"dataset": search["dataset"]}, parent / _SEARCH_FILE)
-    return Target(checkpoint, None, None)
+                                f"checkpoint directory or a {STATE_FILE} file", EXIT_USAGE)
+    return _checkpoint_target(str(path.resolve()), None)
 
 
-def _read_summary(path: Path) -> dict | None:
-    try:
-        summary = json.loads(path.read_text())
-    except (OSError, ValueError):
-        return None
-    return summary if isinstance(summary, dict) else None
-
-
-def _best_checkpoint(summary: dict, run_dir: Path) -> Path:
-    recorded = summary.get("best_checkpoint") or summary.get("latest_checkpoint")
-    if not recorded:
-        raise UserError(f"run {run_dir} has no checkpoint (status: "
+def _run_target(run: Run) -> Target:
+    """A fit run (``summary.json``) or a Tune experiment (``best.json``)."""
+    best = run.read_json(BEST_FILE)
+    summary = run.summary()
+    if summary is None and best is not None and run.is_file(SEARCH_FILE):
+        trial = best.get("best_trial")
+        if not trial:
+            raise UserError(f"search {run.dir} has no trial with a result yet")
+        trial_run = Run(f"{run.dir}/{RUNS_DIR}", str(trial))
+        checkpoint = trial_run.best_checkpoint(best.get("metric", CHECKPOINT_METRIC),
+                                               best.get("mode", "max"))
+        if checkpoint is None:
+            raise UserError(f"the best trial of {run.dir} ({trial}) kept no checkpoint")
+        return Target(checkpoint, _search_summary(run), run)
+    if summary is None:
+        if run.local:
+            found = sorted(Path(run.dir).glob(f"checkpoint_*/{STATE_FILE}"))
+            hint = f"; pass one of its checkpoints, e.g. {found[-1].parent}" if found else ""
+        else:
+            hint = ""
+        raise UserError(f"{run.dir} is neither a run directory (no {SUMMARY_FILE}) nor a "
+                        f"checkpoint (no {STATE_FILE}){hint}", EXIT_USAGE)
+    # Ray's record of what it committed names checkpoints relative to the run: always inside.
+    checkpoint = run.best_checkpoint() or run.relocate(summary.get("best_checkpoint"))
+    if checkpoint is None:
+        raise UserError(f"run {run.dir} has no checkpoint (status: "
                         f"{summary.get('status', 'unknown')}); train it first")
-    candidates = [Path(recorded)]
-    if "://" not in recorded:  # the directory may have been moved since
-        recorded_dir = summary.get("run_dir") or summary.get("experiment_dir") or ""
-        try:
-            candidates.append(run_dir / Path(recorded).relative_to(recorded_dir))
-        except ValueError:
-            candidates.append(run_dir / Path(recorded).name)
-    for candidate in candidates:
-        if candidate.exists():
-            return candidate
-    raise UserError(f"the best checkpoint of {run_dir} ({recorded}) is not here; pass a "
-                    "local checkpoint directory")
+    return Target(checkpoint, summary, run)
+
+
+def _checkpoint_target(checkpoint: str, run: Run | None) -> Target:
+    """A checkpoint inside a run says which data it used: the run's summary, or a Tune
+    experiment's search record (``<experiment>/runs/<trial>/checkpoint_*``)."""
+    parents = _parents(checkpoint)
+    for parent in parents[:4]:
+        owner = Run.at(parent)
+        summary = _quietly(owner.summary)
+        if summary is not None and "dataset" in summary:
+            return Target(checkpoint, summary, owner)
+        search = _quietly(lambda: owner.read_json(SEARCH_FILE))
+        if search is not None and search.get("dataset") in ("mnist", "sample"):
+            return Target(checkpoint, _search_summary(owner, search), owner)
+    return Target(checkpoint, None, run)
+
+
+def _parents(path: str) -> list[str]:
+    if is_uri(path):
+        scheme, _, rest = path.partition("://")
+        parts = rest.rstrip("/").split("/")
+        return [f"{scheme}://{'/'.join(parts[:i])}" for i in range(len(parts) - 1, 1, -1)]
+    return [str(p) for p in Path(path).parents]
+
+
+def _search_summary(experiment: Run, search: dict | None = None) -> dict:
+    search = search if search is not None else (experiment.read_json(SEARCH_FILE) or {})
+    return {"dataset": search.get("dataset"), "name": experiment.name,
+            "data": search.get("data")}
+
+
+def _quietly(read):
+    try:
+        return read()
+    except UserError:
+        return None
 
 
 # --------------------------------------------------------------------------- data
@@ -212,73 +238,113 @@ def _score_per_worker(config: dict[str, Any]) -> dict[str, Any] | None:
     return result
 
 
-def _score_on_ray(weights: dict, data, amp: str, num_workers: int, use_gpu: bool,
-                  address: str | None) -> dict[str, Any]:
+def _score_on_ray(weights: dict, data, amp: str, run: RunSettings) -> dict[str, Any]:
+    """Score on ``run.num_workers`` Ray Train workers, built as fit builds its trainer."""
     import ray
-    from ray.train import RunConfig, ScalingConfig
-    from ray.train.torch import TorchTrainer
 
     from raytrain_mnist import cluster
+    from raytrain_mnist.trainer import build_trainer
 
-    address = cluster.resolve_address(address)
+    address = cluster.resolve_address(run.address)
     local = address is None and not ray.is_initialized()
-    threads = cluster.default_cpus_per_worker(num_workers, local)
+    threads = run.cpus_per_worker or cluster.default_cpus_per_worker(run.num_workers, local)
     storage = tempfile.mkdtemp(prefix="raytrain_mnist-evaluate-")
     try:
-        with cluster.connect(address, cluster.Request(num_workers, threads, use_gpu)):
-            trainer = TorchTrainer(
-                _score_per_worker,
-                train_loop_config={"weights": ray.put(weights), "amp": amp, "threads": threads,
-                                   "data": ray.put((data.test_images, data.test_labels))},
-                scaling_config=ScalingConfig(num_workers=num_workers, use_gpu=use_gpu,
-                                             resources_per_worker={"CPU": threads}),
-                run_config=RunConfig(name="evaluate", storage_path=storage,
-                                     logging_config=ray.LoggingConfig(log_level="WARNING")),
-            )
+        with cluster.connect(address, cluster.Request(run.num_workers, threads, run.use_gpu)):
+            config = {"weights": ray.put(weights), "amp": amp, "threads": threads,
+                      "data": ray.put((data.test_images, data.test_labels))}
+            trainer = build_trainer(run, _score_per_worker, config, threads, storage,
+                                    "evaluate")
             try:
                 return trainer.fit().return_value
             except ray.train.TrainingFailedError as exc:
-                lines = [line for line in str(exc).splitlines() if line.strip()]
-                raise UserError(f"evaluation failed: {lines[-1].strip() if lines else exc}")
+                raise UserError(f"evaluation failed: {cause_line(exc)}") from exc
     finally:
         shutil.rmtree(storage, ignore_errors=True)
 
 
 # --------------------------------------------------------------------------- the command
 
+#: Run settings that evaluate's several-worker mode takes, as fit takes them.
+WORKER_SETTINGS = ("num_workers", "use_gpu", "gpus_per_worker", "cpus_per_worker", "backend",
+                   "init_method", "placement_strategy", "socket_ifname", "address")
+
+
 def evaluate_checkpoint(target: str | os.PathLike, data_dir: str | None = None,
                         dataset: str | None = None, out: str | os.PathLike | None = None,
                         num_workers: int = 1, use_gpu: bool = False,
-                        address: str | None = None) -> dict[str, Any]:
+                        address: str | None = None, overwrite: bool = False,
+                        workers: RunSettings | None = None) -> dict[str, Any]:
     """Evaluate ``target`` and write the report; returns what ``evaluation.json`` holds,
-    plus ``out`` (the folder written) and ``files`` (its paths)."""
-    if num_workers < 1:
-        raise ConfigError(f"--num-workers must be an integer >= 1, got {num_workers}")
+    plus ``out`` (the folder written) and ``files`` (its paths). ``workers`` (run settings
+    as fit takes them) overrides ``num_workers``/``use_gpu``/``address``."""
+    if workers is None:
+        if isinstance(num_workers, bool) or not isinstance(num_workers, int) or num_workers < 1:
+            raise ConfigError(f"--num-workers must be an integer >= 1, got {num_workers}")
+        workers = RunSettings(num_workers=num_workers, use_gpu=use_gpu, address=address)
     if dataset is not None and dataset not in DATASET_CHOICES:
         raise ConfigError(f"--dataset must be one of {', '.join(DATASET_CHOICES)}; "
                           f"got {dataset!r}")
     from raytrain_mnist import checkpoint as ckpt
 
     resolved = resolve_target(target)
-    state = ckpt.load(resolved.checkpoint)  # CheckpointError (one line) when it is not one
-    model = ckpt.load_model(resolved.checkpoint)
-    checkpoint_dir = (resolved.checkpoint if resolved.checkpoint.is_dir()
-                      else resolved.checkpoint.parent)
-    out_dir = (Path(out).expanduser() if out is not None
-               else checkpoint_dir.parent / f"evaluation_{checkpoint_dir.name}")
+    with Run.at(resolved.checkpoint).local_copy(resolved.checkpoint) as local:
+        state = ckpt.load(local)  # CheckpointError (one line) when it is not one
+        model = ckpt.load_model(local)
     data = load_test_data(resolved.summary, data_dir, dataset)
+    _check_same_data(resolved, data)
+    out_dir = _out_dir(resolved, out)
+    if not overwrite:
+        existing = [f for f in REPORT_FILES if (out_dir / f).exists()]
+        if existing:
+            raise UserError(f"{out_dir} already holds {', '.join(existing)}; pass --overwrite "
+                            "to replace it, or --out DIR", EXIT_USAGE)
     amp = (state.get("config") or {}).get("amp", "off")  # score as training did
 
-    if num_workers == 1 and address is None:
+    if workers.num_workers == 1 and workers.address is None:
         import torch
 
-        if use_gpu and not torch.cuda.is_available():
+        if workers.use_gpu and not torch.cuda.is_available():
             raise UserError("--use-gpu: no GPU is visible to this process", EXIT_USAGE)
-        device = torch.device("cuda" if use_gpu else "cpu")
+        device = torch.device("cuda" if workers.use_gpu else "cpu")
         result = score(model.to(device), data.test_images, data.test_labels, device, amp)
     else:
-        result = _score_on_ray(model.state_dict(), data, amp, num_workers, use_gpu, address)
-    return _write_report(result, data, state, resolved, out_dir, num_workers)
+        result = _score_on_ray(model.state_dict(), data, amp, workers)
+    return _write_report(result, data, state, resolved, out_dir, workers.num_workers)
+
+
+REPORT_FILES = (EVALUATION_FILE, CONFUSION_FILE, MISCLASSIFIED_FILE)
+
+
+def _check_same_data(resolved: Target, data) -> None:
+    """The run's identity record names the data it trained and was scored on."""
+    if resolved.run is None:
+        return
+    record = (_quietly(resolved.run.identity) or resolved.summary or {}).get("data")
+    if not record or "sha1" not in record:
+        return
+    found = data_identity(data)
+    if found["sha1"] != record["sha1"]:
+        raise UserError(f"{data.source} is not the data run '{resolved.run.name}' trained on "
+                        f"({record['kind']}, {record['train_size']} train / "
+                        f"{record['test_size']} test images); pass the --data-dir it "
+                        "trained with", EXIT_USAGE)
+
+
+def _out_dir(resolved: Target, out: str | os.PathLike | None) -> Path:
+    """``--out``, else ``evaluation_<checkpoint>/`` beside a local checkpoint, else (a
+    checkpoint on an object store) ``evaluation_<run>_<checkpoint>/`` here."""
+    if out is not None:
+        return Path(out).expanduser()
+    checkpoint = resolved.checkpoint.rstrip("/")
+    if not is_uri(checkpoint):
+        path = Path(checkpoint)
+        directory = path if path.is_dir() else path.parent
+        return directory.parent / f"evaluation_{directory.name}"
+    parts = checkpoint.split("/")
+    name = parts[-1] if parts[-1] != STATE_FILE else parts[-2]
+    run = resolved.run.name if resolved.run is not None else "checkpoint"
+    return Path.cwd() / f"evaluation_{run}_{name}"
 
 
 def _write_report(result, data, state, resolved: Target, out_dir: Path,
@@ -302,7 +368,7 @@ def _write_report(result, data, state, resolved: Target, out_dir: Path,
     wrong = wrong[np.argsort(-confidence[wrong], kind="stable")][:_TOP_WRONG]
     summary = resolved.summary or {}
     report = {
-        "checkpoint": str(resolved.checkpoint.resolve()),
+        "checkpoint": resolved.checkpoint,
         "epoch": epoch,
         "run": summary.get("name"),
         "accuracy": result["val_accuracy"],
@@ -320,7 +386,7 @@ def _write_report(result, data, state, resolved: Target, out_dir: Path,
             {"index": int(i), "label": int(labels[i]), "predicted": int(predictions[i]),
              "confidence": float(confidence[i])} for i in wrong],
     }
-    name = summary.get("name") or resolved.checkpoint.name
+    name = summary.get("name") or resolved.checkpoint.rstrip("/").rpartition("/")[2]
     title = (f"{name}, epoch {epoch}: {100 * report['accuracy']:.2f} % of "
              f"{report['test_size']} test images ({data.kind})")
     try:
@@ -371,21 +437,22 @@ def build_parser() -> ArgumentParser:
                         "run is known), else auto")
     parser.add_argument("--out", metavar="DIR", help="where to write evaluation.json and the "
                         "PNGs (default: evaluation_<checkpoint>/ beside the checkpoint)")
-    parser.add_argument("--num-workers", type=int, default=1,
-                        help="Ray Train workers sharing the test set; 1 evaluates in this "
-                        "process without Ray (default: 1)")
-    parser.add_argument("--use-gpu", action="store_true", help="evaluate on GPU(s)")
-    parser.add_argument("--address", help="Ray cluster address (host:port or auto); default: "
-                        "$RAY_ADDRESS, else a local Ray when --num-workers > 1")
+    parser.add_argument("--overwrite", action="store_true",
+                        help="replace an evaluation already in --out (default: refuse)")
+    add_dataclass_args(parser, RunSettings, "workers (Ray Train, when --num-workers > 1 or "
+                       "--address is given; as in fit)", only=WORKER_SETTINGS,
+                       defaults={"num_workers": 1})
     return parser
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     setup_logging()
-    address = args.address or (os.environ.get("RAY_ADDRESS") if args.num_workers > 1 else None)
+    if args.address is None and args.num_workers > 1:
+        args.address = os.environ.get("RAY_ADDRESS") or None
+    workers = dataclass_from_args(RunSettings, args, only=WORKER_SETTINGS)
     report = evaluate_checkpoint(args.target, args.data_dir, args.dataset, args.out,
-                                 args.num_workers, args.use_gpu, address)
+                                 overwrite=args.overwrite, workers=workers)
     print(format_report(report))
     return 0
 

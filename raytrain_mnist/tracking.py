@@ -14,7 +14,6 @@ start-up is one warning, then that logger is switched off.
 from __future__ import annotations
 
 import dataclasses
-import json
 import logging
 import math
 import os
@@ -23,6 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from raytrain_mnist._cli import EXIT_USAGE, UserError
+from raytrain_mnist.runs import CURVES_FILE, SUMMARY_FILE, Run, check_no_credentials, is_uri
 
 logger = logging.getLogger(__name__)
 
@@ -79,7 +79,6 @@ class EpochLog:
                  mlflow_uri: str | None = None, experiment: str | None = None) -> None:
         self.run_dir = str(run_dir)
         self.config = config
-        self.best: tuple[float, str] | None = None  # (val_accuracy, checkpoint path)
         self.logged_epochs: list[int] = []
         self._closed = False
         if tensorboard is None:
@@ -94,7 +93,7 @@ class EpochLog:
     # ----------------------------------------------------------------- TensorBoard
 
     def _open_tensorboard(self):
-        if "://" in self.run_dir:
+        if is_uri(self.run_dir):
             logger.warning("TensorBoard: %s is not a local directory; no event files are "
                            "written", self.run_dir)
             return None
@@ -117,9 +116,6 @@ class EpochLog:
         """One committed epoch: ``epoch`` plus any of :data:`SCALARS` (others are ignored)."""
         epoch = int(metrics["epoch"])
         scalars = {key: v for key in SCALARS if (v := _number(metrics.get(key))) is not None}
-        accuracy, checkpoint = scalars.get("val_accuracy"), metrics.get("checkpoint")
-        if checkpoint and accuracy is not None and (self.best is None or accuracy > self.best[0]):
-            self.best = (accuracy, str(checkpoint))
         self.logged_epochs.append(epoch)
         if self._tb is not None:
             for key, value in scalars.items():
@@ -137,8 +133,7 @@ class EpochLog:
         if self._tb is not None:
             self._tb.close()
         if self._mlflow is not None:
-            best = (summary or {}).get("best_checkpoint") or (self.best and self.best[1])
-            self._mlflow.finish(summary, best)
+            self._mlflow.finish(summary, (summary or {}).get("best_checkpoint"))
 
 
 class _Mlflow:
@@ -152,12 +147,13 @@ class _Mlflow:
             raise UserError("MLflow logging needs the optional extra: "
                             "pip install 'raytrain-mnist[mlflow]'", EXIT_USAGE) from exc
         self.run_dir = run_dir
-        local = "://" not in run_dir
+        local = not is_uri(run_dir)
         if uri is None:
             if not local:
                 raise UserError(f"MLflow: the run directory {run_dir} is not local; pass a "
                                 "tracking URI", EXIT_USAGE)
             uri = (Path(run_dir).resolve() / "mlruns").as_uri()
+        check_no_credentials(uri, "--mlflow-uri")
         self.uri = uri
         if uri.startswith("file:"):
             # MLflow >= 3.7 refuses its file store unless asked; it is the simplest local store.
@@ -176,10 +172,8 @@ class _Mlflow:
                 self.run_id = run.info.run_id
                 self._call("log_batch", self.run_id,
                            params=_params(flat_params(config)) if config is not None else [])
-                if local:
-                    Path(run_dir).mkdir(parents=True, exist_ok=True)
-                    (Path(run_dir) / MLFLOW_RUN_FILE).write_text(
-                        json.dumps({"tracking_uri": uri, "run_id": self.run_id}, indent=2))
+                Run.at(run_dir).write_json(MLFLOW_RUN_FILE,
+                                           {"tracking_uri": uri, "run_id": self.run_id})
             else:
                 self.client.update_run(self.run_id, status="RUNNING")
         except UserError:
@@ -190,12 +184,9 @@ class _Mlflow:
 
     def _existing_run(self, local: bool) -> str | None:
         """A resumed run keeps logging to the MLflow run it started."""
-        path = Path(self.run_dir) / MLFLOW_RUN_FILE
-        if not local or not path.is_file():
-            return None
         try:
-            recorded = json.loads(path.read_text())
-            if recorded.get("tracking_uri") != self.uri:
+            recorded = Run.at(self.run_dir).read_json(MLFLOW_RUN_FILE)
+            if recorded is None or recorded.get("tracking_uri") != self.uri:
                 return None
             self.client.get_run(recorded["run_id"])
             return recorded["run_id"]
@@ -230,11 +221,11 @@ class _Mlflow:
         if final:
             self._call("log_batch", self.run_id,
                        metrics=[Metric(k, v, now, 0) for k, v in final.items()])
-        if best_checkpoint and "://" not in best_checkpoint and Path(best_checkpoint).is_dir():
+        if best_checkpoint and not is_uri(best_checkpoint) and Path(best_checkpoint).is_dir():
             self._call("log_artifacts", self.run_id, best_checkpoint, "best_checkpoint")
-        for name in ("summary.json", "training_curves.png"):
+        for name in (SUMMARY_FILE, CURVES_FILE):
             path = Path(self.run_dir) / name
-            if "://" not in self.run_dir and path.is_file():
+            if not is_uri(self.run_dir) and path.is_file():
                 self._call("log_artifact", self.run_id, str(path))
         status = _MLFLOW_STATUS.get(summary.get("status"), "FINISHED" if summary else "KILLED")
         self._call("set_terminated", self.run_id, status)

@@ -18,10 +18,8 @@ import argparse
 import csv
 import dataclasses
 import io
-import json
 import math
 import os
-import shlex
 import sys
 import threading
 import time
@@ -30,18 +28,16 @@ from typing import Any, Sequence
 
 from raytrain_mnist import cluster
 from raytrain_mnist._cli import (EXIT_USAGE, ArgumentParser, UserError,
-                                 add_dataclass_args, cause_line, dataclass_from_args, run_cli,
+                                 add_dataclass_args, cause_line, command_line,
+                                 dataclass_from_args, flags_of, invocation, run_cli,
                                  setup_logging)
 from raytrain_mnist.config import FitConfig, RunSettings, TrainConfig
-from raytrain_mnist.fit import claim_run_dir, storage_root, write_file
+from raytrain_mnist.runs import BEST_FILE, RUNS_DIR, SEARCH_FILE, Run, data_identity
 from raytrain_mnist.search_space import (SearchSpace, TuneSettings, check_budget,
                                          experiment_identity, experiment_name, searchable)
 
-SEARCH_FILE = "search.json"  # what the search computes, written at its start
 RESULTS_FILE = "results.csv"
 PLOT_FILE = "val_accuracy.png"
-BEST_FILE = "best.json"
-RUNS_DIR = "runs"  # <experiment>/runs/<trial id>: each trial's Train run
 #: The trial actor only waits on its trainer; Tune refuses 0 CPUs, so it takes a sliver.
 TRIAL_CPU = 0.01
 #: A trial whose actor dies (its node, say) is retried once; its Train run resumes.
@@ -57,6 +53,7 @@ class TuneCommand:
     settings: TuneSettings
     train: TrainConfig  # the values of every field that is not searched; epochs per trial
     run: RunSettings
+    argv: tuple[str, ...] = ()  # as given, for the resume command
 
 
 # --------------------------------------------------------------------------- command line
@@ -113,28 +110,16 @@ def parse_command(argv: Sequence[str] | None = None) -> TuneCommand:
     if settings.resume and run.fresh:
         raise UserError("--resume continues a search and --fresh starts it again: keep one",
                         EXIT_USAGE)
-    return TuneCommand(space, settings, train, run)
+    return TuneCommand(space, settings, train, run,
+                       tuple(sys.argv[1:] if argv is None else argv))
 
 
 # --------------------------------------------------------------------------- the trial
 
-def _tune_report_callback():
-    from ray.tune.integration.ray_train import TuneReportCallback
-
-    class SlimTuneReportCallback(TuneReportCallback):
-        """Every epoch to Tune, without the per-epoch history the loop repeats each time
-        (Tune keeps every result; the history would grow with the square of the epochs)."""
-
-        def after_report(self, run_context, metrics, checkpoint):
-            slim = {k: v for k, v in metrics[0].items() if k not in ("history", "workers")}
-            super().after_report(run_context, [slim, *metrics[1:]], checkpoint)
-
-    return SlimTuneReportCallback()
-
-
 def _trial(config: dict, setup: dict, data: list) -> None:
     """One Tune trial: fit's TorchTrainer with the sampled values, named by the trial id."""
     from ray import tune
+    from ray.tune.integration.ray_train import TuneReportCallback
 
     from raytrain_mnist.loop import train_func_per_worker
     from raytrain_mnist.trainer import build_trainer
@@ -144,7 +129,7 @@ def _trial(config: dict, setup: dict, data: list) -> None:
     loop_config = {"train": cfg.train.to_dict(), "data": data[0], "threads": setup["threads"]}
     trainer = build_trainer(cfg.run, train_func_per_worker, loop_config, setup["threads"],
                             setup["runs_root"], tune.get_context().get_trial_id(),
-                            callbacks=[_tune_report_callback()])
+                            callbacks=[TuneReportCallback()])
     trainer.fit()  # raises when the run fails: Tune records the error and may retry
 
 
@@ -244,33 +229,38 @@ def _printer(searched: list[str], epochs: int, metric: str):
 
 # --------------------------------------------------------------------------- the search
 
-def _check_experiment_dir(identity: dict, exp_dir: str, resume: bool) -> bool:
-    """True when ``exp_dir`` holds a search to continue; refuses a conflicting one."""
+def _check_experiment(experiment: Run, identity: dict, resume: bool) -> bool:
+    """True when ``experiment`` holds a search to continue; refuses a conflicting one.
+
+    Restoring unpickles Tune's state (``tuner.pkl``, the trials'), which can run code: only
+    a search this project wrote, under the same identity record, is ever restored, and on a
+    local disk only one the current user owns.
+    """
     from ray import tune
 
-    restorable = tune.Tuner.can_restore(exp_dir)
-    if resume and not restorable:
-        raise UserError(f"--resume: no search to continue in {exp_dir}; drop --resume to "
-                        "start it", EXIT_USAGE)
-    if "://" in exp_dir:
-        return restorable
-    path = Path(exp_dir)
-    if path.exists() and not path.is_dir():
-        raise UserError(f"{path} exists and is not a directory; pick another --name",
+    experiment.check_identity(identity, "search")
+    restorable = tune.Tuner.can_restore(experiment.dir)
+    if restorable and experiment.identity() is None:
+        raise UserError(f"{experiment.dir} holds a Tune experiment that this command did not "
+                        f"start (no {SEARCH_FILE}); it is never restored. Pick another --name",
                         EXIT_USAGE)
-    search_file = path / SEARCH_FILE
-    if search_file.is_file():
-        try:
-            previous = json.loads(search_file.read_text())
-        except (OSError, ValueError) as exc:
-            raise UserError(f"{search_file} is unreadable ({exc}); pick another --name") from exc
-        if previous != identity:
-            changed = [k for k in identity if previous.get(k) != identity[k]]
-            raise UserError(
-                f"search '{path.name}' in {path.parent} was started with other settings "
-                f"({', '.join(changed)} differ); repeat its flags to resume it, or pick "
-                "another --name", EXIT_USAGE)
+    if restorable and experiment.local:
+        _check_owned(Path(experiment.dir))
+    if resume and not restorable:
+        raise UserError(f"--resume: no search to continue in {experiment.dir}; drop --resume "
+                        "to start it", EXIT_USAGE)
     return restorable
+
+
+def _check_owned(exp_dir: Path) -> None:
+    """Tune state someone else could have written is not ours to unpickle."""
+    me = os.getuid()
+    for path in [exp_dir, *exp_dir.glob("*.pkl"), *exp_dir.glob("*.json"),
+                 *exp_dir.glob("*/*.pkl")]:
+        stat = path.lstat()
+        if stat.st_uid != me or (stat.st_mode & 0o002 and not path.is_dir()):
+            raise UserError(f"{path} is not owned by you (or others may write it): the search "
+                            "in it is not restored. Pick another --name", EXIT_USAGE)
 
 
 def _plan(settings: TuneSettings, run: RunSettings, local: bool) -> tuple[int, int]:
@@ -306,22 +296,39 @@ def search(cmd: TuneCommand) -> dict[str, Any]:
     """Run (or continue) the search; returns what ``best.json`` holds."""
     started = time.perf_counter()
     space, settings, train, run = cmd.space, cmd.settings, cmd.train, cmd.run
-    identity = experiment_identity(space, settings, train, run)
-    name = experiment_name(identity, run)
-    storage = storage_root(run.storage_path)
-    exp_dir = f"{storage.rstrip('/')}/{name}"
-    with claim_run_dir(exp_dir, run.fresh):  # one search per directory at a time
-        return _search(cmd, identity, name, storage, exp_dir, started)
-
-
-def _search(cmd: TuneCommand, identity: dict, name: str, storage: str, exp_dir: str,
-            started: float) -> dict[str, Any]:
-    space, settings, train, run = cmd.space, cmd.settings, cmd.train, cmd.run
-    restoring = _check_experiment_dir(identity, exp_dir, settings.resume)
+    experiment = Run(run.storage_path, experiment_name(
+        experiment_identity(space, settings, train, run), run))
 
     from raytrain_mnist.data import load_mnist
 
     data = load_mnist(run.data_dir, run.dataset)
+    identity = {**experiment_identity(space, settings, train, run), "data": data_identity(data)}
+    with experiment.claim(run.fresh, "search"):  # one search per directory at a time
+        restoring = _check_experiment(experiment, identity, settings.resume)
+        best, trials = _search(cmd, experiment, identity, data, restoring, started)
+        # Still claimed: a second command never reads a half-written result.
+        experiment.write_bytes(RESULTS_FILE, results_csv(trials, space.searched,
+                                                         settings.metric))
+        from raytrain_mnist.tune_plots import trials_png
+
+        experiment.write_bytes(PLOT_FILE, trials_png(
+            trials, f"{experiment.name}: validation accuracy per trial ({run.num_workers} "
+                    f"worker(s), {data.kind})"))
+        experiment.write_json(BEST_FILE, best)
+    print_report(best, trials, space.searched, settings.metric)
+    if best["num_unfinished"]:
+        print(f"search interrupted with {best['num_unfinished']} trial(s) unfinished; "
+              f"resume with: {resume_command(cmd, experiment.name)}", file=sys.stderr)
+        raise KeyboardInterrupt
+    if best["num_errors"]:
+        raise UserError(f"{best['num_errors']} trial(s) failed (see the table); rerun the "
+                        f"same command to retry them: {resume_command(cmd, experiment.name)}")
+    return best
+
+
+def _search(cmd: TuneCommand, experiment: Run, identity: dict, data, restoring: bool,
+            started: float) -> tuple[dict, list[dict]]:
+    space, settings, train, run = cmd.space, cmd.settings, cmd.train, cmd.run
     address = cluster.resolve_address(run.address)
     import ray
     from ray import tune
@@ -340,22 +347,23 @@ def _search(cmd: TuneCommand, identity: dict, name: str, storage: str, exp_dir: 
                 "lower it, or --num-workers / --cpus-per-worker", EXIT_USAGE)
         concurrent = max(1, min(concurrent, holds, settings.num_samples))
         mode = settings.resolved_mode
-        print(f"{'resuming' if restoring else 'starting'} search '{name}': "
+        print(f"{'resuming' if restoring else 'starting'} search '{experiment.name}': "
               f"{settings.num_samples} trial(s), {settings.scheduler} on {settings.metric} "
               f"({mode}), {concurrent} at a time, each {run.num_workers} worker(s) x "
               f"{threads} CPU{', 1 GPU' if run.use_gpu else ''} for up to {train.epochs} "
               f"epoch(s); {data.train_size} train / {data.test_size} test images from "
               f"{data.source}", flush=True)
         print(f"search space: {space.describe()}", flush=True)
-        write_file(exp_dir, SEARCH_FILE, json.dumps(identity, indent=2).encode())
+        experiment.write_json(SEARCH_FILE, identity)
 
+        runs_root = f"{experiment.dir}/{RUNS_DIR}"
         setup = {"train": train.to_dict(), "run": dataclasses.asdict(run), "threads": threads,
-                 "runs_root": f"{exp_dir}/{RUNS_DIR}"}
+                 "runs_root": runs_root}
         trainable = tune.with_resources(
             tune.with_parameters(_trial, setup=setup, data=[ray.put(data)]),
             {"CPU": TRIAL_CPU})
         if restoring:
-            tuner = tune.Tuner.restore(exp_dir, trainable, resume_errored=True,
+            tuner = tune.Tuner.restore(experiment.dir, trainable, resume_errored=True,
                                        param_space=space.param_space())
         else:
             tuner = tune.Tuner(
@@ -370,7 +378,7 @@ def _search(cmd: TuneCommand, identity: dict, name: str, storage: str, exp_dir: 
                     trial_dirname_creator=_trial_dirname,
                 ),
                 run_config=tune.RunConfig(
-                    name=name, storage_path=storage,
+                    name=experiment.name, storage_path=experiment.storage,
                     failure_config=tune.FailureConfig(max_failures=TRIAL_RETRIES),
                     callbacks=[_printer(space.searched, train.epochs, settings.metric)],
                     verbose=0,
@@ -378,25 +386,9 @@ def _search(cmd: TuneCommand, identity: dict, name: str, storage: str, exp_dir: 
             )
         with PlacementGroupReaper():
             grid = tuner.fit()
-        trials = collect_trials(grid, settings.metric, mode, train.epochs)
-
-    best = summarize(cmd, name, exp_dir, trials, time.perf_counter() - started)
-    write_file(exp_dir, RESULTS_FILE, results_csv(trials, space.searched, settings.metric))
-    from raytrain_mnist.tune_plots import trials_png
-
-    write_file(exp_dir, PLOT_FILE, trials_png(
-        trials, f"{name}: validation accuracy per trial ({run.num_workers} worker(s), "
-                f"{data.kind})"))
-    write_file(exp_dir, BEST_FILE, json.dumps(best, indent=2).encode())
-    print_report(best, trials, space.searched, settings.metric)
-    if best["num_unfinished"]:
-        print(f"search interrupted with {best['num_unfinished']} trial(s) unfinished; "
-              f"resume with: {resume_command(cmd, name)}", file=sys.stderr)
-        raise KeyboardInterrupt
-    if best["num_errors"]:
-        raise UserError(f"{best['num_errors']} trial(s) failed (see the table); rerun the "
-                        f"same command to retry them: {resume_command(cmd, name)}")
-    return best
+        trials = collect_trials(grid, settings.metric, mode, train.epochs, runs_root)
+    best = summarize(cmd, experiment, trials, time.perf_counter() - started)
+    return best, trials
 
 
 def _scheduler(settings: TuneSettings, epochs: int):
@@ -418,7 +410,7 @@ def _searcher(seed: int, concurrent: int):
 
 # --------------------------------------------------------------------------- results
 
-def collect_trials(grid, metric: str, mode: str, epochs: int) -> list[dict]:
+def collect_trials(grid, metric: str, mode: str, epochs: int, runs_root: str) -> list[dict]:
     """One dict per trial, ranked best first by the best ``metric`` over its epochs."""
     statuses = _trial_statuses(grid)
     trials = []
@@ -430,8 +422,7 @@ def collect_trials(grid, metric: str, mode: str, epochs: int) -> list[dict]:
                 if _number(row.get("epoch")) is not None:
                     by_epoch[int(row["epoch"])] = row  # a resumed trial may repeat an epoch
         history = [{"epoch": e, "val_accuracy": r["val_accuracy"], "val_loss": r["val_loss"],
-                    metric: r[metric], "checkpoint": r.get("checkpoint_path")}
-                   for e, r in sorted(by_epoch.items())]
+                    metric: r[metric]} for e, r in sorted(by_epoch.items())]
         trial_id = result.metrics.get("trial_id") or Path(result.path).name.removeprefix(
             "trial_")
         status = statuses.get(trial_id)
@@ -457,7 +448,8 @@ def collect_trials(grid, metric: str, mode: str, epochs: int) -> list[dict]:
             "best_epoch": best_row["epoch"] if best_row else None,
             f"best_{metric}": best_row[metric] if best_row else None,
             "best_val_accuracy": max((h["val_accuracy"] for h in history), default=None),
-            "best_checkpoint": _best_checkpoint(history, best_row),
+            # The trial's Train run knows what it kept: the best of those by the metric.
+            "best_checkpoint": Run(runs_root, trial_id).best_checkpoint(metric, mode),
             "history": history,
             "error": None if result.error is None else cause_line(result.error),
         })
@@ -489,45 +481,22 @@ def _number(value) -> float | None:
     return None if math.isnan(value) else value
 
 
-def _best_checkpoint(history: list[dict], best_row: dict | None) -> str | None:
-    """The checkpoint of the best epoch; Train keeps the best by validation accuracy, so
-    when the metric is another one that epoch's may be gone: then the best one kept."""
-    def exists(path):
-        return bool(path) and ("://" in path or Path(path, "state.pt").is_file())
-
-    if best_row is not None and exists(best_row["checkpoint"]):
-        return best_row["checkpoint"]
-    kept = [h for h in history if exists(h["checkpoint"])]
-    return max(kept, key=lambda h: h["val_accuracy"])["checkpoint"] if kept else None
-
-
 def fit_command(cmd: TuneCommand, config: dict) -> str:
     """The ``fit`` command that trains the best trial's configuration again."""
     train = dataclasses.replace(cmd.train, **config)
-    parts = ["python", "-m", "raytrain_mnist.fit"]
-    for f in dataclasses.fields(TrainConfig):
-        parts += [f"--{f.name.replace('_', '-')}", _flag_value(getattr(train, f.name))]
-    defaults = RunSettings()
-    for f in dataclasses.fields(RunSettings):
-        value = getattr(cmd.run, f.name)
-        if f.name in ("name", "fresh") or value == getattr(defaults, f.name):
-            continue  # fit derives its own run name from these settings
-        flag = f"--{f.name.replace('_', '-')}"
-        parts += [flag] if value is True else [flag, _flag_value(value)]
-    return " ".join(shlex.quote(p) for p in parts)
-
-
-def _flag_value(value: Any) -> str:
-    return repr(value) if isinstance(value, float) else str(value)  # repr: exact floats
+    return command_line([*invocation("fit"), *flags_of(train, cmd.run,
+                                                       skip=("name", "fresh"))])
 
 
 def resume_command(cmd: TuneCommand, name: str) -> str:
-    args = " ".join(shlex.quote(a) for a in sys.argv[1:])
-    return (f"python -m raytrain_mnist.tune {args}".strip()
-            + ("" if cmd.run.name else f" --name {name}"))
+    """The command that continues this search, as this process was started."""
+    args = [a for a in cmd.argv if a != "--fresh"]
+    if not cmd.run.name:
+        args += ["--name", name]
+    return command_line([*invocation("tune"), *args])
 
 
-def summarize(cmd: TuneCommand, name: str, exp_dir: str, trials: list[dict],
+def summarize(cmd: TuneCommand, experiment: Run, trials: list[dict],
               wall_s: float) -> dict[str, Any]:
     metric = cmd.settings.metric
     ranked = [t for t in trials if t[f"best_{metric}"] is not None]
@@ -536,8 +505,8 @@ def summarize(cmd: TuneCommand, name: str, exp_dir: str, trials: list[dict],
     if best is not None:
         best_config = dataclasses.replace(cmd.train, **best["config"]).to_dict()
     return {
-        "name": name,
-        "experiment_dir": exp_dir,
+        "name": experiment.name,
+        "experiment_dir": experiment.dir,
         "metric": metric,
         "mode": cmd.settings.resolved_mode,
         "best_trial": best["trial_id"] if best else None,

@@ -137,7 +137,8 @@ def _run_dir_with_checkpoint(tmp_path, payload: bytes | None = None, state: dict
     import torch
 
     from raytrain_mnist.config import FitConfig, RunSettings, TrainConfig
-    from raytrain_mnist.fit import RUN_FILE, _run_identity
+    from raytrain_mnist.data import load_sample
+    from raytrain_mnist.runs import RUN_FILE, fit_identity
 
     storage = tmp_path / "runs"
     run_dir = storage / "r"
@@ -151,7 +152,7 @@ def _run_dir_with_checkpoint(tmp_path, payload: bytes | None = None, state: dict
                                              "metrics": {"epoch": 1}}}
     (run_dir / "checkpoint_manager_snapshot.json").write_text(json.dumps(snapshot))
     cfg = FitConfig(TrainConfig(), RunSettings(dataset="sample", name="r"))
-    (run_dir / RUN_FILE).write_text(json.dumps(_run_identity(cfg)))
+    (run_dir / RUN_FILE).write_text(json.dumps(fit_identity(cfg, load_sample())))
     return storage
 
 

@@ -48,13 +48,6 @@ def test_rules_that_span_both_halves(train, run, message):
         FitConfig(TrainConfig(**train), RunSettings(**run))
 
 
-def test_default_name_is_deterministic_and_follows_the_settings():
-    a, b = FitConfig(), FitConfig()
-    assert a.run_name == b.run_name and a.run_name.startswith("mnist-2w-")
-    assert FitConfig(TrainConfig(lr=0.05)).run_name != a.run_name
-    assert FitConfig(run=RunSettings(name="mine")).run_name == "mine"
-
-
 def test_train_config_round_trips_through_a_dict():
     cfg = TrainConfig(epochs=3, amp="bf16")
     assert TrainConfig.from_dict(cfg.to_dict()) == cfg

@@ -84,14 +84,16 @@ def test_a_bare_checkpoint_dir_uses_the_flags(trained_run, tiny_mnist, tmp_path)
 
 def test_a_tune_experiment_dir_resolves_to_its_best_checkpoint(trained_run, tiny_mnist,
                                                                tmp_path):
-    """tune's layout: <experiment>/best.json, search.json, runs/<trial>/checkpoint_*; moved."""
+    """tune's layout: <experiment>/search.json, best.json, runs/<trial id>/ (a Train run);
+    the best trial's best kept checkpoint is taken, by Ray's record of what it committed."""
     experiment = tmp_path / "tune-2w-x"
-    checkpoint = experiment / "runs" / "trial_0" / "checkpoint_000"
-    shutil.copytree(trained_run["best_checkpoint"], checkpoint)
+    trial_run = experiment / "runs" / "t0"
+    shutil.copytree(trained_run["run_dir"], trial_run)
+    checkpoint = trial_run / Path(trained_run["best_checkpoint"]).name
     (experiment / "search.json").write_text(json.dumps({"dataset": "mnist"}))
     (experiment / "best.json").write_text(json.dumps({
-        "experiment_dir": "/elsewhere/tune-2w-x",
-        "best_checkpoint": "/elsewhere/tune-2w-x/runs/trial_0/checkpoint_000"}))
+        "experiment_dir": "/elsewhere/tune-2w-x", "best_trial": "t0", "metric": "val_accuracy",
+        "mode": "max", "best_checkpoint": "/elsewhere/tune-2w-x/runs/t0/checkpoint_000"}))
     report = evaluate.evaluate_checkpoint(experiment, data_dir=str(tiny_mnist),
                                           out=tmp_path / "out")
     assert report["checkpoint"] == str(checkpoint.resolve()) and report["dataset"] == "mnist"
