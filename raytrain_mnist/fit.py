@@ -98,9 +98,13 @@ def format_epoch(m: dict, epochs: int) -> str:
             f"{m['images_per_s']:8.0f} img/s  {m['epoch_time_s']:6.1f} s")
 
 
-#: What one epoch contributes to the history (summary.json, the curves, TensorBoard).
-HISTORY_KEYS = ("epoch", "train_loss", "train_accuracy", "val_loss", "val_accuracy",
-                "images_per_s", "lr", "epoch_time_s")
+#: What an epoch's report carries about the run rather than the epoch: not history.
+_RUN_KEYS = ("val_total", "best_val_accuracy", "resumed_from_epoch", "started_at", "workers",
+             "checkpoint")
+
+
+def _epoch_entry(metrics: dict) -> dict:
+    return {k: v for k, v in metrics.items() if k not in _RUN_KEYS}
 
 
 class _Printer:
@@ -110,7 +114,7 @@ class _Printer:
     def __init__(self, actor, epochs: int, prior: list[dict], on_epoch=None) -> None:
         self.actor, self.epochs = actor, epochs
         self.on_epoch = on_epoch  # tracking.EpochLog.log: TensorBoard (and MLflow)
-        self.prior = [{k: h[k] for k in HISTORY_KEYS if k in h} for h in prior]
+        self.prior = [_epoch_entry(h) for h in prior]
         self.seen: list[dict] = []
         self.restarts = 0  # worker-group restarts seen (after a worker or node failure)
         self._stop = threading.Event()
@@ -129,8 +133,7 @@ class _Printer:
     def history(self) -> list[dict]:
         """One entry per epoch; an epoch trained again after a restart counts once."""
         by_epoch = {h["epoch"]: h for h in self.prior}
-        by_epoch.update({m["epoch"]: {k: m[k] for k in HISTORY_KEYS if k in m}
-                         for m in self.seen})
+        by_epoch.update({m["epoch"]: _epoch_entry(m) for m in self.seen})
         return [by_epoch[e] for e in sorted(by_epoch)]
 
     def _run(self) -> None:
