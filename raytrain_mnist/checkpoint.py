@@ -3,14 +3,17 @@
 A checkpoint is a directory holding one file, ``state.pt``: model, optimizer, scheduler and
 grad-scaler state, completed epochs, best validation accuracy, per-epoch history, the
 training config and the RNG state. Loading uses ``torch.load(weights_only=True)``: a file
-that would run code when unpickled is refused, never executed.
+that would run code when unpickled is refused, never executed. That refusal is only as good
+as torch's: releases before 2.10 have known bypasses, so loading needs at least that.
 """
 
 from __future__ import annotations
 
+import math
 import os
 import pickle
-import zipfile
+import re
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -21,6 +24,9 @@ from raytrain_mnist.model import ConvNet
 
 STATE_FILE = "state.pt"
 FORMAT = "raytrain_mnist/1"
+#: The oldest torch whose ``weights_only`` loading has no known bypass (CVE-2025-32434 covers
+#: releases before 2.6, a later advisory those before 2.10); pyproject.toml requires it too.
+MIN_TORCH = (2, 10)
 
 
 class CheckpointError(UserError):
@@ -41,6 +47,7 @@ def load(path: str | os.PathLike) -> dict[str, Any]:
 
     Raises :class:`CheckpointError` for a missing, corrupt, foreign or unsafe file.
     """
+    check_torch()
     path = Path(path)
     if path.is_dir():
         path = path / STATE_FILE
@@ -54,11 +61,22 @@ def load(path: str | os.PathLike) -> dict[str, Any]:
         raise CheckpointError(
             f"refusing to load {path}: it is not a plain tensor checkpoint ({first[:160]})"
         ) from exc
-    except (RuntimeError, EOFError, OSError, zipfile.BadZipFile, ValueError) as exc:
+    except Exception as exc:  # a malformed stream fails in many ways; none is a bug of ours
         raise CheckpointError(f"{path} is corrupt or truncated ({exc.__class__.__name__})") from exc
     if not isinstance(state, dict) or state.get("format") != FORMAT:
         raise CheckpointError(f"{path} is not a raytrain_mnist checkpoint")
     return state
+
+
+def check_torch(version: str | None = None) -> None:
+    """Refuse to load anything with a torch whose ``weights_only`` can be bypassed."""
+    version = version or torch.__version__
+    found = re.match(r"(\d+)\.(\d+)", version)
+    if found is None or (int(found[1]), int(found[2])) < MIN_TORCH:
+        floor = ".".join(map(str, MIN_TORCH))
+        raise CheckpointError(
+            f"torch {version} cannot load checkpoints safely (its weights_only loading has "
+            f"known bypasses); upgrade to torch>={floor}: pip install 'torch>={floor}'")
 
 
 def load_model(path: str | os.PathLike) -> ConvNet:
@@ -68,18 +86,27 @@ def load_model(path: str | os.PathLike) -> ConvNet:
 
 def _model_from(state: dict[str, Any], path: str | os.PathLike) -> ConvNet:
     model = ConvNet()
+    weights = state.get("model")
+    if not isinstance(weights, dict) or not all(
+            isinstance(k, str) and isinstance(v, torch.Tensor) for k, v in weights.items()):
+        raise CheckpointError(f"{path} holds no model weights (its 'model' is not a mapping "
+                              "of names to tensors)")
     try:
-        model.load_state_dict(state["model"])
+        model.load_state_dict(weights)
     except (KeyError, RuntimeError) as exc:
         raise CheckpointError(f"{path} holds weights of a different model") from exc
     return model
 
 
-RESUME_KEYS = ("model", "optimizer", "scheduler", "scaler", "epoch", "history", "rng", "config")
+RESUME_KEYS = ("model", "optimizer", "scheduler", "scaler", "epoch", "best_val_accuracy",
+               "history", "rng", "config")
 
 
 def check_resumable(path: str | os.PathLike, train_config: dict[str, Any]) -> int:
-    """Check that the checkpoint at ``path`` can resume a run of ``train_config``.
+    """Check that the checkpoint at ``path`` can resume a run of ``train_config``: on the
+    driver, before any worker starts, everything a worker will load is loaded here into
+    freshly built objects on the CPU (model, optimizer, schedule, grad scaler, RNG) and used
+    once, so a worker cannot fail on it.
 
     Returns its epoch; raises :class:`CheckpointError` naming what is wrong.
     """
@@ -87,10 +114,86 @@ def check_resumable(path: str | os.PathLike, train_config: dict[str, Any]) -> in
     missing = [key for key in RESUME_KEYS if key not in state]
     if missing:
         raise CheckpointError(f"{path} lacks {', '.join(missing)}: it cannot resume a run")
-    _model_from(state, path)
+    model = _model_from(state, path)
     if state["config"] != train_config:
         raise CheckpointError(f"{path} was written by a run with other training settings")
-    return int(state["epoch"])
+    from raytrain_mnist.config import ConfigError, TrainConfig
+
+    try:
+        cfg = TrainConfig.from_dict(train_config)
+    except (ConfigError, TypeError) as exc:
+        raise CheckpointError(f"{path} holds training settings that are not valid") from exc
+    epoch = state["epoch"]
+    if isinstance(epoch, bool) or not isinstance(epoch, int) or not 1 <= epoch <= cfg.epochs:
+        raise CheckpointError(f"{path}: its epoch {epoch!r} is not a completed epoch of a "
+                              f"{cfg.epochs}-epoch run")
+    best = state["best_val_accuracy"]
+    if isinstance(best, bool) or not isinstance(best, (int, float)) or not 0 <= best <= 1:
+        raise CheckpointError(f"{path}: its best_val_accuracy {best!r} is not an accuracy")
+    history = state["history"]
+    if not isinstance(history, list) or not all(
+            isinstance(h, dict) and all(isinstance(k, str) for k in h) for h in history):
+        raise CheckpointError(f"{path}: its history is not a list of per-epoch records")
+    _check_training_state(state, cfg, model, path)
+    _check_rng(state["rng"], path)
+    return epoch
+
+
+def _check_training_state(state: dict[str, Any], cfg, model: ConvNet, path) -> None:
+    """Load optimizer, schedule and scaler state as the worker does, then take one step."""
+    from raytrain_mnist.loop import build_optimizer
+
+    optimizer, scheduler = build_optimizer(model, cfg, 1)
+    for part, target in (("optimizer", optimizer), ("scheduler", scheduler)):
+        try:
+            if not isinstance(state[part], dict):
+                raise TypeError(f"a {type(state[part]).__name__}, not a dict")
+            target.load_state_dict(state[part])
+            if part == "optimizer":
+                # Shapes and types of the per-parameter state (momentum buffers) show only
+                # when they are used: one step with zero gradients uses them all.
+                for p in model.parameters():
+                    p.grad = torch.zeros_like(p)
+                optimizer.step()
+            else:
+                with warnings.catch_warnings():
+                    warnings.simplefilter("ignore")  # "use get_last_lr()": we mean get_lr
+                    lrs = scheduler.get_lr()
+                if not all(isinstance(lr, (int, float)) and math.isfinite(lr) for lr in lrs):
+                    raise ValueError(f"learning rates {lrs!r}")
+        except Exception as exc:  # torch raises anything from KeyError to RuntimeError here
+            raise CheckpointError(f"{path}: its {part} state does not fit this run "
+                                  f"({_first_line(exc)})") from exc
+    scaler_state = state["scaler"]
+    try:
+        if not isinstance(scaler_state, dict):
+            raise TypeError(f"a {type(scaler_state).__name__}, not a dict")
+        if cfg.amp == "fp16":  # a disabled scaler (every other precision) loads nothing
+            scaler = torch.amp.GradScaler("cpu", enabled=True)
+            scaler.load_state_dict(scaler_state)
+            scaler.scale(torch.ones(()))  # builds its scale tensor from the loaded value
+    except Exception as exc:
+        raise CheckpointError(f"{path}: its scaler state does not fit this run "
+                              f"({_first_line(exc)})") from exc
+
+
+def _check_rng(rng: Any, path) -> None:
+    try:
+        if not isinstance(rng, dict) or not isinstance(rng.get("torch"), torch.Tensor):
+            raise TypeError("no torch generator state")
+        torch.Generator().set_state(rng["torch"])  # validates without touching ours
+        cuda = rng.get("cuda")
+        if cuda is not None and not (isinstance(cuda, torch.Tensor)
+                                     and cuda.dtype == torch.uint8):
+            raise TypeError("the CUDA generator state is not a byte tensor")
+    except Exception as exc:
+        raise CheckpointError(f"{path}: its RNG state is unusable ({_first_line(exc)})") \
+            from exc
+
+
+def _first_line(exc: BaseException) -> str:
+    lines = [line.strip() for line in str(exc).splitlines() if line.strip()]
+    return (lines[0] if lines else exc.__class__.__name__)[:160]
 
 
 def rng_state() -> dict[str, Any]:

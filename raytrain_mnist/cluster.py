@@ -9,9 +9,12 @@ again by whoever started it. A Ray we did not start is never stopped.
 from __future__ import annotations
 
 import contextlib
+import importlib.abc
+import importlib.util
 import logging
 import os
 import socket
+import sys
 from dataclasses import dataclass
 from typing import Iterator
 
@@ -95,15 +98,18 @@ def connect(address: str | None, request: Request) -> Iterator[bool]:
         for key, value in LOCAL_TRAIN_ENV.items():
             os.environ.setdefault(key, value)
         try:
-            ray.init(
-                address="local",  # a new Ray, never one that `ray start` left running
-                num_cpus=max(os.cpu_count() or 1, int(needed + 0.999)),
-                num_gpus=None if request.use_gpu else 0,
-                include_dashboard=True,
-                dashboard_host="127.0.0.1",
-                logging_level=logging.WARNING,
-                log_to_driver=_worker_logs_to_driver(),
-            )
+            with loopback_node():
+                ray.init(
+                    address="local",  # a new Ray, never one that `ray start` left running
+                    num_cpus=max(os.cpu_count() or 1, int(needed + 0.999)),
+                    num_gpus=None if request.use_gpu else 0,
+                    include_dashboard=True,
+                    dashboard_host=LOOPBACK,
+                    _node_ip_address=LOOPBACK,
+                    runtime_env=local_runtime_env(),
+                    logging_level=logging.WARNING,
+                    log_to_driver=_worker_logs_to_driver(),
+                )
         except Exception as exc:  # Ray raises bare Exception when its processes fail to start
             raise UserError(f"could not start a local Ray: {str(exc).strip()[:300]}") from exc
         started = True
@@ -113,6 +119,128 @@ def connect(address: str | None, request: Request) -> Iterator[bool]:
     finally:
         if started:
             ray.shutdown()
+
+
+#: The address a Ray this process starts binds its servers to: nothing outside the machine.
+LOOPBACK = "127.0.0.1"
+#: Ray's single-node switch (its default on macOS and Windows): the node IP is loopback.
+_SINGLE_NODE_VAR = "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"
+
+
+@contextlib.contextmanager
+def loopback_node() -> Iterator[None]:
+    """Around ``ray.init`` of a new local Ray: every server it starts listens on loopback.
+
+    Ray turns a loopback ``node_ip_address`` into the machine's outward address, and its GCS,
+    raylet, object manager and agents then listen on every interface, unless it runs as a
+    single-node cluster. That switch is read when ray is imported (this process has usually
+    imported it already, so its constant is set too) and by every process Ray starts, which
+    inherit the environment: workers then also give Train (MASTER_ADDR) the loopback address.
+    """
+    from ray._private import ray_constants
+
+    saved_env = os.environ.get(_SINGLE_NODE_VAR)
+    saved_flag = getattr(ray_constants, "ENABLE_RAY_CLUSTER", None)
+    os.environ[_SINGLE_NODE_VAR] = "0"
+    ray_constants.ENABLE_RAY_CLUSTER = False
+    try:
+        yield
+    finally:
+        if saved_env is None:
+            os.environ.pop(_SINGLE_NODE_VAR, None)
+        else:
+            os.environ[_SINGLE_NODE_VAR] = saved_env
+        if saved_flag is not None:
+            ray_constants.ENABLE_RAY_CLUSTER = saved_flag
+
+
+_STORE_MODULE = "torch.distributed.rendezvous"
+
+
+def store_on_master_addr() -> None:
+    """``worker_process_setup_hook`` of a local Ray: rank 0's TCPStore (the rendezvous that
+    ``init_process_group`` starts) listens on MASTER_ADDR, here loopback, instead of on
+    every interface, which is torch's default and has no setting.
+
+    Runs in every worker process Ray starts, most of which never train: torch is not
+    imported for them; the patch is applied when a process imports torch's rendezvous.
+    """
+    if _STORE_MODULE in sys.modules:
+        _patch_store(sys.modules[_STORE_MODULE])
+    elif not any(isinstance(finder, _PatchOnImport) for finder in sys.meta_path):
+        sys.meta_path.insert(0, _PatchOnImport())
+
+
+class _PatchOnImport(importlib.abc.MetaPathFinder):
+    """Finds torch's rendezvous module with the other finders, then patches it once loaded."""
+
+    def find_spec(self, name, path, target=None):
+        if name != _STORE_MODULE:
+            return None
+        sys.meta_path.remove(self)
+        spec = importlib.util.find_spec(name)
+        if spec is None or spec.loader is None:
+            return spec
+        exec_module = spec.loader.exec_module
+
+        def exec_and_patch(module):
+            exec_module(module)
+            _patch_store(module)
+
+        spec.loader.exec_module = exec_and_patch
+        return spec
+
+
+def _patch_store(rendezvous) -> None:
+    create = rendezvous._create_c10d_store
+    if getattr(create, "_on_master_addr", False):
+        return
+
+    def create_c10d_store(hostname, port, rank, world_size, timeout, *args, **kwargs):
+        if rank != 0 or os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
+            return create(hostname, port, rank, world_size, timeout, *args, **kwargs)
+        from torch.distributed import TCPStore
+
+        family = socket.AF_INET6 if ":" in hostname else socket.AF_INET
+        listener = socket.socket(family, socket.SOCK_STREAM)
+        listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            listener.bind((hostname, port))
+            listener.listen(socket.SOMAXCONN)
+        except OSError:  # not an address of this machine after all: torch's own way
+            listener.close()
+            return create(hostname, port, rank, world_size, timeout, *args, **kwargs)
+        use_libuv = args[0] if args else kwargs.get("use_libuv", True)
+        return TCPStore(host_name=hostname, port=port, world_size=world_size, is_master=True,
+                        timeout=timeout, multi_tenant=True, master_listen_fd=listener.detach(),
+                        use_libuv=use_libuv)
+
+    create_c10d_store._on_master_addr = True
+    rendezvous._create_c10d_store = create_c10d_store
+
+
+def _loopback_interface() -> str | None:
+    """The name of the interface that holds 127.0.0.1 (lo on Linux, lo0 on macOS)."""
+    try:
+        import psutil
+
+        for name, addresses in psutil.net_if_addrs().items():
+            if any(a.family == socket.AF_INET and a.address == LOOPBACK for a in addresses):
+                return name
+    except Exception:  # psutil comes with ray[default]; without it Gloo picks as it does
+        pass
+    return None
+
+
+def local_runtime_env() -> dict:
+    """The runtime environment of every worker of a Ray this process starts: the torch
+    rendezvous on loopback, and Gloo's sockets on the loopback interface unless the user
+    chose one (``--socket-ifname`` sets it per run and wins over this)."""
+    env: dict = {"worker_process_setup_hook": f"{__name__}.store_on_master_addr"}
+    interface = _loopback_interface()
+    if interface and "GLOO_SOCKET_IFNAME" not in os.environ:
+        env["env_vars"] = {"GLOO_SOCKET_IFNAME": interface}
+    return env
 
 
 def worker_logs_dir() -> str:
@@ -129,18 +257,18 @@ def worker_logs_dir() -> str:
 
 def _check_reachable(address: str) -> None:
     """Fail in seconds, with one line, where ``ray.init`` would retry for minutes."""
-    if address == "auto" or address.startswith("ray://"):
-        return
-    if "://" in address:
-        raise UserError(
-            f"--address {address!r}: fit connects to the Ray GCS (host:port, e.g. 10.0.0.1:6379); "
-            "submit jobs to a dashboard URL with `python -m raytrain_mnist.submit`", EXIT_USAGE)
-    host, sep, port = address.rpartition(":")
-    if not sep or not port.isdigit() or not host:
-        raise UserError(f"--address {address!r} is not host:port (e.g. 127.0.0.1:6379)",
-                        EXIT_USAGE)
+    from raytrain_mnist.config import ConfigError, check_ray_address, split_host_port
+
+    flag = "--address" if address != os.environ.get("RAY_ADDRESS") else "RAY_ADDRESS"
     try:
-        socket.create_connection((host, int(port)), timeout=_CONNECT_TIMEOUT_S).close()
+        check_ray_address(address, flag)  # RAY_ADDRESS has not been looked at before
+    except ConfigError as exc:
+        raise UserError(str(exc), EXIT_USAGE) from None
+    if address == "auto":
+        return
+    host, port = split_host_port(address.removeprefix("ray://"))
+    try:
+        socket.create_connection((host, port), timeout=_CONNECT_TIMEOUT_S).close()
     except OSError as exc:
         raise UserError(
             f"no Ray cluster answers at {address} ({exc.strerror or exc}); start one with "

@@ -36,6 +36,12 @@ SYNC_BN_CHOICES = ("auto", "on", "off")
 SCHEDULE_CHOICES = ("onecycle", "constant")
 BACKEND_CHOICES = ("auto", "nccl", "gloo")
 INIT_METHOD_CHOICES = ("env", "tcp")
+#: The largest seed ``torch.manual_seed`` and ``torch.Generator.manual_seed`` accept.
+SEED_MAX = 2**64 - 1
+#: Where loop.build_optimizer's one-cycle schedule stops warming up (a share of all steps).
+ONECYCLE_PCT_START = 0.25
+#: Longest run name: a file name, with room for the ``.previous-N`` of ``--fresh``.
+NAME_MAX = 200
 DATASET_CHOICES = ("auto", "mnist", "sample")
 PLACEMENT_CHOICES = ("PACK", "SPREAD", "STRICT_SPREAD")
 
@@ -69,6 +75,10 @@ class TrainConfig:
         _check_float("momentum", self.momentum)
         if self.momentum >= 1:
             raise ConfigError(f"--momentum must be in [0, 1), got {self.momentum}")
+        # The order of epoch e is seeded with seed + e, and torch takes 64-bit seeds.
+        if self.seed + self.epochs - 1 > SEED_MAX:
+            raise ConfigError(f"--seed must be at most {SEED_MAX - self.epochs + 1} (torch "
+                              f"seeds are 64-bit, each epoch uses seed + epoch), got {self.seed}")
         _check_float("weight-decay", self.weight_decay)
         _check_int("seed", self.seed, 0)
         _check_choice("schedule", self.schedule, SCHEDULE_CHOICES)
@@ -172,6 +182,10 @@ class RunSettings:
             raise ConfigError("--storage-path must not be empty")
         if self.name is not None:
             check_run_name(self.name)
+        if self.address is not None:
+            check_ray_address(self.address)
+        if self.mlflow_uri is not None:
+            check_mlflow_uri(self.mlflow_uri)
         if self.socket_ifname is not None and not self.socket_ifname.strip():
             raise ConfigError("--socket-ifname must name a network interface, e.g. eth0")
 
@@ -260,6 +274,90 @@ class FitConfig:
         the same run instead of starting a new one.
         """
         if self.run.name:
+def check_ray_address(address: str, flag: str = "--address") -> None:
+    """The forms of a Ray cluster address: ``auto``, ``HOST:PORT`` (``[IPv6]:PORT``) or
+    ``ray://HOST:PORT``. Whether something answers there is the cluster module's to find."""
+    if address == "auto":
+        return
+    if not address.strip():
+        raise ConfigError(f"{flag} is empty; drop it to train on a local Ray, or give "
+                          "HOST:PORT of the cluster's head (e.g. 10.0.0.1:6379)")
+    rest = address[len("ray://"):] if address.startswith("ray://") else address
+    if "://" in rest:
+        raise ConfigError(
+            f"{flag} {address!r}: fit connects to the Ray GCS (host:port, e.g. 10.0.0.1:6379); "
+            "submit jobs to a dashboard URL with `python -m raytrain_mnist.submit`")
+    host, port = split_host_port(rest)
+    if host is None or port is None:
+        raise ConfigError(f"{flag} {address!r} is not HOST:PORT with a port from 1 to 65535 "
+                          "(e.g. 127.0.0.1:6379), ray://HOST:PORT or auto")
+
+
+def split_host_port(text: str) -> tuple[str | None, int | None]:
+    """``host:port`` or ``[v6]:port`` into its parts; None for a part that is not valid."""
+    host, sep, port = text.rpartition(":")
+    if host.startswith("[") and host.endswith("]"):
+        host = host[1:-1]
+    elif ":" in host:  # an IPv6 address without brackets: the port is ambiguous
+        return None, None
+    valid_host = bool(host) and host.isprintable() and not any(c in host for c in " /@?#[]")
+    valid_port = bool(sep) and port.isdigit() and 0 < int(port) < 65536
+    return (host if valid_host else None), (int(port) if valid_port else None)
+
+
+def check_mlflow_uri(uri: str) -> None:
+    """A tracking URI is written into run records and printed: credentials stay out of it."""
+    from urllib.parse import urlsplit
+
+    try:
+        parts = urlsplit(uri)
+        has_credentials = parts.username is not None or parts.password is not None
+    except ValueError as exc:
+        raise ConfigError(f"--mlflow-uri is not a URI ({exc})") from None
+    if has_credentials:
+        raise ConfigError(
+            "--mlflow-uri must not hold credentials (user:password@); give them through the "
+            "environment: MLFLOW_TRACKING_USERNAME and MLFLOW_TRACKING_PASSWORD (or "
+            "MLFLOW_TRACKING_TOKEN)")
+
+
+def steps_per_epoch(train_size: int, batch_size: int, num_workers: int) -> int:
+    """Optimizer steps in one epoch: each worker takes ``batch_size // num_workers`` samples
+    per step from its share of the training set, and drops a last partial batch. Several
+    workers share through a DistributedSampler, which pads every share to ceil(N / workers)."""
+    per_worker = batch_size // num_workers
+    share = train_size if num_workers == 1 else -(-train_size // num_workers)
+    return share // per_worker if per_worker else 0
+
+
+def check_data_fits(train: TrainConfig, run: RunSettings, train_size: int) -> None:
+    """Refuse, before anything starts, a run that the training set cannot feed: an epoch of
+    no step, or a one-cycle schedule whose step count PyTorch cannot split. ``run``'s
+    workers may be a count or an elastic (min, max) range: every size in it is checked."""
+    workers = run.num_workers
+    low, high = (workers, workers) if isinstance(workers, int) else workers
+    for count in range(low, high + 1):
+        if train.batch_size < count:
+            raise ConfigError(f"--batch-size {train.batch_size} is smaller than {count} "
+                              "workers: every worker needs at least one sample per step")
+        steps = steps_per_epoch(train_size, train.batch_size, count)
+        share = train_size if count == 1 else -(-train_size // count)
+        if steps < 1:
+            largest = share * count
+            on = f" over {count} workers" if count > 1 else ""
+            raise ConfigError(
+                f"--batch-size {train.batch_size} is larger than the {train_size} training "
+                f"images{on} can fill: an epoch would have no step; use --batch-size "
+                f"{largest} or less")
+        total = train.epochs * steps
+        # OneCycleLR divides by its warm-up length in steps, ONECYCLE_PCT_START * total - 1.
+        if train.schedule == "onecycle" and ONECYCLE_PCT_START * total - 1 == 0:
+            raise ConfigError(
+                f"--epochs {train.epochs} x {steps} step(s) per epoch is {total} steps, a "
+                "one-cycle warm-up of no step (PyTorch's OneCycleLR fails on it); change "
+                "--epochs or --batch-size, or use --schedule constant")
+
+
             return self.run.name
         identity = {**self.train.to_dict(), "num_workers": self.run.num_workers,
                     "use_gpu": self.run.use_gpu, "dataset": self.run.dataset}
@@ -268,9 +366,11 @@ class FitConfig:
 
 
 def check_run_name(name: str) -> None:
-    if not name or name in (".", "..") or "/" in name or os.sep in name or name.startswith("-"):
+    if (not name or name in (".", "..") or "/" in name or os.sep in name
+            or name.startswith("-") or not name.isprintable() or len(name) > NAME_MAX):
         raise ConfigError(
-            f"--name {name!r} is not a valid run name: use letters, digits, '-', '_' or '.'"
+            f"--name {name!r} is not a valid run name: use letters, digits, '-', '_' or '.' "
+            f"(at most {NAME_MAX} characters)"
         )
 
 

@@ -14,17 +14,21 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
+import itertools
 import json
 import typing
 from dataclasses import dataclass, field
 from typing import Any, Iterable, Mapping, Optional
 
-from raytrain_mnist.config import ConfigError, FitConfig, RunSettings, TrainConfig
+from raytrain_mnist.config import (ConfigError, FitConfig, RunSettings, TrainConfig,
+                                   check_data_fits)
 
 KINDS = ("loguniform", "uniform", "choice", "fixed")
 SCHEDULER_CHOICES = ("asha", "fifo")
 METRIC_CHOICES = ("val_accuracy", "val_loss", "train_accuracy", "train_loss")
 MODE_CHOICES = ("max", "min")
+#: The largest seed of Tune's sampler (``BasicVariantGenerator(random_state=...)``).
+SEARCH_SEED_MAX = 2**32 - 1
 #: The per-trial budget (``--max-epochs``); never searched.
 _NOT_SEARCHABLE = ("epochs",)
 
@@ -179,6 +183,23 @@ class SearchSpace:
                 except ConfigError as exc:
                     raise ConfigError(f"search space {name}={param.describe()}: {exc}") from None
 
+    def check_data(self, base: TrainConfig, run: RunSettings, train_size: int) -> None:
+        """Every combination a trial can draw of the fields that decide the steps per epoch
+        fits a training set of ``train_size`` images (:func:`config.check_data_fits`)."""
+        fields = ("batch_size", "schedule")
+        choices = [self.params[n].candidates() if n in self.params else (getattr(base, n),)
+                   for n in fields]
+        for values in itertools.product(*choices):
+            drawn = dict(zip(fields, values))
+            try:
+                check_data_fits(dataclasses.replace(base, **drawn), run, train_size)
+            except ConfigError as exc:
+                searched = ", ".join(f"{n}={self.params[n].describe()}" for n in fields
+                                     if n in self.params and self.params[n].kind != "fixed")
+                raise ConfigError(f"search space {searched or 'fixed values'}: a trial with "
+                                  f"{', '.join(f'{n}={v}' for n, v in drawn.items())} "
+                                  f"fails: {exc}") from None
+
     @property
     def searched(self) -> list[str]:
         return [n for n, p in self.params.items() if p.kind != "fixed"]
@@ -233,6 +254,9 @@ class TuneSettings:
                                      ("search-seed", self.search_seed, 0)):
             if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
                 raise ConfigError(f"--{flag} must be an integer >= {minimum}, got {value!r}")
+        if self.search_seed > SEARCH_SEED_MAX:  # the sampler seeds a NumPy RandomState
+            raise ConfigError(f"--search-seed must be at most {SEARCH_SEED_MAX} (a 32-bit "
+                              f"seed), got {self.search_seed}")
         if self.max_concurrent_trials is not None and (
                 not isinstance(self.max_concurrent_trials, int)
                 or self.max_concurrent_trials < 1):

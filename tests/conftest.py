@@ -176,8 +176,12 @@ def ray_local():
     """One local Ray in this process (3 CPUs: the most any in-process test asks for)."""
     import ray
 
-    ray.init(address="local", num_cpus=3, num_gpus=0, include_dashboard=False,
-             logging_level="WARNING", log_to_driver=False)  # fit prints what matters
+    from raytrain_mnist.cluster import LOOPBACK, local_runtime_env, loopback_node
+
+    with loopback_node():  # on loopback, as fit starts its own
+        ray.init(address="local", num_cpus=3, num_gpus=0, include_dashboard=False,
+                 _node_ip_address=LOOPBACK, runtime_env=local_runtime_env(),
+                 logging_level="WARNING", log_to_driver=False)  # fit prints what matters
     stop = _stopping("ray_local", ray.shutdown)
     yield ray
     stop()
@@ -190,9 +194,12 @@ def two_nodes():
     Started by the first test that needs it, stopped after the last."""
     from ray.cluster_utils import Cluster
 
-    cluster = Cluster(initialize_head=True,
-                      head_node_args={"num_cpus": 0, "include_dashboard": False})
-    nodes = [cluster.add_node(num_cpus=1) for _ in range(2)]
+    from raytrain_mnist.cluster import loopback_node
+
+    with loopback_node():  # every node on 127.0.0.1, listening on nothing else
+        cluster = Cluster(initialize_head=True,
+                          head_node_args={"num_cpus": 0, "include_dashboard": False})
+        nodes = [cluster.add_node(num_cpus=1) for _ in range(2)]
     cluster.wait_for_nodes()
     stop = _stopping("two_nodes", cluster.shutdown)
     yield cluster, nodes

@@ -47,6 +47,13 @@ def _assert_one_line_error(result, code: int, fragment: str) -> None:
     (["--frobnicate"], 2, "unrecognized arguments: --frobnicate"),
     (["--data-dir", "/nonexistent/mnist"], 2, "--data-dir /nonexistent/mnist is not a directory"),
     (["--dataset", "mnist"], 1, "full MNIST not found; tried"),
+    (["--seed", str(2**64)], 2, "--seed must be at most"),
+    (["--seed", "-1"], 2, "--seed must be an integer >= 0"),
+    (["--address", "http://127.0.0.1:8265"], 2, "submit jobs to a dashboard URL"),
+    (["--address", "127.0.0.1:99999"], 2, "is not HOST:PORT with a port from 1 to 65535"),
+    (["--address", ""], 2, "--address is empty"),
+    (["--mlflow-uri", "http://me:hunter2@mlflow.example"], 2, "MLFLOW_TRACKING_USERNAME"),
+    (["--name", "a\nb"], 2, "is not a valid run name"),
 ])
 def test_bad_flags(args, code, fragment, tmp_path):
     result = run_cli_here("fit", "--storage-path", str(tmp_path / "runs"), *args)
@@ -69,22 +76,57 @@ def test_storage_path_that_is_a_file(tmp_path):
     assert (tmp_path / "file").read_text() == "precious"
 
 
-def test_use_gpu_without_gpus_is_one_clear_error_within_30_s(tmp_path):
+def test_use_gpu_without_enough_gpus_is_one_clear_error_within_30_s(tmp_path):
+    import torch
+
+    # One worker more than this machine has GPUs: refused on any host, GPUs or not.
+    gpus = torch.cuda.device_count()
+    workers = gpus + 1
     started = time.monotonic()
-    result = run_cli_here("fit", "--use-gpu", "--dataset", "sample", "--storage-path",
+    result = run_cli_here("fit", "--use-gpu", "--num-workers", str(workers), "--batch-size",
+                          str(32 * workers), "--dataset", "sample", "--storage-path",
                           str(tmp_path))
-    _assert_one_line_error(result, 1, "--use-gpu asks for 2 GPU worker(s) but the cluster has 0")
+    _assert_one_line_error(result, 1, f"--use-gpu asks for {workers} GPU worker(s) but the "
+                                      f"cluster has {gpus} GPU(s)")
     assert time.monotonic() - started < 30
 
 
-def test_help_lists_every_flag():
-    result = run_cli("fit", "--help", timeout=60)
-    assert result.returncode == 0
-    for flag in ("--num-workers", "--use-gpu", "--cpus-per-worker", "--epochs", "--batch-size",
-                 "--lr", "--momentum", "--weight-decay", "--amp", "--sync-bn", "--backend",
-                 "--init-method", "--seed", "--data-dir", "--dataset", "--storage-path",
-                 "--name", "--address", "--max-failures", "--keep-checkpoints"):
-        assert flag in result.stdout, flag
+def _flags_of_config(*classes) -> set[str]:
+    import dataclasses
+
+    return {"--" + f.name.replace("_", "-") for cls in classes for f in dataclasses.fields(cls)}
+
+
+def _command_flags() -> dict[str, set[str]]:
+    """Every flag of every command: what its parser defines, and, where the command is built
+    from config dataclasses, one flag per field (so a field without a flag shows too)."""
+    import importlib
+
+    from raytrain_mnist.__main__ import COMMANDS
+    from raytrain_mnist.config import RunSettings, TrainConfig
+    from raytrain_mnist.search_space import TuneSettings
+
+    from_config = {"fit": _flags_of_config(TrainConfig, RunSettings),
+                   "tune": _flags_of_config(TrainConfig, RunSettings, TuneSettings)}
+    flags = {}
+    for command in COMMANDS:
+        parser = importlib.import_module(f"raytrain_mnist.{command}").build_parser()
+        defined = {option for action in parser._actions for option in action.option_strings
+                   if option not in ("-h", "--help")}
+        assert from_config.get(command, set()) <= defined, (command, from_config[command] - defined)
+        flags[command] = defined
+    return flags
+
+
+def test_help_lists_every_flag_of_every_command():
+    flags = _command_flags()
+    assert set(flags) >= {"fit", "tune", "evaluate", "submit"}
+    assert len(flags["fit"]) >= 27
+    for command, expected in flags.items():
+        result = run_cli_here(command, "--help")
+        assert result.returncode == 0, result.stderr
+        missing = sorted(flag for flag in expected if flag not in result.stdout)
+        assert not missing, f"{command} --help lacks {missing}"
 
 
 def test_console_script_dispatches(tmp_path):
@@ -175,8 +217,8 @@ def _foreign_model_state() -> dict:
     import torch
 
     return {"format": "raytrain_mnist/1", "model": {"linear.weight": torch.zeros(2, 2)},
-            "optimizer": {}, "scheduler": {}, "scaler": {}, "epoch": 1, "history": [],
-            "rng": {}, "config": {}}
+            "optimizer": {}, "scheduler": {}, "scaler": {}, "epoch": 1, "best_val_accuracy": 0.0,
+            "history": [], "rng": {}, "config": {}}
 
 
 @pytest.mark.parametrize("shape, fragment", [
@@ -223,3 +265,28 @@ def test_corrupt_run_file(tmp_path):
     result = run_cli_here("fit", "--dataset", "sample", "--storage-path", str(tmp_path / "runs"),
                      "--name", "r")
     _assert_one_line_error(result, 1, "run.json is unreadable")
+
+
+@pytest.mark.parametrize("args, fragment", [
+    (["tune", "--search-seed", str(2**32)], "--search-seed must be at most 4294967295"),
+    (["tune", "--seed", str(2**64)], "--seed must be at most"),
+    (["tune", "--range", "seed=0,18446744073709551616"], "--seed must be at most"),
+    (["tune", "--range", "momentum=0.5:1"], "--momentum must be in [0, 1)"),
+    (["evaluate", "nowhere", "--num-workers", "0"], "--num-workers must be an integer >= 1"),
+])
+def test_bad_flags_of_the_other_commands_before_ray_starts(tmp_path, args, fragment):
+    import sys
+
+    started = time.monotonic()
+    result = run_cli_here(*args, "--storage-path", str(tmp_path / "runs")) \
+        if args[0] == "tune" else run_cli_here(*args)
+    _assert_one_line_error(result, 2, fragment)
+    assert time.monotonic() - started < 5
+    assert not (tmp_path / "runs").exists()
+    assert "ray" not in sys.modules or not __import__("ray").is_initialized()
+
+
+def test_an_address_in_ray_address_is_checked_like_the_flag(tmp_path, monkeypatch):
+    monkeypatch.setenv("RAY_ADDRESS", "10.0.0.1:http")
+    result = run_cli_here("fit", "--dataset", "sample", "--storage-path", str(tmp_path))
+    _assert_one_line_error(result, 2, "RAY_ADDRESS '10.0.0.1:http' is not HOST:PORT")

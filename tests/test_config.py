@@ -1,10 +1,14 @@
 """Config validation: every bad value is a ConfigError naming the flag."""
 
+import dataclasses
 import math
+import re
+from types import SimpleNamespace
 
 import pytest
 
-from raytrain_mnist.config import ConfigError, FitConfig, RunSettings, TrainConfig
+from raytrain_mnist.config import (ConfigError, FitConfig, RunSettings, TrainConfig,
+                                   check_data_fits, steps_per_epoch)
 
 
 @pytest.mark.parametrize("kwargs, flag", [
@@ -53,3 +57,119 @@ def test_train_config_round_trips_through_a_dict():
     assert TrainConfig.from_dict(cfg.to_dict()) == cfg
     with pytest.raises(ConfigError, match="unknown"):
         TrainConfig.from_dict({**cfg.to_dict(), "dropout": 0.5})
+
+
+# --------------------------------------------------------------------------- refused up front
+
+@pytest.mark.parametrize("kwargs, message", [
+    ({"seed": 2**64}, "--seed must be at most"),
+    ({"seed": 2**64 - 1, "epochs": 2}, f"--seed must be at most {2**64 - 2}"),
+])
+def test_seeds_torch_cannot_take_are_refused(kwargs, message):
+    with pytest.raises(ConfigError, match=re.escape(message)):
+        TrainConfig(**kwargs)
+
+
+def test_the_largest_seed_torch_takes_is_accepted_and_works():
+    import torch
+
+    cfg = TrainConfig(seed=2**64 - 2, epochs=2)
+    for epoch in range(cfg.epochs):  # what the loader does with it
+        torch.Generator().manual_seed(cfg.seed + epoch)
+    with pytest.raises(ValueError):  # one more and torch refuses: the bound is torch's
+        torch.Generator().manual_seed(cfg.seed + cfg.epochs)
+
+
+@pytest.mark.parametrize("address", ["", " ", "http://10.0.0.1:8265", "10.0.0.1", "10.0.0.1:",
+                                     "10.0.0.1:0", "10.0.0.1:65536", "10.0.0.1:99999999999",
+                                     ":6379", "::1:6379", "ray://10.0.0.1", "ray://:10001",
+                                     "host name:6379", "user@host:6379"])
+def test_malformed_addresses_are_refused(address):
+    with pytest.raises(ConfigError, match="--address"):
+        RunSettings(address=address)
+
+
+@pytest.mark.parametrize("address", ["auto", "10.0.0.1:6379", "head.example:6379",
+                                     "[::1]:6379", "ray://10.0.0.1:10001"])
+def test_well_formed_addresses_pass(address):
+    RunSettings(address=address)
+
+
+@pytest.mark.parametrize("uri", ["http://user:secret@mlflow.example:5000",
+                                 "https://token@mlflow.example", "postgresql://u:p@db/mlflow"])
+def test_an_mlflow_uri_with_credentials_is_refused(uri):
+    with pytest.raises(ConfigError, match="MLFLOW_TRACKING_USERNAME") as info:
+        RunSettings(mlflow_uri=uri)
+    assert "secret" not in str(info.value) and "token@" not in str(info.value)
+
+
+@pytest.mark.parametrize("uri", ["http://mlflow.example:5000", "file:/tmp/mlruns",
+                                 "databricks"])
+def test_an_mlflow_uri_without_credentials_passes(uri):
+    RunSettings(mlflow_uri=uri)
+
+
+@pytest.mark.parametrize("name", ["a\nb", "tab\there", "x" * 201])
+def test_names_that_are_no_file_name_are_refused(name):
+    with pytest.raises(ConfigError, match="--name"):
+        RunSettings(name=name)
+
+
+@pytest.mark.parametrize("batch, workers, size, message", [
+    (128, 1, 100, "--batch-size 128 is larger than the 100 training images can fill: an "
+                  "epoch would have no step; use --batch-size 100 or less"),
+    (128, 2, 100, "use --batch-size 100 or less"),
+    (96, 3, 64, "use --batch-size 66 or less"),  # shares of 22 (padded), 32 per worker
+])
+def test_a_batch_larger_than_the_data_is_refused(batch, workers, size, message):
+    train, run = TrainConfig(batch_size=batch), RunSettings(num_workers=workers)
+    with pytest.raises(ConfigError, match=re.escape(message)):
+        check_data_fits(train, run, size)
+
+
+@pytest.mark.parametrize("batch, workers, size", [(100, 1, 100), (100, 2, 100), (66, 3, 64)])
+def test_the_largest_batch_the_data_fills_passes(batch, workers, size):
+    check_data_fits(TrainConfig(batch_size=batch, epochs=2), RunSettings(num_workers=workers),
+                    size)
+    assert steps_per_epoch(size, batch, workers) == 1
+
+
+def test_steps_per_epoch_is_what_the_loader_yields():
+    """The driver's count against a DataLoader as the workers build it: drop_last, and a
+    DistributedSampler (Ray's, padding every share) when there are several workers."""
+    import torch
+    from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
+
+    for size, batch, workers in [(100, 10, 1), (101, 20, 2), (203, 24, 3), (64, 66, 3),
+                                 (7, 8, 8)]:
+        data = TensorDataset(torch.arange(size))
+        for rank in range(workers):
+            sampler = DistributedSampler(data, num_replicas=workers, rank=rank) \
+                if workers > 1 else None
+            loader = DataLoader(data, batch_size=batch // workers, drop_last=True,
+                                sampler=sampler)
+            assert len(loader) == steps_per_epoch(size, batch, workers), (size, batch, workers)
+
+
+def test_a_one_cycle_schedule_pytorch_cannot_split_is_refused():
+    import torch
+
+    # 1 epoch x 4 steps: OneCycleLR's warm-up is 0.25 * 4 - 1 = 0 steps long and it divides
+    # by that length.
+    with pytest.raises(ZeroDivisionError):
+        opt = torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=0.1)
+        torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=0.1, total_steps=4, pct_start=0.25)
+    train, run = TrainConfig(epochs=1, batch_size=32), RunSettings(num_workers=2)
+    with pytest.raises(ConfigError, match="4 steps, a one-cycle warm-up of no step"):
+        check_data_fits(train, run, 128)
+    check_data_fits(dataclasses.replace(train, schedule="constant"), run, 128)
+    check_data_fits(dataclasses.replace(train, epochs=2), run, 128)
+
+
+def test_every_worker_count_of_an_elastic_range_is_checked():
+    # 4 images: 3 workers take shares of 2 (padded) in steps of 2; 4 workers shares of 1.
+    check_data_fits(TrainConfig(batch_size=8), SimpleNamespace(num_workers=(3, 3)), 4)
+    with pytest.raises(ConfigError, match="over 4 workers"):
+        check_data_fits(TrainConfig(batch_size=8), SimpleNamespace(num_workers=(3, 4)), 4)
+    with pytest.raises(ConfigError, match="smaller than 4 workers"):
+        check_data_fits(TrainConfig(batch_size=3), SimpleNamespace(num_workers=(1, 4)), 100)

@@ -1,0 +1,75 @@
+"""What a run exposes: the sockets of the Ray it starts, the token it sends, the files it loads."""
+
+from __future__ import annotations
+
+import ipaddress
+import os
+import socket
+import subprocess
+import sys
+import time
+import uuid
+
+import psutil
+import pytest
+
+from .conftest import MARKER_VAR, REPO, kill_marked, marked, write_tiny_mnist
+
+
+def _is_loopback(ip: str) -> bool:
+    address = ipaddress.ip_address(ip.split("%")[0])
+    if address.version == 6 and address.ipv4_mapped is not None:
+        address = address.ipv4_mapped
+    return address.is_loopback
+
+
+def _listening(pids: set[int]) -> dict[tuple[str, int], str]:
+    """(address, port) -> process name of every TCP/UDP socket the processes listen on."""
+    found = {}
+    for pid in pids:
+        try:
+            process = psutil.Process(pid)
+            name = process.name()
+            for conn in process.net_connections(kind="inet"):
+                if conn.status == psutil.CONN_LISTEN or (conn.type == socket.SOCK_DGRAM and not conn.raddr):
+                    found[(conn.laddr.ip, conn.laddr.port)] = name
+        except psutil.Error:  # gone between the listing and the look
+            continue
+    return found
+
+
+def test_the_ray_that_fit_starts_listens_on_loopback_only(tmp_path, sample_digits):
+    """Every socket that `fit`'s own Ray listens on, for the whole run (GCS, raylet, object
+    manager, dashboard and its agents, Train workers and torch's rendezvous), is loopback."""
+    data = write_tiny_mnist(tmp_path / "data", sample_digits, n_train=256, n_test=64)
+    marker = uuid.uuid4().hex
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("RAY_ADDRESS", "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "GLOO_SOCKET_IFNAME")}
+    env[MARKER_VAR] = marker
+    fit = subprocess.Popen(
+        [sys.executable, "-m", "raytrain_mnist", "fit", "--num-workers", "2",
+         "--cpus-per-worker", "1", "--epochs", "1", "--batch-size", "32", "--dataset", "mnist",
+         "--data-dir", str(data), "--storage-path", str(tmp_path / "runs")],
+        env=env, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+        stdin=subprocess.DEVNULL)
+    seen: dict[tuple[str, int], str] = {}
+    try:
+        root = psutil.Process(fit.pid)
+        while fit.poll() is None:
+            try:
+                pids = {fit.pid, *(p.pid for p in root.children(recursive=True))}
+            except psutil.Error:
+                break
+            # Processes that rename themselves overwrite the environment the marker is in:
+            # the run's processes are the driver's descendants, or carry the marker.
+            seen.update(_listening(pids | set(marked(marker))))
+            time.sleep(1.0)
+        output = fit.communicate(timeout=60)[0].decode()
+    finally:
+        kill_marked(marker)
+    exposed = {f"{ip}:{port} ({name})" for (ip, port), name in seen.items()
+               if not _is_loopback(ip)}
+    assert not exposed, f"listening beyond loopback: {sorted(exposed)}"
+    # The run was watched while it ran: its Ray and its Train workers were listening.
+    assert {"gcs_server", "raylet", "ray::RayTrainWorker"} <= set(seen.values()), seen
+    assert fit.returncode == 0, output[-3000:]
