@@ -14,6 +14,7 @@ from __future__ import annotations
 import gzip
 import hashlib
 import logging
+import math
 import os
 import socket
 import struct
@@ -36,6 +37,8 @@ FILES = {
     "test_labels": ("t10k-labels-idx1-ubyte", "27ae3e4e09519cfbb04c329615203637"),
 }
 _IMAGES_MAGIC, _LABELS_MAGIC = 0x00000803, 0x00000801
+#: The most an IDX file may hold (full MNIST's training images are 47 MB).
+_MAX_IDX_BYTES = 1 << 30
 _SAMPLE_TEST_PER_CLASS = 100
 
 
@@ -176,11 +179,29 @@ def _read_bytes(path: Path) -> bytes:
     try:
         if path.suffix == ".gz":
             with gzip.open(path, "rb") as f:
-                return f.read()
+                return _read_idx_stream(f, path)
         return path.read_bytes()
     except (OSError, EOFError, zlib.error) as exc:
         # gzip.BadGzipFile is an OSError; a truncated archive raises EOFError.
         raise DataError(f"cannot read {path}: {exc}; replace the file") from exc
+
+
+def _read_idx_stream(f, path: Path) -> bytes:
+    """An IDX file from a decompressing stream, read no further than its header promises
+    (plus one byte, to tell a longer file): a small archive that inflates without end is
+    refused after its header, not unpacked into memory."""
+    raw = f.read(4)
+    if len(raw) < 4 or int.from_bytes(raw, "big") not in (_IMAGES_MAGIC, _LABELS_MAGIC):
+        return raw  # _parse_idx names what is wrong with it
+    ndim = raw[3]
+    raw += f.read(4 * ndim)
+    if len(raw) < 4 + 4 * ndim:
+        return raw
+    size = 4 + 4 * ndim + math.prod(struct.unpack(f">{ndim}I", raw[4:]))
+    if size > _MAX_IDX_BYTES:
+        raise DataError(f"{path}: its header promises {size} bytes, more than any MNIST-like "
+                        f"set ({_MAX_IDX_BYTES} at most); replace the file")
+    return raw + f.read(size - len(raw) + 1)
 
 
 def _parse_idx(raw: bytes, path: Path, magic: int) -> np.ndarray:

@@ -86,3 +86,42 @@ def test_incomplete_set_names_the_missing_file(tmp_path, sample_digits):
     (tmp_path / "MNIST" / "raw" / "t10k-labels-idx1-ubyte").unlink()
     with pytest.raises(DataError, match="missing t10k-labels-idx1-ubyte"):
         load_mnist(tmp_path, "auto")
+
+
+def _gzip_bomb(tmp_path, sample_digits, extra: int, claimed: int | None = None):
+    """A gzipped image file whose header is honest about 64 images (or claims ``claimed``)
+    and which then inflates to ``extra`` more bytes of zeros."""
+    import gzip
+
+    write_tiny_mnist(tmp_path, sample_digits, 64, 9, compress=True)
+    path = tmp_path / "MNIST" / "raw" / "train-images-idx3-ubyte.gz"
+    with gzip.open(path, "rb") as f:
+        original = f.read()
+    if claimed is not None:
+        original = struct.pack(">4I", 0x803, claimed, 28, 28) + original[16:]
+    with gzip.open(path, "wb", compresslevel=9) as f:
+        f.write(original)
+        chunk = bytes(1 << 20)
+        for _ in range(extra >> 20):
+            f.write(chunk)
+    return tmp_path
+
+
+def test_a_gzip_that_inflates_past_its_header_is_not_unpacked(tmp_path, sample_digits):
+    import tracemalloc
+
+    root = _gzip_bomb(tmp_path, sample_digits, extra=256 << 20)
+    tracemalloc.start()
+    try:
+        with pytest.raises(DataError, match="longer than its header says"):
+            load_mnist(root, "mnist")
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert peak < 16 << 20, f"read {peak} bytes of a 256 MiB stream"
+
+
+def test_a_header_that_promises_too_much_is_refused(tmp_path, sample_digits):
+    root = _gzip_bomb(tmp_path, sample_digits, extra=0, claimed=4_000_000)  # 3.1 GB
+    with pytest.raises(DataError, match="its header promises 3136000016 bytes"):
+        load_mnist(root, "mnist")
