@@ -16,7 +16,9 @@ The address is ``--address``, else ``RAY_API_SERVER_ADDRESS``, else ``RAY_ADDRES
 Token authentication works as in Ray: ``RAY_AUTH_MODE=token`` with the token in
 ``~/.ray/auth_token``, ``RAY_AUTH_TOKEN_PATH`` or ``RAY_AUTH_TOKEN``. Unlike Ray's own client,
 a token given through one of those is sent even when ``RAY_AUTH_MODE`` is unset (``ray start``
-reads tokens the same way); ``RAY_AUTH_MODE=disabled`` sends none.
+reads tokens the same way), but only where nobody on the way can read it: over https, or to
+this machine (the ``ray dashboard`` tunnel). Another host over plain http gets it only with an
+explicit ``RAY_AUTH_MODE=token``, and a warning. ``RAY_AUTH_MODE=disabled`` sends none.
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ import logging
 import os
 import re
 import shlex
+import ipaddress
 import socket
 import sys
 import time
@@ -40,9 +43,16 @@ from raytrain_mnist._cli import (EXIT_FAILURE, EXIT_INTERRUPTED, EXIT_USAGE, Arg
                                  UserError, run_cli)
 
 DEFAULT_ADDRESS = "http://127.0.0.1:8265"
-#: Never uploaded: data and results can be gigabytes, and the cluster has its own.
-EXCLUDES = ["/data/", "/runs/", "/checkpoints/", "/.git/", "/.venv/", "__pycache__/",
-            "*.egg-info/", ".pytest_cache/"]
+#: Never uploaded from the checkout: secrets (environment files, keys, cloud credentials), and
+#: bulk the cluster has its own of (data, runs, checkpoints, MLflow stores, evaluation outputs,
+#: environments). One list, gitignore patterns that mean the same to rsync: `.rayignore`
+#: (`ray job submit --working-dir .`) and cluster.yaml's `rsync_exclude` repeat it, and
+#: tests/test_submit.py holds the three equal.
+EXCLUDES = [
+    ".env", ".env.*", "*.pem", "*.key", ".aws/", ".ray/",
+    "data/", "runs/", "checkpoints/", "mlruns/", "*.pt", "evaluation_*/",
+    ".git/", ".venv/", "__pycache__/", "*.egg-info/", ".pytest_cache/",
+]
 ACTIONS = ("status", "logs", "stop", "list")
 _CONNECT_TIMEOUT_S = 5.0
 _SETTLE_TIMEOUT_S = 60.0  # a job whose log stream ended reaches a final status within this
@@ -87,12 +97,38 @@ def resolve_address(address: str | None) -> str:
     return address.rstrip("/")
 
 
-def use_token_if_given() -> None:
-    """Send a token whenever one is configured, unless RAY_AUTH_MODE says otherwise.
+def private_channel(url: str) -> bool:
+    """Whether what is sent to ``url`` stays private: https, or this machine (the
+    ``ray dashboard`` SSH tunnel listens on 127.0.0.1)."""
+    parts = urlsplit(url if "://" in url else f"http://{url}")
+    if parts.scheme == "https":
+        return True
+    host = parts.hostname or ""
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:  # a name that may resolve anywhere
+        return False
+
+
+_warned: set[str] = set()
+
+
+def _warn_once(message: str) -> None:
+    if message not in _warned:
+        _warned.add(message)
+        print(f"raytrain-mnist: warning: {message}", file=sys.stderr, flush=True)
+
+
+def use_token_if_given(url: str = DEFAULT_ADDRESS) -> None:
+    """Send a token whenever one is configured, unless RAY_AUTH_MODE says otherwise, and
+    never unasked where it would cross the network in clear text.
 
     Ray's client sends a token only under ``RAY_AUTH_MODE=token``; ``ray start`` turns token
-    mode on when a token exists. The client follows ``ray start``. Must run before Ray reads
-    its configuration (the first ray import in this process).
+    mode on when a token exists. The client follows ``ray start`` over https and to loopback;
+    a plain-http ``url`` elsewhere needs ``RAY_AUTH_MODE=token`` set by the user. Must run
+    before Ray reads its configuration (the first ray import in this process).
     """
     path = os.environ.get("RAY_AUTH_TOKEN_PATH")
     if path and not Path(path).expanduser().is_file():
@@ -102,11 +138,19 @@ def use_token_if_given() -> None:
                       or (Path.home() / ".ray" / "auth_token").is_file())
     mode = os.environ.get("RAY_AUTH_MODE")
     if mode is None and have_token:
-        os.environ["RAY_AUTH_MODE"] = "token"
+        if private_channel(url):
+            os.environ["RAY_AUTH_MODE"] = "token"
+        else:
+            _warn_once(f"not sending the Ray token to {url}: plain http to another host can "
+                       "be read on the way; use https or `ray dashboard cluster.yaml` "
+                       f"({DEFAULT_ADDRESS}), or set RAY_AUTH_MODE=token to send it anyway")
     elif mode == "token" and not have_token:
         raise UserError("RAY_AUTH_MODE=token but no token: put the cluster's token in "
                         "~/.ray/auth_token, or set RAY_AUTH_TOKEN_PATH or RAY_AUTH_TOKEN",
                         EXIT_USAGE)
+    elif mode == "token" and not private_channel(url):
+        _warn_once(f"sending the Ray token to {url} over plain http (RAY_AUTH_MODE=token): "
+                   "anyone on the way can read it; prefer https or `ray dashboard`")
 
 
 def _check_reachable(url: str) -> None:
@@ -187,8 +231,8 @@ def _last_line(text: str) -> str:
 
 def connect(address: str | None):
     """A JobSubmissionClient for ``address``, and the URL it talks to."""
-    use_token_if_given()
     url = resolve_address(address)
+    use_token_if_given(url)
     _check_reachable(url)
     from ray.job_submission import JobSubmissionClient
 

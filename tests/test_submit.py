@@ -75,6 +75,9 @@ def head(sample_digits):
         "RAY_AUTH_MODE": "token",
         "RAY_AUTH_TOKEN_PATH": str(root / "token"),
         "PATH": f"{Path(sys.executable).parent}{os.pathsep}{env.get('PATH', '')}",
+        # Single-node mode keeps --node-ip-address=127.0.0.1 (Ray swaps a loopback node IP
+        # for the machine's address otherwise) and with it every server on loopback.
+        "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0",
     })
     log = open(root / "ray_start.log", "w")
     proc = subprocess.Popen(
@@ -269,8 +272,45 @@ def test_entrypoint_and_runtime_env():
         "python -m raytrain_mnist.fit --num-workers 4 --use-gpu --name 'a b'"
     env = submit.runtime_env()
     assert env["working_dir"] == str(REPO)
-    for excluded in ("/data/", "/runs/", "/checkpoints/", "/.git/", "/.venv/"):
-        assert excluded in env["excludes"]
+    assert env["excludes"] == submit.EXCLUDES
+
+
+def test_one_exclude_list_for_submit_rayignore_and_cluster_yaml():
+    import yaml
+
+    rayignore = [line.strip() for line in (REPO / ".rayignore").read_text().splitlines()
+                 if line.strip() and not line.startswith("#")]
+    rsync = yaml.safe_load((REPO / "cluster.yaml").read_text())["rsync_exclude"]
+    assert rayignore == submit.EXCLUDES
+    assert rsync == submit.EXCLUDES
+    for required in (".env", "*.pem", "*.key", ".aws/", "mlruns/", "*.pt", "evaluation_*/"):
+        assert required in submit.EXCLUDES, required
+
+
+def test_the_upload_leaves_secrets_and_bulk_out(tmp_path):
+    """What Ray itself packs from a checkout with the list (and, apart, with .rayignore)."""
+    import zipfile
+
+    from ray._private.runtime_env.packaging import create_package
+
+    kept = ["pyproject.toml", "raytrain_mnist/fit.py", "docs/iam/worker.json",
+            "notebooks/quickstart.ipynb", "tests/data_test.py"]
+    left_out = [".env", ".env.local", "deploy.pem", "tls/server.key", ".aws/credentials",
+                "data/MNIST/raw/t10k-images-idx3-ubyte", "runs/r/checkpoint_0/state.pt",
+                "mlruns/0/meta.yaml", "model.pt", "evaluation_ckpt/evaluation.json",
+                ".git/config", ".venv/bin/python", "raytrain_mnist/__pycache__/fit.pyc"]
+    for name in kept + left_out:
+        (tmp_path / "checkout" / name).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / "checkout" / name).write_text("x")
+    for how, excludes in (("list", submit.EXCLUDES), ("rayignore", [])):
+        if how == "rayignore":
+            (tmp_path / "checkout" / ".rayignore").write_text((REPO / ".rayignore").read_text())
+        package = tmp_path / f"{how}.zip"
+        create_package(str(tmp_path / "checkout"), package, include_gitignore=True,
+                       excludes=excludes)
+        names = set(zipfile.ZipFile(package).namelist())
+        assert set(kept) <= names, (how, set(kept) - names)
+        assert not names & set(left_out), (how, names & set(left_out))
 
 
 def test_address_order(monkeypatch):
@@ -347,3 +387,98 @@ def test_token_sources(monkeypatch, tmp_path):
     monkeypatch.setenv("RAY_AUTH_TOKEN", "t")
     submit.use_token_if_given()
     assert os.environ["RAY_AUTH_MODE"] == "disabled"  # an explicit mode is respected
+
+
+# --------------------------------------------------------------------------- where the token goes
+
+@pytest.mark.parametrize("url, private", [
+    ("http://127.0.0.1:8265", True), ("http://localhost:8265", True),
+    ("http://[::1]:8265", True), ("http://127.0.0.2:8265", True),
+    ("https://head.example:8443", True), ("127.0.0.1:6379", True),
+    ("http://10.0.0.1:8265", False), ("http://head.example:8265", False),
+    ("http://127.0.0.1.example:8265", False), ("10.0.0.1:6379", False), ("auto", False),
+])
+def test_which_addresses_get_the_token_unasked(url, private):
+    assert submit.private_channel(url) is private
+
+
+def _local_outward_address() -> str | None:
+    """An address of this machine that is not loopback: what another host on its network
+    would connect to. Nothing sent there leaves the machine."""
+    import ipaddress
+    import socket
+
+    import psutil
+
+    for addresses in psutil.net_if_addrs().values():
+        for a in addresses:
+            if a.family == socket.AF_INET and not ipaddress.ip_address(a.address).is_loopback:
+                return a.address
+    return None
+
+
+@pytest.fixture
+def outward_server():
+    """A tiny HTTP server on a non-loopback address of this machine that answers every
+    request 401, as a token-protected dashboard does to a client without a token, and
+    records each request's Authorization header."""
+    import http.server
+    import threading
+
+    address = _local_outward_address()
+    if address is None:
+        pytest.skip("this machine has no non-loopback IPv4 address to listen on")
+    seen: list[str | None] = []
+
+    class Handler(http.server.BaseHTTPRequestHandler):
+        def do_GET(self):  # noqa: N802 (http.server's naming)
+            seen.append(self.headers.get("Authorization"))
+            body = b'{"error": "Unauthorized"}'
+            self.send_response(401)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        do_POST = do_GET
+
+        def log_message(self, *args):
+            pass
+
+    server = http.server.ThreadingHTTPServer((address, 0), Handler)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        yield {"url": f"http://{address}:{server.server_address[1]}", "seen": seen}
+    finally:
+        server.shutdown()
+        server.server_close()
+
+
+def test_the_token_does_not_go_to_another_host_over_plain_http_unless_asked(outward_server,
+                                                                            tmp_path):
+    token = "tok-" + uuid.uuid4().hex
+    (tmp_path / "home").mkdir()
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("RAY_AUTH_MODE", "RAY_AUTH_TOKEN", "RAY_AUTH_TOKEN_PATH",
+                        "RAY_ADDRESS", "RAY_API_SERVER_ADDRESS")}
+    env.update(HOME=str(tmp_path / "home"), RAY_AUTH_TOKEN=token)
+    url, seen = outward_server["url"], outward_server["seen"]
+
+    # A token is configured, the mode is not: kept back, with a warning, once.
+    proc = run_submit("--address", url, "list", env=env)
+    assert proc.returncode == 1 and "Traceback" not in proc.stderr, proc.stderr
+    assert seen, "the client never reached the server"
+    assert all(header is None or token not in header for header in seen), seen
+    warnings = [line for line in proc.stderr.splitlines() if "warning" in line]
+    assert len(warnings) == 1 and f"not sending the Ray token to {url}" in warnings[0], \
+        proc.stderr
+    assert "requires a token (HTTP 401)" in proc.stderr
+
+    # Asked for explicitly: sent, and the warning says it went over plain http.
+    seen.clear()
+    proc = run_submit("--address", url, "list", env={**env, "RAY_AUTH_MODE": "token"})
+    assert f"Bearer {token}" in seen, seen
+    warnings = [line for line in proc.stderr.splitlines() if "warning" in line]
+    assert len(warnings) == 1 and "over plain http" in warnings[0], proc.stderr
+    assert token not in proc.stderr + proc.stdout
