@@ -487,6 +487,7 @@ class _Lease:
         if (self._read() or {}).get("token") != self.token:
             raise UserError(f"{what} '{self.run.name}' was claimed by another command at the "
                             "same moment; wait for it, or pick another --name")
+        self._stop.clear()  # a claim re-acquires after --fresh moved the old run aside
         self._thread = threading.Thread(target=self._renew, name="lease", daemon=True)
         self._thread.start()
 
