@@ -106,3 +106,71 @@ def test_every_key_is_commented():
         if not (previous.startswith("#") or "#" in line):
             uncommented.append(line.strip())
     assert not uncommented, f"keys without a comment: {uncommented}"
+
+
+IAM = REPO / "docs" / "iam"
+
+
+def _statements(name: str) -> list[dict]:
+    import json
+
+    policy = json.loads((IAM / name).read_text())
+    assert policy["Version"] == "2012-10-17"
+    return policy["Statement"]
+
+
+def _runs_location(config: dict) -> tuple[str, str]:
+    """The bucket and prefix the nodes store runs in (RAYTRAIN_MNIST_STORAGE_PATH)."""
+    found = re.search(r"RAYTRAIN_MNIST_STORAGE_PATH=s3://([^/\s']+)/([^\s']+)",
+                      _commands(config, "setup_commands"))
+    assert found, "no s3:// storage path in setup_commands"
+    return found[1], found[2].rstrip("/")
+
+
+def test_gpu_workers_have_their_own_least_privilege_profile(config):
+    head_type = config["head_node_type"]
+    head = config["available_node_types"][head_type]["node_config"]
+    # The head keeps what Ray gives it (ray-autoscaler-v1): it launches the workers.
+    assert head.get("IamInstanceProfile", {}).get("Name", "ray-autoscaler-v1") == \
+        "ray-autoscaler-v1"
+    for name, node_type in config["available_node_types"].items():
+        if name == head_type:
+            continue
+        assert node_type["node_config"]["IamInstanceProfile"] == \
+            {"Name": "raytrain-mnist-worker"}, name
+
+
+def test_the_worker_policy_grants_objects_under_the_runs_prefix_only(config):
+    bucket, prefix = _runs_location(config)
+    allowed_object_actions = {"s3:GetObject", "s3:PutObject", "s3:DeleteObject",
+                              "s3:AbortMultipartUpload", "s3:ListMultipartUploadParts"}
+    granted = set()
+    for statement in _statements("worker-policy.json"):
+        assert statement["Effect"] == "Allow"
+        assert "NotAction" not in statement and "NotResource" not in statement
+        actions = statement["Action"]
+        actions = {actions} if isinstance(actions, str) else set(actions)
+        resources = statement["Resource"]
+        resources = [resources] if isinstance(resources, str) else resources
+        assert not any("*" in action for action in actions), actions
+        granted |= actions
+        for resource in resources:
+            if actions <= allowed_object_actions:
+                assert resource == f"arn:aws:s3:::{bucket}/{prefix}/*", resource
+            else:  # bucket-level: where the bucket is, and listing the prefix only
+                assert actions <= {"s3:ListBucket", "s3:GetBucketLocation"}, actions
+                assert resource == f"arn:aws:s3:::{bucket}", resource
+        if "s3:ListBucket" in actions:
+            prefixes = statement["Condition"]["StringLike"]["s3:prefix"]
+            assert set(prefixes) == {prefix, f"{prefix}/*"}, prefixes
+    # Checkpoints are written, read back on resume and pruned (--keep-checkpoints).
+    assert {"s3:GetObject", "s3:PutObject", "s3:DeleteObject", "s3:ListBucket"} <= granted
+
+
+def test_the_head_may_pass_exactly_the_worker_role():
+    (trust,) = _statements("worker-trust.json")
+    assert trust["Principal"] == {"Service": "ec2.amazonaws.com"}
+    assert trust["Action"] == "sts:AssumeRole"
+    (pass_role,) = _statements("head-pass-worker-role.json")
+    assert pass_role["Action"] == "iam:PassRole"
+    assert re.fullmatch(r"arn:aws:iam::[\w-]+:role/raytrain-mnist-worker", pass_role["Resource"])
