@@ -152,3 +152,61 @@ def test_keep_freed_memory_stops_each_step_from_faulting_its_activations_back_in
     default, kept = float(default), float(kept)
     assert default > 200, f"expected the default allocator to re-fault activations: {out}"
     assert kept < default / 4, out
+
+
+# --------------------------------------------------------------------------- data order per epoch
+
+ORDER_SIZE, ORDER_BATCH, ORDER_SEED, EPOCHS = 48, 12, 3, 4
+
+
+def _as_prepared(loader, rank: int, world: int):
+    """What ray.train.torch.prepare_data_loader makes of ``loader`` on rank ``rank`` of
+    ``world`` (train_loop_utils' with_sampler): unchanged on one worker; otherwise the same
+    loader rebuilt around a DistributedSampler with Ray's defaults (shuffle, seed 0)."""
+    from torch.utils.data import DataLoader
+
+    if world == 1:
+        return loader
+    return DataLoader(dataset=loader.dataset, batch_size=loader.batch_size, shuffle=False,
+                      num_workers=loader.num_workers, collate_fn=loader.collate_fn,
+                      pin_memory=loader.pin_memory, drop_last=loader.drop_last,
+                      timeout=loader.timeout, worker_init_fn=loader.worker_init_fn,
+                      generator=loader.generator,
+                      sampler=DistributedSampler(loader.dataset, num_replicas=world, rank=rank,
+                                                 shuffle=True))
+
+
+def _worker_loader(rank: int, world: int):
+    """A worker's training loader as the loop builds it; the labels are the sample indices."""
+    images = torch.zeros(ORDER_SIZE, 28, 28, dtype=torch.uint8)
+    labels = torch.arange(ORDER_SIZE)
+    loader = make_train_loader(images, labels, ORDER_BATCH // world, ORDER_SEED)
+    return _as_prepared(loader, rank, world)
+
+
+def _epoch_order(loader, epoch: int) -> list[int]:
+    set_epoch(loader, epoch, ORDER_SEED)
+    return [int(i) for _, labels in loader for i in labels]
+
+
+@pytest.mark.parametrize("world", [1, 2, 3])
+def test_every_epoch_has_a_new_order_and_a_resumed_run_sees_the_same_orders(world):
+    """Forgetting set_epoch (the tutorials' classic bug) repeats one order every epoch, and a
+    run resumed from a checkpoint replays the first epoch's order: both are caught here."""
+    loaders = [_worker_loader(rank, world) for rank in range(world)]
+    uninterrupted = [[_epoch_order(loader, epoch) for loader in loaders]
+                     for epoch in range(EPOCHS)]
+    for epoch in range(1, EPOCHS):
+        for rank in range(world):
+            assert uninterrupted[epoch][rank] != uninterrupted[epoch - 1][rank], \
+                f"rank {rank} sees epoch {epoch}'s order again in epoch {epoch + 1}"
+    for epoch in range(EPOCHS):  # the ranks split each epoch: every index at most once
+        seen = [i for rank in range(world) for i in uninterrupted[epoch][rank]]
+        assert len(seen) == len(set(seen)) == ORDER_SIZE // ORDER_BATCH * ORDER_BATCH
+
+    # A run that stopped after epoch 2 and resumes: new processes, new loaders.
+    resumed_from = 2
+    restarted = [_worker_loader(rank, world) for rank in range(world)]
+    resumed = [[_epoch_order(loader, epoch) for loader in restarted]
+               for epoch in range(resumed_from, EPOCHS)]
+    assert resumed == uninterrupted[resumed_from:]
