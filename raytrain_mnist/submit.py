@@ -155,17 +155,47 @@ def use_token_if_given(url: str = DEFAULT_ADDRESS) -> None:
 
 def _check_reachable(url: str) -> None:
     """Fail in seconds, with one line, where ``requests`` would wait for the TCP timeout."""
+    check_address(url)
     parts = urlsplit(url)
     if parts.scheme not in ("http", "https"):
-        return  # a GCS address or a module address: Ray resolves it (and reports failures)
+        return  # a GCS address: Ray resolves it (and reports failures)
     try:
         port = parts.port or (443 if parts.scheme == "https" else 80)
         socket.create_connection((parts.hostname, port), timeout=_CONNECT_TIMEOUT_S).close()
-    except (OSError, ValueError) as exc:
+    except OSError as exc:
         raise UserError(
             f"no Ray dashboard answers at {url} ({getattr(exc, 'strerror', None) or exc}); "
             "is the cluster up? `ray dashboard cluster.yaml` forwards it to "
             f"{DEFAULT_ADDRESS}") from None
+
+
+def check_address(url: str) -> None:
+    """The forms the Jobs client takes: the dashboard's http(s)://HOST[:PORT], or a Ray
+    cluster address (HOST:PORT of the GCS, ray://HOST:PORT, auto). Anything else is refused
+    here, in one line, before a request goes anywhere."""
+    from raytrain_mnist.config import ConfigError, check_ray_address
+
+    scheme = url.split("://", 1)[0] if "://" in url else None
+    if scheme in ("http", "https"):
+        try:
+            parts = urlsplit(url)
+            ok = bool(parts.hostname) and parts.port != 0 and not parts.username \
+                and not parts.password
+        except ValueError:  # a port that is no number or beyond 65535
+            ok = False
+        if not ok:
+            shown = "with credentials" if "@" in url.split("://", 1)[1].split("/", 1)[0] \
+                else repr(url)  # a password is not echoed to the terminal
+            raise UserError(f"--address {shown} is not a dashboard URL "
+                            "(http(s)://HOST:PORT, no credentials, e.g. "
+                            f"{DEFAULT_ADDRESS})", EXIT_USAGE)
+        return
+    try:
+        check_ray_address(url)
+    except ConfigError:
+        raise UserError(f"--address {url!r} is neither a dashboard URL (e.g. {DEFAULT_ADDRESS})"
+                        " nor a Ray cluster address (HOST:PORT, ray://HOST:PORT, auto)",
+                        EXIT_USAGE) from None
 
 
 @contextlib.contextmanager
@@ -232,6 +262,7 @@ def _last_line(text: str) -> str:
 def connect(address: str | None):
     """A JobSubmissionClient for ``address``, and the URL it talks to."""
     url = resolve_address(address)
+    check_address(url)  # before anything, the token included, is decided for it
     use_token_if_given(url)
     _check_reachable(url)
     from ray.job_submission import JobSubmissionClient

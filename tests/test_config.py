@@ -173,3 +173,23 @@ def test_every_worker_count_of_an_elastic_range_is_checked():
         check_data_fits(TrainConfig(batch_size=8), SimpleNamespace(num_workers=(3, 4)), 4)
     with pytest.raises(ConfigError, match="smaller than 4 workers"):
         check_data_fits(TrainConfig(batch_size=3), SimpleNamespace(num_workers=(1, 4)), 100)
+
+
+def test_a_search_space_is_checked_against_the_data_size():
+    from raytrain_mnist.search_space import SearchSpace, TuneSettings
+
+    base, run = TrainConfig(epochs=2), RunSettings(num_workers=2)
+    space = SearchSpace.from_cli(ranges=["batch_size=64,4096"])
+    space.check(base, run)  # valid settings, whatever the data
+    space.check_data(base, run, 5000)
+    with pytest.raises(ConfigError, match=r"search space batch_size=choice\(64, 4096\): a trial "
+                       r"with batch_size=4096, schedule=onecycle fails: --batch-size 4096 is "
+                       r"larger than the 4000 training images"):
+        space.check_data(base, run, 4000)
+    # A schedule choice that meets a step count OneCycleLR cannot split (1 x 4 steps).
+    space = SearchSpace.from_cli(sets=["batch_size=32"], ranges=["schedule=constant,onecycle"])
+    with pytest.raises(ConfigError, match="schedule=onecycle fails: .*one-cycle warm-up"):
+        space.check_data(dataclasses.replace(base, epochs=1), run, 128)
+    with pytest.raises(ConfigError, match="--search-seed must be at most 4294967295"):
+        TuneSettings(search_seed=2**32)
+    TuneSettings(search_seed=2**32 - 1)

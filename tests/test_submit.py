@@ -256,6 +256,13 @@ def test_failed_job_exits_non_zero_and_bad_flags_never_reach_the_cluster(head, t
     (["--", "evaluate-all"], "is not a command to submit"),
     (["--", "fit", "--batch-size", "100", "--num-workers", "3"], "use a multiple of 3"),
     (["--", "fit", "--no-such-flag"], "unrecognized arguments"),
+    (["--", "fit", "--seed", str(2**64)], "--seed must be at most"),
+    (["--", "fit", "--address", "http://10.0.0.1:8265"], "submit jobs to a dashboard URL"),
+    (["--address", "http://127.0.0.1:99999", "list"], "is not a dashboard URL"),
+    (["--address", "http://:8265", "list"], "is not a dashboard URL"),
+    (["--address", "http://me:pw@127.0.0.1:8265", "list"], "no credentials"),
+    (["--address", "ftp://127.0.0.1:8265", "list"], "is neither a dashboard URL"),
+    (["--address", "127.0.0.1", "list"], "is neither a dashboard URL"),
 ])
 def test_usage_errors_are_one_line_and_exit_2(argv, message, capsys):
     try:
@@ -265,6 +272,7 @@ def test_usage_errors_are_one_line_and_exit_2(argv, message, capsys):
     err = capsys.readouterr().err
     assert code == 2
     assert message in err and len(err.strip().splitlines()) == 1, err
+    assert ":pw@" not in err
 
 
 def test_entrypoint_and_runtime_env():
