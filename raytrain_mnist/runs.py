@@ -143,15 +143,16 @@ def describe_difference(old: dict, new: dict) -> str:
 class Run:
     """``<storage>/<name>``: a local directory or a prefix on an object store."""
 
-    def __init__(self, storage: str, name: str) -> None:
+    def __init__(self, storage: str, name: str, record: str = RUN_FILE) -> None:
         self.storage = storage_root(storage)
         self.name = name
+        self.record = record  # the identity record: run.json, or a search's search.json
         self.dir = f"{self.storage.rstrip('/')}/{name}"
         self.local = not is_uri(self.storage)
         self._fs = None  # pyarrow file system, opened on first use
 
     @classmethod
-    def at(cls, run_dir: str | os.PathLike) -> "Run":
+    def at(cls, run_dir: str | os.PathLike, record: str = RUN_FILE) -> "Run":
         """The run whose directory is ``run_dir``."""
         text = str(run_dir).rstrip("/")
         if is_uri(text):
@@ -159,7 +160,7 @@ class Run:
         else:
             path = Path(text).expanduser().resolve()
             storage, name = str(path.parent), path.name
-        return cls(storage, name)
+        return cls(storage, name, record)
 
     def __repr__(self) -> str:
         return f"Run({self.dir!r})"
@@ -251,7 +252,7 @@ class Run:
     # ----------------------------------------------------------------- records
 
     def identity(self) -> dict | None:
-        return self.read_json(RUN_FILE)
+        return self.read_json(self.record)
 
     def summary(self) -> dict | None:
         return self.read_json(SUMMARY_FILE)

@@ -297,11 +297,12 @@ def search(cmd: TuneCommand) -> dict[str, Any]:
     started = time.perf_counter()
     space, settings, train, run = cmd.space, cmd.settings, cmd.train, cmd.run
     experiment = Run(run.storage_path, experiment_name(
-        experiment_identity(space, settings, train, run), run))
+        experiment_identity(space, settings, train, run), run), record=SEARCH_FILE)
 
     from raytrain_mnist.data import load_mnist
 
     data = load_mnist(run.data_dir, run.dataset)
+    space.check_data(train, run, data.train_size)  # every trial it can draw must train
     identity = {**experiment_identity(space, settings, train, run), "data": data_identity(data)}
     with experiment.claim(run.fresh, "search"):  # one search per directory at a time
         restoring = _check_experiment(experiment, identity, settings.resume)

@@ -43,7 +43,10 @@ def test_cli_on_a_run_dir_reproduces_the_accuracy_fit_reported(trained_run, tiny
     assert report["test_size"] == trained_run["val_total"] == 203
     assert report["correct"] == round(reported["val_accuracy"] * 203)
     assert report["accuracy"] == pytest.approx(reported["val_accuracy"], abs=1e-12)
-    assert report["loss"] == pytest.approx(reported["val_loss"], rel=0.05)
+    # The same weights and images: only the order of the float64 sums differs.
+    assert report["loss"] == pytest.approx(reported["val_loss"], rel=1e-6)
+    # "The best checkpoint" is the best epoch's.
+    assert reported["val_accuracy"] == max(h["val_accuracy"] for h in trained_run["history"])
     assert report["reported_val_accuracy"] == reported["val_accuracy"]
     assert sorted(report["per_class_accuracy"]) == [str(d) for d in range(10)]
     assert sum(report["per_class_size"].values()) == 203
@@ -53,6 +56,27 @@ def test_cli_on_a_run_dir_reproduces_the_accuracy_fit_reported(trained_run, tiny
     assert "    9 " in result.stdout  # the per-class table
     _assert_png(out / "confusion_matrix.png", 500)
     _assert_png(out / "misclassified.png")
+
+    # Run again: what is there is not overwritten unless asked.
+    before = {p.name: p.read_bytes() for p in out.iterdir()}
+    again = run_cli_here("evaluate", str(run_dir), "--data-dir", str(tiny_mnist))
+    _assert_one_line_error(again.returncode, again.stderr, 2, "pass --overwrite")
+    assert {p.name: p.read_bytes() for p in out.iterdir()} == before
+    forced = run_cli_here("evaluate", str(run_dir), "--data-dir", str(tiny_mnist),
+                          "--overwrite")
+    assert forced.returncode == 0, forced.stderr
+    assert json.loads((out / "evaluation.json").read_text())["accuracy"] == report["accuracy"]
+
+
+def test_a_checkpoint_path_recorded_outside_the_run_is_not_followed(trained_run, tmp_path):
+    """A run directory's files may name any path; evaluate loads only what lies inside."""
+    run_dir = tmp_path / "copied"
+    run_dir.mkdir()
+    summary = {**trained_run, "best_checkpoint": trained_run["best_checkpoint"]}
+    (run_dir / "summary.json").write_text(json.dumps(summary))  # no checkpoints of its own
+    result = run_cli_here("evaluate", str(run_dir), "--out", str(tmp_path / "out"))
+    _assert_one_line_error(result.returncode, result.stderr, 1, "no checkpoint at")
+    assert str(run_dir) in result.stderr and not (tmp_path / "out").exists()
 
 
 def test_several_workers_score_like_one_process(trained_run, tmp_path):

@@ -14,6 +14,7 @@ from PIL import Image
 from raytrain_mnist import checkpoint as ckpt
 from raytrain_mnist._cli import UserError
 from raytrain_mnist.fit import fit
+from raytrain_mnist.runs import Run
 
 SUMMARY_KEYS = {"name", "run_dir", "status", "data_source", "train_size", "test_size",
                 "num_workers", "use_gpu", "epochs_completed", "resumed_from_epoch",
@@ -44,6 +45,16 @@ def test_two_workers_train_report_every_epoch_and_write_results(fitted, capsys):
     assert state["epoch"] in range(1, 9) and state["optimizer"]["state"]
     assert ckpt.load(summary["latest_checkpoint"])["epoch"] == 8
     ckpt.load_model(summary["latest_checkpoint"])
+    # --keep-checkpoints 2: the two best epochs' checkpoints stay, the best of them is "best".
+    kept = Run.at(run_dir).checkpoints()
+    assert len(kept) == cfg.run.keep_checkpoints == 2
+    # On disk: those, and the latest (what a resume needs) when it is not among them.
+    assert {str(p) for p in run_dir.glob("checkpoint_*") if p.is_dir()} == \
+        {path for path, _ in kept} | {summary["latest_checkpoint"]}
+    scores = sorted((h["val_accuracy"] for h in summary["history"]), reverse=True)
+    assert sorted((m["val_accuracy"] for _, m in kept), reverse=True) == scores[:2]
+    assert summary["best_checkpoint"] in {path for path, _ in kept}
+    assert ckpt.load(summary["best_checkpoint"])["history"][-1]["val_accuracy"] == scores[0]
 
     # The same command again reports the finished run and trains nothing.
     before = sorted(p.name for p in run_dir.iterdir())
