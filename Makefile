@@ -1,12 +1,22 @@
 # `make fit` trains with the defaults on a local Ray; `make test` runs the test suite.
 # Both create .venv and install the package (with its test extras) on first use.
+# `make gpu-bundle` packs what the offline GPU machine needs (docs/gpu.md).
 
 PYTHON ?= python3
 VENV   := .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
 
-.PHONY: fit test install clean
+.PHONY: fit test install clean gpu-bundle
+
+# What a GPU machine without Ray or internet needs (docs/gpu.md): the Ray wheels for its
+# Python 3.12 (at most 48 MiB) and full MNIST as its four .gz files, both in ignored folders
+# that the device tool carries with the checkout.
+SHARED    ?= ../shared
+GPU_WHEELS := build/gpu-wheels
+MNIST_GZ   := data/mnist-gz/MNIST/raw
+MNIST_FILES := train-images-idx3-ubyte train-labels-idx1-ubyte t10k-images-idx3-ubyte \
+               t10k-labels-idx1-ubyte
 
 fit: $(STAMP)
 	$(BIN)/python -m raytrain_mnist.fit $(ARGS)
@@ -22,6 +32,17 @@ $(STAMP): pyproject.toml
 	$(BIN)/python -m pip install --quiet --upgrade pip
 	$(BIN)/python -m pip install --quiet -e '.[dev]'
 	touch $(STAMP)
+
+gpu-bundle: $(GPU_WHEELS)/wheels.tar.xz $(MNIST_FILES:%=$(MNIST_GZ)/%.gz)
+	@du -ch $^ | tail -n 1
+
+$(GPU_WHEELS)/wheels.tar.xz: pyproject.toml $(STAMP)
+	$(BIN)/python $(SHARED)/tools/gpu_wheelhouse.py --out $(GPU_WHEELS) --python-version 3.12 \
+		--project . $(if $(GPU_CONSTRAINTS),--constraints $(GPU_CONSTRAINTS))
+
+$(MNIST_GZ)/%.gz: $(SHARED)/data/mnist/MNIST/raw/%
+	@mkdir -p $(MNIST_GZ)
+	gzip -9 -n -c $< > $@.tmp && mv $@.tmp $@
 
 clean:
 	rm -rf $(VENV) *.egg-info .pytest_cache

@@ -2,10 +2,13 @@
 
 Every variant trains the same ConvNet on the same data with the same global batch size,
 optimizer and thread budget, evaluates after each epoch, and prints one JSON line
-``RESULT {...}`` with per-epoch throughput and the wall time at which each evaluation ended
-(seconds since the process started, read from ``BENCH_T0``).
+``RESULT {...}`` with per-epoch throughput, training seconds, CPU seconds per step and the
+wall time at which each evaluation ended, and the time of the first optimizer step (both in
+seconds since the command started, read from ``BENCH_T0``): the same end points
+``raytrain_mnist.fit`` records in its history.
 
     python -m benchmarks.variants plain      --data-dir D --epochs 2 --batch-size 128 --threads 2
+    python -m benchmarks.variants plain      --data-dir D --device cuda   (GPU-resident data)
     torchrun --nproc_per_node 2 -m benchmarks.variants torchrun --data-dir D ...
     python -m benchmarks.variants ray_example --data-dir D --workers 2 ...
 """
@@ -19,8 +22,15 @@ import os
 import time
 
 
+def _t0() -> float:
+    return float(os.environ.get("BENCH_T0", _STARTED))
+
+
 def _now() -> float:
-    return time.time() - float(os.environ.get("BENCH_T0", time.time()))
+    return time.time() - _t0()
+
+
+_STARTED = time.time()
 
 
 def _emit(epochs: list[dict], first_step_s: float) -> None:
@@ -28,21 +38,25 @@ def _emit(epochs: list[dict], first_step_s: float) -> None:
 
 
 def _product_loop(args, rank: int = 0, world: int = 1, sampler=None) -> None:
-    """Plain PyTorch around the product's own loader, train step and evaluation."""
+    """Plain PyTorch around the product's own loader, train step and evaluation; on a GPU
+    with the data resident there, as in a fit worker."""
     import torch
 
     from raytrain_mnist.config import TrainConfig
     from raytrain_mnist.data import load_mnist
     from raytrain_mnist.loop import (build_optimizer, evaluate, keep_freed_memory,
-                                     make_train_loader, set_epoch, train_one_epoch)
+                                     make_train_loader, set_epoch, to_device, train_one_epoch)
     from raytrain_mnist.model import ConvNet
 
     keep_freed_memory()  # part of the product's training path, as in every fit worker
     torch.set_num_threads(args.threads)
+    device = torch.device(args.device)
+    if device.type == "cuda":
+        torch.backends.cudnn.benchmark = True  # as fit's workers do
     cfg = TrainConfig(epochs=args.epochs, batch_size=args.batch_size)
-    data = load_mnist(args.data_dir, "mnist")
+    data = to_device(load_mnist(args.data_dir, args.dataset), device)
     torch.manual_seed(cfg.seed)
-    model = ConvNet()
+    model = ConvNet().to(device)
     loader = make_train_loader(data.train_images, data.train_labels, cfg.batch_size // world,
                                cfg.seed)
     if world > 1:
@@ -54,18 +68,21 @@ def _product_loop(args, rank: int = 0, world: int = 1, sampler=None) -> None:
                             collate_fn=tuple,
                             sampler=DistributedSampler(loader.dataset, seed=cfg.seed))
     optimizer, scheduler = build_optimizer(model, cfg, len(loader))
-    scaler = torch.amp.GradScaler("cpu", enabled=False)
+    scaler = torch.amp.GradScaler(device.type, enabled=False)
     module = getattr(model, "module", model)
-    epochs, first_step = [], _now()
+    epochs, first_step = [], None
     for epoch in range(cfg.epochs):
         set_epoch(loader, epoch, cfg.seed)
         started = time.perf_counter()
         train = train_one_epoch(model, loader, optimizer, scheduler, scaler,
-                                contextlib.nullcontext(), torch.device("cpu"))
+                                contextlib.nullcontext(), device)
         seconds = time.perf_counter() - started
-        val = evaluate(module, data.test_images, data.test_labels, torch.device("cpu"),
+        if first_step is None:
+            first_step = train["first_step_at"] - _t0()
+        val = evaluate(module, data.test_images, data.test_labels, device,
                        rank=rank, world_size=world)
-        epochs.append({"images_per_s": train["train_images"] / seconds,
+        epochs.append({"images_per_s": train["train_images"] / seconds, "train_s": seconds,
+                       "cpu_s_per_step": train["cpu_s"] / train["train_steps"],
                        "val_accuracy": val["val_accuracy"], "eval_done_s": _now()})
     if rank == 0:
         _emit(epochs, first_step)
@@ -112,7 +129,7 @@ def _ray_example_worker(config: dict) -> None:
     scheduler = torch.optim.lr_scheduler.OneCycleLR(
         optimizer, max_lr=config["lr"], total_steps=config["epochs"] * len(train_loader),
         pct_start=0.25)
-    epochs, first_step = [], _now()
+    epochs, first_step = [], None
     for epoch in range(config["epochs"]):
         if world > 1:
             train_loader.sampler.set_epoch(epoch)
@@ -125,6 +142,8 @@ def _ray_example_worker(config: dict) -> None:
             optimizer.step()
             scheduler.step()
             seen += len(y)
+            if first_step is None:
+                first_step = _now()
         seconds = time.perf_counter() - started
         model.eval()
         correct = total = 0
@@ -132,8 +151,8 @@ def _ray_example_worker(config: dict) -> None:
             for x, y in test_loader:
                 correct += (model(x).argmax(1) == y).sum().item()
                 total += len(y)
-        epochs.append({"images_per_s": seen * world / seconds, "val_accuracy": correct / total,
-                       "eval_done_s": _now()})
+        epochs.append({"images_per_s": seen * world / seconds, "train_s": seconds,
+                       "val_accuracy": correct / total, "eval_done_s": _now()})
         ray.train.report({"epoch": epoch})
     if ray.train.get_context().get_world_rank() == 0:
         _emit(epochs, first_step)
@@ -168,6 +187,8 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--workers", type=int, default=1)
     parser.add_argument("--storage", default="/tmp/raytrain_mnist_bench")
+    parser.add_argument("--device", default="cpu", help="cpu, or cuda: data resident on the GPU")
+    parser.add_argument("--dataset", default="mnist", choices=["mnist", "sample"])
     args = parser.parse_args()
     globals()[args.variant](args)
 

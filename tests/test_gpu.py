@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from raytrain_mnist import cluster
-from raytrain_mnist.config import ConfigError, RunSettings
+from raytrain_mnist.config import RunSettings
 from tests.conftest import REPO, run_cli, run_cli_here
 
 # --------------------------------------------------------------------------- everywhere
@@ -210,7 +210,8 @@ def test_mixed_precision_trains_on_the_gpu(gpu_ray, tmp_path_factory, amp):
 def test_evaluate_on_the_gpu_reproduces_fits_accuracy(one_worker_nccl, tmp_path):
     from raytrain_mnist.evaluate import evaluate_checkpoint
 
-    report = evaluate_checkpoint(one_worker_nccl["run_dir"], out=tmp_path, use_gpu=True)
+    report = evaluate_checkpoint(one_worker_nccl["run_dir"], out=tmp_path / "evaluation",
+                                 use_gpu=True)
     assert report["test_size"] == 10000
     # cuDNN may pick other kernels in another process: allow one image of difference.
     assert abs(report["accuracy"] - report["reported_val_accuracy"]) <= 1e-4, report
