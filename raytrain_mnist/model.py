@@ -32,8 +32,8 @@ class ConvNet(nn.Module):
             nn.MaxPool2d(kernel_size=2, stride=2),
         )
         self.fc = nn.Linear(7 * 7 * 32, num_classes)
-        # Channels-last conv kernels: oneDNN's NHWC path trains this net ~1.3x faster on CPU
-        # (benchmarks/results), and cuDNN prefers it under AMP. A 1-channel input is already
+        # Channels-last conv kernels: oneDNN's NHWC path trains this net faster on CPU
+        # (benchmarks/README.md), and cuDNN prefers it under AMP. A 1-channel input is already
         # channels-last; checkpoints and load_state_dict are unaffected.
         self.to(memory_format=torch.channels_last)
 

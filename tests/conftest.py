@@ -24,8 +24,8 @@ os.environ["RAYTRAIN_MNIST_NO_DOWNLOAD"] = "1"
 os.environ.setdefault("RAY_DEDUP_LOGS", "0")
 # What `fit` sets for a Ray it starts itself, here for the clusters the tests start too; and
 # Ray Train's controller polls workers every 0.5 s instead of 2 s: a committed checkpoint and
-# the end of a run come 1.5 s sooner, which adds up over ~25 short runs (fit keeps Ray's 2 s:
-# the benchmark measured less throughput with 0.5 s).
+# the end of a run come sooner, which adds up over the suite's many short runs (fit keeps
+# Ray's 2 s: faster polling costs training throughput, benchmarks/README.md).
 from raytrain_mnist.cluster import LOCAL_TRAIN_ENV  # noqa: E402
 
 for _key, _value in {**LOCAL_TRAIN_ENV, "RAY_TRAIN_HEALTH_CHECK_INTERVAL_S": "0.5"}.items():
@@ -116,8 +116,8 @@ def write_tiny_mnist(root: Path, digits, n_train: int = 512, n_test: int = 203,
 
 @pytest.fixture(scope="session")
 def tiny_mnist(tmp_path_factory, sample_digits) -> Path:
-    """2048 training digits: an epoch of 2 workers takes ~1.5 s here, long enough for the
-    failure scenario to kill things between epochs."""
+    """2048 training digits: epochs long enough for the failure scenario to kill things
+    between them."""
     return write_tiny_mnist(tmp_path_factory.mktemp("tiny"), sample_digits, n_train=2048)
 
 
@@ -209,8 +209,9 @@ def two_nodes():
 @pytest.fixture(scope="session")
 def fitted(ray_local, tiny_mnist, tmp_path_factory) -> dict:
     """One 2-worker, 8-epoch `fit` on tiny data on one node, shared by the tests of fit,
-    evaluate and tracking, and the uninterrupted reference of the failure scenario (a fit
-    costs ~20 s of Ray Train start-up): ``cfg``, ``summary`` and ``out``, what it printed."""
+    evaluate and tracking, and the uninterrupted reference of the failure scenario (every fit
+    pays Ray Train's start-up; CONTRIBUTING.md): ``cfg``, ``summary`` and ``out``, what it
+    printed."""
     import io
 
     from raytrain_mnist.config import FitConfig, RunSettings, TrainConfig

@@ -1,41 +1,164 @@
-"""The README's flag tables say what the real CLIs' --help says: no flag missing, none stale."""
+"""The README is a guide that stays true: short, its links lead somewhere, every flag it names
+exists, and every command it shows parses with the real parsers (the full flag list is
+``--help``'s, generated from the config dataclasses). The same holds for docs/cluster.md."""
 
 from __future__ import annotations
 
+import importlib
 import re
+import shlex
+from pathlib import Path
 
 import pytest
 
-from tests.conftest import REPO, run_cli
+from tests.conftest import REPO
 
 README = REPO / "README.md"
+#: Documents whose commands and links this file checks.
+GUIDES = [README, REPO / "docs" / "cluster.md", REPO / "CONTRIBUTING.md",
+          REPO / "benchmarks" / "README.md"]
+MAX_BYTES = 16 * 1024
+COMMANDS = ("fit", "tune", "evaluate", "submit", "serve")
 
 
-def help_flags(command: str) -> set[str]:
-    """Every option ``python -m raytrain_mnist COMMAND --help`` defines (not -h/--help)."""
-    result = run_cli(command, "--help", timeout=60)
-    assert result.returncode == 0, result.stderr
-    # argparse lists each option at the start of a line: "  --flag VALUE   help text".
-    flags = set(re.findall(r"^\s{2}(?:-\w[^,]*, )?(--[a-z][a-z0-9-]*)", result.stdout, re.M))
-    return flags - {"--help"}
+# --------------------------------------------------------------------------- helpers
+
+def _blocks(text: str) -> list[tuple[str, str]]:
+    """(info string, body) of every fenced code block."""
+    return re.findall(r"^```([^\n]*)\n(.*?)^```", text, re.M | re.S)
 
 
-def readme_table_flags(heading: str) -> set[str]:
-    """The flags in the first column of the first table under ``heading``."""
+def _shell_lines(body: str, prompt: bool) -> list[str]:
+    """The commands of a block, continuation lines joined; with ``prompt`` only ``$ `` lines."""
+    lines, pending = [], ""
+    for line in body.splitlines():
+        if prompt:
+            if line.startswith("$ "):
+                lines.append(line[2:])
+            continue
+        if line.rstrip().endswith("\\"):
+            pending += line.rstrip()[:-1] + " "
+            continue
+        lines.append(pending + line)
+        pending = ""
+    return [line for line in lines if line.strip()]
+
+
+def package_commands(doc: Path) -> list[tuple[str, list[str], str]]:
+    """(command, its arguments, the line) for every ``raytrain-mnist ...``, ``python -m
+    raytrain_mnist[.COMMAND] ...`` and ``make fit ARGS=...`` in the document's code blocks
+    (``text`` blocks: only the lines after a ``$`` prompt)."""
+    found = []
+    for info, body in _blocks(doc.read_text()):
+        for line in _shell_lines(body, prompt=info.strip() == "text"):
+            words = shlex.split(line, comments=True)
+            while words and re.fullmatch(r"[A-Z_][A-Z0-9_]*=.*", words[0]):
+                words = words[1:]  # VAR=value before the command
+            if "--" in words and words[:1] == ["ray"]:  # ray job submit ... -- python -m ...
+                words = words[words.index("--") + 1:]
+            if words[:2] == ["make", "fit"]:
+                args = [w.partition("=")[2] for w in words[2:] if w.startswith("ARGS=")]
+                found.append(("fit", shlex.split(args[0]) if args else [], line))
+            elif words[:1] == ["raytrain-mnist"] or words[:3] == ["python", "-m", "raytrain_mnist"]:
+                rest = words[1:] if words[0] == "raytrain-mnist" else words[3:]
+                found.append((rest[0] if rest else "", rest[1:], line))
+            elif words[:2] == ["python", "-m"] and words[2].startswith("raytrain_mnist."):
+                found.append((words[2].partition(".")[2], words[3:], line))
+    return found
+
+
+def parse(command: str, args: list[str]) -> None:
+    """Parse (and validate) ``args`` as ``raytrain-mnist COMMAND`` would, without running it."""
+    if command in ("", "-h", "--help"):
+        return
+    assert command in COMMANDS, f"no command {command!r}"
+    module = importlib.import_module(f"raytrain_mnist.{command}")
+    if command == "submit":  # the checks submit.main makes before it contacts a cluster
+        at = args.index("--") if "--" in args else len(args)
+        parsed = module.build_parser().parse_intermixed_args(args[:at])
+        if args[at + 1:]:
+            assert parsed.action is None, "a job action and a command after --"
+            module.entrypoint(args[at + 1:])
+        else:
+            assert parsed.action, "submit with neither an action nor a command"
+        return
+    check = (getattr(module, "parse_config", None) or getattr(module, "parse_command", None)
+             or module.build_parser().parse_args)
+    check(args)
+
+
+def option_strings(command: str) -> set[str]:
+    module = importlib.import_module(f"raytrain_mnist.{command}")
+    return {s for action in module.build_parser()._actions for s in action.option_strings}
+
+
+def _slug(heading: str) -> str:
+    """GitHub's anchor for a heading."""
+    text = re.sub(r"[^\w\- ]", "", heading.strip().lower())
+    return text.replace(" ", "-")
+
+
+# --------------------------------------------------------------------------- the checks
+
+def test_readme_is_short_and_starts_with_the_two_commands():
+    raw = README.read_bytes()
+    assert len(raw) <= MAX_BYTES, (f"README.md is {len(raw)} bytes; a guide stays within "
+                                   f"{MAX_BYTES} (measurements: benchmarks/README.md, the "
+                                   "suite: CONTRIBUTING.md, depth: docs/)")
+    text = raw.decode()
+    first = _blocks(text)[0][1]
+    commands = [line.split("#")[0].strip() for line in first.splitlines()]
+    assert commands == ["make fit", "make test"]
+    assert text.index("make fit") < 200, "the two commands come first"
+
+
+@pytest.mark.parametrize("doc", GUIDES, ids=lambda p: str(p.relative_to(REPO)))
+def test_links_lead_to_files_and_headings(doc):
+    text = doc.read_text()
+    for target in re.findall(r"\]\(([^)\s]+)\)", text):
+        if re.match(r"[a-z]+:", target):
+            continue  # https:, mailto:
+        path, _, anchor = target.partition("#")
+        file = (doc.parent / path).resolve() if path else doc
+        assert file.exists(), f"{doc.name} links to {target}, which does not exist"
+        if anchor and file.suffix == ".md":
+            headings = re.findall(r"^#+ (.+)$", file.read_text(), re.M)
+            assert anchor in {_slug(h) for h in headings}, f"{doc.name}: no heading #{anchor}"
+
+
+@pytest.mark.parametrize("doc", [README, REPO / "docs" / "cluster.md"],
+                         ids=lambda p: str(p.relative_to(REPO)))
+def test_every_command_shown_parses_with_the_real_parsers(doc):
+    found = package_commands(doc)
+    assert found, f"no raytrain_mnist command found in {doc.name}"
+    failures = []
+    for command, args, line in found:
+        try:
+            parse(command, args)
+        except SystemExit as exc:  # argparse: a usage error (or --help, status 0)
+            if exc.code not in (0, None):
+                failures.append(f"{line}  -> exit {exc.code}")
+        except Exception as exc:  # a config rule the command breaks
+            failures.append(f"{line}  -> {exc}")
+    assert not failures, "commands that do not parse:\n" + "\n".join(failures)
+
+
+def test_readme_finds_the_commands_it_shows():
+    """The extractor sees what a reader sees: each entry point and each command."""
+    found = package_commands(README)
+    assert {c for c, _, _ in found} >= set(COMMANDS)
+
+
+def test_every_flag_the_readme_names_exists():
+    """The flag table is a selection of fit's flags, none stale; every flag named in the
+    prose (`--flag ...`) belongs to some command."""
     text = README.read_text()
-    match = re.search(rf"^{re.escape(heading)}\s*$(.*?)(?=^#{{1,3}} |\Z)", text, re.M | re.S)
-    assert match, f"README has no section {heading!r}"
-    rows = [line for line in match.group(1).splitlines() if line.startswith("|")]
-    assert rows, f"no table under {heading!r}"
-    return {flag for row in rows for flag in re.findall(r"^\|\s*`(--[a-z][a-z0-9-]*)", row)}
-
-
-@pytest.mark.parametrize("command, heading", [
-    ("fit", "## Flags"),
-    ("evaluate", "### Evaluation flags"),
-])
-def test_readme_flag_table_matches_help(command, heading):
-    in_help, in_readme = help_flags(command), readme_table_flags(heading)
-    assert in_help, "parsed no flags from --help"
-    assert in_help - in_readme == set(), f"flags of `{command} --help` missing from the README"
-    assert in_readme - in_help == set(), f"README lists flags `{command}` does not have"
+    section = re.search(r"^## The flags that matter\s*$(.*?)(?=^## )", text, re.M | re.S)
+    assert section, "README has no section '## The flags that matter'"
+    table = set(re.findall(r"^\|\s*`(--[a-z][a-z0-9-]*)`", section.group(1), re.M))
+    assert len(table) >= 8, "the flag table lists the flags that matter"
+    assert table - option_strings("fit") == set(), "README's table lists flags fit lacks"
+    every = set().union(*(option_strings(c) for c in COMMANDS))
+    named = {m for span in re.findall(r"`(--[^`]*)`", text)
+             for m in re.findall(r"(?<![\w-])--[a-z][a-z0-9-]*", span)}
+    assert named - every == set(), "README names flags no command has"

@@ -149,7 +149,7 @@ def test_token_is_required_and_checked_and_addresses_fail_fast(head):
 
 def test_bf16_fit_job_is_followed_to_success_and_ctrl_c_detaches(head, tmp_path):
     token_env = client_env(head, RAY_AUTH_MODE="token", RAY_AUTH_TOKEN=head["token"])
-    # The plain Ray CLI form, documented in the README, submitted without waiting: the same
+    # The plain Ray CLI form, documented in docs/cluster.md, submitted without waiting: the same
     # working-dir upload and entry point, asked only for its help (one fit job is enough).
     plain = subprocess.run(
         [RAY, "job", "submit", "--address", head["url"], "--working-dir", str(REPO),
