@@ -27,8 +27,8 @@ _CONNECT_TIMEOUT_S = 5.0
 #: Ray Train settings for a Ray this process starts (its processes inherit the environment;
 #: a value the user set wins). One machine is never drained for preemption, so the watcher
 #: actor is pure start-up cost. (Polling workers every 0.5 s instead of Ray's 2 s ends a run
-#: 1.5 s sooner, but the benchmark measured 3-6 % less throughput with it: the tests use it,
-#: `fit` does not.)
+#: sooner but costs training throughput (benchmarks/README.md): the tests use it, `fit` does
+#: not.)
 LOCAL_TRAIN_ENV = {
     "RAY_TRAIN_ENABLE_PREEMPTION_WATCHER": "0",
 }
@@ -54,8 +54,9 @@ class Request:
 
     @classmethod
     def for_run(cls, run, cpus_per_worker: int, extra_cpus: float = 0) -> "Request":
-        """The request of a :class:`~raytrain_mnist.config.RunSettings`."""
-        return cls(run.num_workers, cpus_per_worker, run.use_gpu, extra_cpus,
+        """The request of a :class:`~raytrain_mnist.config.RunSettings`. An elastic run
+        asks for its minimum: it starts once that many fit and grows as room appears."""
+        return cls(run.min_workers, cpus_per_worker, run.use_gpu, extra_cpus,
                    run.gpus if run.use_gpu else 1)
 
 
@@ -95,23 +96,8 @@ def connect(address: str | None, request: Request) -> Iterator[bool]:
     else:
         _check_local_gpus(request)  # seconds sooner than starting a Ray to find out
         needed = request.num_workers * request.cpus_per_worker + request.extra_cpus
-        for key, value in LOCAL_TRAIN_ENV.items():
-            os.environ.setdefault(key, value)
-        try:
-            with loopback_node():
-                ray.init(
-                    address="local",  # a new Ray, never one that `ray start` left running
-                    num_cpus=max(os.cpu_count() or 1, int(needed + 0.999)),
-                    num_gpus=None if request.use_gpu else 0,
-                    include_dashboard=True,
-                    dashboard_host=LOOPBACK,
-                    _node_ip_address=LOOPBACK,
-                    runtime_env=local_runtime_env(),
-                    logging_level=logging.WARNING,
-                    log_to_driver=_worker_logs_to_driver(),
-                )
-        except Exception as exc:  # Ray raises bare Exception when its processes fail to start
-            raise UserError(f"could not start a local Ray: {str(exc).strip()[:300]}") from exc
+        start_local(max(os.cpu_count() or 1, int(needed + 0.999)),
+                    num_gpus=None if request.use_gpu else 0)
         started = True
     try:
         preflight(request)
@@ -119,6 +105,34 @@ def connect(address: str | None, request: Request) -> Iterator[bool]:
     finally:
         if started:
             ray.shutdown()
+
+
+def start_local(num_cpus: int | None = None, num_gpus: int | None = None,
+                log_to_driver: bool | None = None) -> None:
+    """Start a new single-node Ray in this process, every server on loopback, its dashboard
+    on 127.0.0.1 (Tune with Train V2 leaks placement groups without it: ray-project/ray#54305).
+    What fit, tune and evaluate start for themselves; a notebook calls it too. Stop it with
+    ``ray.shutdown()``."""
+    import ray
+
+    for key, value in LOCAL_TRAIN_ENV.items():
+        os.environ.setdefault(key, value)
+    try:
+        with loopback_node():
+            ray.init(
+                address="local",  # a new Ray, never one that `ray start` left running
+                num_cpus=num_cpus,
+                num_gpus=num_gpus,
+                include_dashboard=True,
+                dashboard_host=LOOPBACK,
+                _node_ip_address=LOOPBACK,
+                runtime_env=local_runtime_env(),
+                logging_level=logging.WARNING,
+                log_to_driver=(_worker_logs_to_driver() if log_to_driver is None
+                               else log_to_driver),
+            )
+    except Exception as exc:  # Ray raises bare Exception when its processes fail to start
+        raise UserError(f"could not start a local Ray: {str(exc).strip()[:300]}") from exc
 
 
 #: The address a Ray this process starts binds its servers to: nothing outside the machine.

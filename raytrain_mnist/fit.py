@@ -8,7 +8,9 @@ into the run directory ``<storage-path>/<name>``. It never touches a tensor itse
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
+import json
 import logging
 import sys
 import threading
@@ -20,7 +22,9 @@ from raytrain_mnist._cli import (EXIT_FAILURE, ArgumentParser, UserError,
                                  add_dataclass_args, cause_line, command_line,
                                  dataclass_from_args, flags_of, invocation, run_cli,
                                  setup_logging)
-from raytrain_mnist.config import FitConfig, RunSettings, TrainConfig
+from raytrain_mnist.config import (FitConfig, RunSettings, TrainConfig, check_data_fits,
+                                   epochs_for, parse_workers)
+from raytrain_mnist.progress import Renderer
 from raytrain_mnist.runs import CURVES_FILE, RUN_FILE, SUMMARY_FILE, Run
 
 logger = logging.getLogger(__name__)
@@ -32,14 +36,18 @@ def build_parser() -> ArgumentParser:
         description="Train the MNIST ConvNet data-parallel on a Ray cluster (or a local Ray).",
     )
     add_dataclass_args(parser, TrainConfig, "training")
-    add_dataclass_args(parser, RunSettings, "run")
+    add_dataclass_args(parser, RunSettings, "run", types={"num_workers": parse_workers})
     return parser
 
 
 def parse_config(argv: Sequence[str] | None = None) -> FitConfig:
-    args = build_parser().parse_args(argv)
+    # argparse keeps a value already in the namespace: None marks "--epochs not given".
+    args = build_parser().parse_args(argv, namespace=argparse.Namespace(epochs=None))
+    auto_epochs = args.epochs is None
+    if auto_epochs:
+        args.epochs = TrainConfig.__dataclass_fields__["epochs"].default
     return FitConfig(train=dataclass_from_args(TrainConfig, args),
-                     run=dataclass_from_args(RunSettings, args))
+                     run=dataclass_from_args(RunSettings, args), auto_epochs=auto_epochs)
 
 
 # --------------------------------------------------------------------------- progress
@@ -108,15 +116,24 @@ def _epoch_entry(metrics: dict) -> dict:
 
 
 class _Printer:
-    """Polls the progress actor from a thread, prints epochs as they commit, and builds the
-    run's history: the epochs before a resume (from its checkpoint) and those seen now."""
+    """Polls the progress actor from a thread and hands what it carries to the renderer:
+    rank 0's progress (worker-group starts, the first step, steps within an epoch) and the
+    epochs as they commit. Builds the run's history (the epochs before a resume, from its
+    checkpoint, and those seen now) and its record of worker-group restarts and resizes."""
 
-    def __init__(self, actor, epochs: int, prior: list[dict], on_epoch=None) -> None:
+    def __init__(self, actor, epochs: int, prior: list[dict], on_epoch=None,
+                 renderer: Renderer | None = None) -> None:
         self.actor, self.epochs = actor, epochs
         self.on_epoch = on_epoch  # tracking.EpochLog.log: TensorBoard (and MLflow)
+        self.renderer = renderer or Renderer("off", epochs, time.perf_counter())
         self.prior = [_epoch_entry(h) for h in prior]
         self.seen: list[dict] = []
-        self.restarts = 0  # worker-group restarts seen (after a worker or node failure)
+        self.restarts = 0  # worker-group restarts seen (after a failure, or a resize)
+        #: Each change of the world size: {"from", "to", "at_epoch"} (the first epoch the
+        #: new size trains).
+        self.resizes: list[dict] = []
+        self._group: tuple | None = None  # (started_at, world size) of the current group
+        self._first_step = False
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True)
 
@@ -128,6 +145,7 @@ class _Printer:
         self._stop.set()
         self._thread.join(timeout=10)
         self._flush()
+        self.renderer.close()
 
     @property
     def history(self) -> list[dict]:
@@ -137,7 +155,7 @@ class _Printer:
         return [by_epoch[e] for e in sorted(by_epoch)]
 
     def _run(self) -> None:
-        while not self._stop.wait(0.5):
+        while not self._stop.wait(self.renderer.poll_s):
             self._flush()
 
     def _flush(self) -> None:
@@ -148,19 +166,41 @@ class _Printer:
         except Exception:  # the cluster is going away; what was printed stays printed
             return
         for m in items:
-            # Each worker-group start stamps its reports; a new stamp mid-run is a restart.
-            new_start = not self.seen or m.get("started_at") != self.seen[-1].get("started_at")
-            if new_start and self.seen:
-                self.restarts += 1
-                print(f"workers restarted from the checkpoint of epoch "
-                      f"{m.get('resumed_from_epoch') or 0}", flush=True)
-            elif new_start and m.get("resumed_from_epoch"):
-                print(f"resumed from the checkpoint of epoch {m['resumed_from_epoch']}",
-                      flush=True)
-            self.seen.append(m)
-            print(format_epoch(m, self.epochs), flush=True)
-            if self.on_epoch is not None:
-                self.on_epoch(m)
+            kind = m.get("progress")
+            if kind == "step":
+                self.renderer.step(m)
+                continue
+            # Each worker-group start stamps its reports (rank 0 also announces it before its
+            # first epoch): a new stamp is a new group, after a failure or a resize.
+            self._group_started(m)
+            if kind == "first_step":
+                if not self._first_step:
+                    self._first_step = True
+                    self.renderer.phase("first step")
+            elif kind is None:  # a committed epoch
+                self.seen.append(m)
+                self.renderer.epoch(m["epoch"], format_epoch(m, self.epochs))
+                if self.on_epoch is not None:
+                    self.on_epoch(m)
+
+    def _group_started(self, m: dict) -> None:
+        started_at, size = m.get("started_at"), m.get("world_size")
+        if started_at is None or (self._group and self._group[0] == started_at):
+            return
+        previous, self._group = self._group, (started_at, size)
+        resumed = m.get("resumed_from_epoch") or 0
+        if previous is None:
+            if resumed:
+                self.renderer.line(f"resumed from the checkpoint of epoch {resumed}")
+            if m.get("progress") == "ready":
+                self.renderer.phase(f"{size} worker(s) started")
+            return
+        self.restarts += 1
+        if size is not None and previous[1] is not None and size != previous[1]:
+            self.resizes.append({"from": previous[1], "to": size, "at_epoch": resumed + 1})
+            self.renderer.line(f"workers {previous[1]} → {size} at epoch {resumed + 1}")
+        else:
+            self.renderer.line(f"workers restarted from the checkpoint of epoch {resumed}")
 
 
 # --------------------------------------------------------------------------- the run
@@ -185,11 +225,16 @@ def _resume_point(run: Run, cfg: FitConfig) -> list[dict]:
 def fit(cfg: FitConfig) -> dict[str, Any]:
     """Train as ``cfg`` says; return the summary (also written to ``summary.json``)."""
     started = time.perf_counter()
-    run = Run(cfg.run.storage_path, runs.default_name(cfg))
-
     from raytrain_mnist.data import load_mnist
 
     data = load_mnist(cfg.run.data_dir, cfg.run.dataset)
+    # The epochs are part of the run's name and identity: decided before either.
+    cfg = _sized_for_data(cfg, data.train_size)
+    check_data_fits(cfg.train, cfg.run, data.train_size)
+    run = Run(cfg.run.storage_path, runs.default_name(cfg))
+    renderer = Renderer(cfg.run.progress, cfg.train.epochs, started)
+    renderer.phase(f"data loaded: {data.train_size} train / {data.test_size} test images "
+                   f"({data.kind})")
     identity = runs.fit_identity(cfg, data)
     with run.claim(cfg.run.fresh):
         # Inside the claim: no other command can be writing what these read.
@@ -202,7 +247,8 @@ def fit(cfg: FitConfig) -> dict[str, Any]:
                   "Add --fresh to train it again.")
             return finished
         prior = _resume_point(run, cfg)
-        summary, error, tracker, logs = _train(cfg, run, data, identity, prior, started)
+        summary, error, tracker, logs = _train(cfg, run, data, identity, prior, started,
+                                               renderer)
         # Still claimed: a second command never sees a half-written or stale summary.
         run.write_json(SUMMARY_FILE, summary)
         if summary["history"]:
@@ -223,21 +269,46 @@ def fit(cfg: FitConfig) -> dict[str, Any]:
     return summary
 
 
+def _sized_for_data(cfg: FitConfig, train_size: int) -> FitConfig:
+    """Without --epochs, a run on a smaller set (the sample) trains about as many steps as
+    the default does on full MNIST: the defaults are sized for 60,000 images."""
+    if not cfg.auto_epochs:
+        return cfg
+    epochs = epochs_for(cfg.train, train_size)
+    if epochs == cfg.train.epochs:
+        return cfg
+    return dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, epochs=epochs))
+
+
+def _workers_text(cfg: FitConfig) -> str:
+    r = cfg.run
+    if not r.elastic:
+        return f"{r.num_workers} worker(s)"
+    return (f"{r.num_workers} worker(s) (elastic: starts once {r.min_workers} fit, checks "
+            f"for room every {r.resize_check_s:g} s)")
+
+
 def _train(cfg: FitConfig, run: Run, data, identity: dict, prior: list[dict],
-           started: float):
+           started: float, renderer: Renderer):
     """Connect, train, summarize: (summary, error or None, the tracker, worker logs)."""
     address = cluster.resolve_address(cfg.run.address)
     import ray
 
     local = address is None and not ray.is_initialized()
+    # Sized for the most workers the run may have; placed once the fewest fit.
     threads = cfg.run.cpus_per_worker or cluster.default_cpus_per_worker(
-        cfg.run.num_workers, local)
-    request = cluster.Request(cfg.run.num_workers, threads, cfg.run.use_gpu)
+        cfg.run.max_workers, local)
+    request = cluster.Request.for_run(cfg.run, threads)
+    renderer.phase("starting a local Ray" if local else
+                   f"connecting to Ray at {address}" if address else "using the connected Ray")
     with cluster.connect(address, request) as started_ray:
-        print(f"{'resuming' if prior else 'starting'} run '{run.name}': "
-              f"{cfg.run.num_workers} worker(s) x {threads} CPU"
-              f"{', 1 GPU' if cfg.run.use_gpu else ''}, {data.train_size} train / "
-              f"{data.test_size} test images from {data.source}", flush=True)
+        sized = (f"; {cfg.train.epochs} epochs, as many steps as "
+                 f"{TrainConfig().epochs} on full MNIST (--epochs sets them)"
+                 if cfg.auto_epochs and cfg.train.epochs != TrainConfig().epochs else "")
+        renderer.line(f"{'resuming' if prior else 'starting'} run '{run.name}': "
+                      f"{_workers_text(cfg)} x {threads} CPU"
+                      f"{', 1 GPU' if cfg.run.use_gpu else ''}, {data.train_size} train / "
+                      f"{data.test_size} test images from {data.source}{sized}")
         run.write_json(RUN_FILE, identity)
         from raytrain_mnist.tracking import EpochLog
 
@@ -246,11 +317,14 @@ def _train(cfg: FitConfig, run: Run, data, identity: dict, prior: list[dict],
         from raytrain_mnist.loop import train_func_per_worker
         from raytrain_mnist.trainer import build_trainer
 
-        loop_config = {"train": cfg.train.to_dict(), "data": ray.put(data), "threads": threads}
+        # --progress off: no stream from rank 0 at all (the epochs still arrive).
+        loop_config = {"train": cfg.train.to_dict(), "data": ray.put(data), "threads": threads,
+                       "progress": None if renderer.mode == "off" else progress}
         trainer = build_trainer(cfg.run, train_func_per_worker, loop_config, threads,
                                 run.storage, run.name, callbacks=_callbacks(progress))
         result = error = logs = None
-        with _Printer(progress, cfg.train.epochs, prior, tracker.log) as printer:
+        renderer.phase("workers starting")
+        with _Printer(progress, cfg.train.epochs, prior, tracker.log, renderer) as printer:
             try:
                 result = _fit_interruptibly(trainer, progress, started_ray)
             except ray.train.TrainingFailedError as exc:
@@ -293,7 +367,10 @@ def _fit_interruptibly(trainer, progress, started_ray: bool):
         else:
             controller = ray.get(progress.get_controller.remote(), timeout=30)
             if controller is not None:
-                ray.get(controller.abort.remote(), timeout=60)
+                try:
+                    ray.get(controller.abort.remote(), timeout=60)
+                except ray.exceptions.RayActorError:
+                    pass  # the controller ends itself once it has stopped its workers
             thread.join(60)
         return None
     if "error" in outcome:
@@ -319,7 +396,7 @@ def _summarize(cfg: FitConfig, run: Run, data, threads: int, metrics: dict, prin
     else:
         status = "interrupted"
     first = printer.seen[0] if printer.seen else metrics
-    return {
+    summary = {
         "name": run.name,
         "run_dir": run.dir,
         "status": status,
@@ -328,11 +405,13 @@ def _summarize(cfg: FitConfig, run: Run, data, threads: int, metrics: dict, prin
         "train_size": data.train_size,
         "test_size": data.test_size,
         "num_workers": cfg.run.num_workers,
+        "elastic": cfg.run.elastic,
         "cpus_per_worker": threads,
         "use_gpu": cfg.run.use_gpu,
         "epochs_completed": epochs_completed,
         "resumed_from_epoch": first.get("resumed_from_epoch"),
         "worker_restarts": printer.restarts,
+        "resizes": printer.resizes,
         "worker_started_at": first.get("started_at"),  # unix time the training loop began
         "val_accuracy": metrics.get("val_accuracy"),
         "val_loss": metrics.get("val_loss"),
@@ -347,6 +426,7 @@ def _summarize(cfg: FitConfig, run: Run, data, threads: int, metrics: dict, prin
         "history": history,
         "error": None if error is None else cause_line(error),
     }
+    return json.loads(json.dumps(summary))  # as summary.json reads back: a range is a list
 
 
 def _print_summary(s: dict) -> None:

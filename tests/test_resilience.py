@@ -194,3 +194,43 @@ def test_ctrl_c_stops_cleanly_prints_the_resume_command_and_stops_its_own_ray(
         assert not left, f"processes of the run's own Ray outlived it: {left}"
     finally:
         kill_marked(marker)
+
+
+_IN_A_NOTEBOOK = """
+import sys
+import ray
+from raytrain_mnist.cluster import start_local
+from raytrain_mnist.config import FitConfig, RunSettings, TrainConfig
+from raytrain_mnist.fit import fit
+
+start_local(num_cpus=2)  # the notebook's own Ray, started before fit
+cfg = FitConfig(TrainConfig(epochs=30, batch_size=32),
+                RunSettings(num_workers=1, dataset="mnist", data_dir=sys.argv[1],
+                            storage_path=sys.argv[2], name="nb"))
+try:
+    fit(cfg)
+except KeyboardInterrupt:
+    print("fit interrupted; Ray still up:", ray.is_initialized(),
+          ray.cluster_resources().get("CPU"), flush=True)
+    ray.shutdown()
+"""
+
+
+def test_ctrl_c_in_a_ray_fit_did_not_start_stops_only_the_run(tiny_mnist, tmp_path):
+    """A notebook's Ray outlives a Ctrl-C of fit(): only the run's controller is aborted."""
+    marker = uuid.uuid4().hex
+    run = subprocess.Popen([sys.executable, "-c", _IN_A_NOTEBOOK, str(tiny_mnist),
+                            str(tmp_path / "runs")],
+                           stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                           cwd=REPO, env={**ENV, MARKER_VAR: marker})
+    try:
+        seen: list[str] = []
+        _read_until(run, "epoch   1/30", seen)
+        run.send_signal(signal.SIGINT)
+        out, _ = run.communicate(timeout=180)
+    finally:
+        kill_marked(marker)
+    out = "".join(seen) + out
+    assert "fit interrupted; Ray still up: True 2.0" in out, out
+    summary = json.loads((tmp_path / "runs" / "nb" / "summary.json").read_text())
+    assert summary["status"] == "interrupted" and 1 <= summary["epochs_completed"] < 30
