@@ -30,9 +30,9 @@ EXIT_FAILURE = 1
 EXIT_INTERRUPTED = 130
 
 # At exit, CPython's last garbage collection walks every object that torch, Ray and pandas
-# made: about 2.7 s of each command's exit here. It skips frozen objects, which are still
-# freed by reference counting (and streams are flushed regardless). Registered at import,
-# before Ray registers its shutdown, so it runs after it.
+# made, seconds of each command's exit (benchmarks/README.md). It skips frozen objects, which
+# are still freed by reference counting (and streams are flushed regardless). Registered at
+# import, before Ray registers its shutdown, so it runs after it.
 atexit.register(gc.freeze)
 
 

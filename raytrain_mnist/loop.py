@@ -65,11 +65,11 @@ def keep_freed_memory() -> bool:
     free top exceeds twice the largest recently freed block, and deletes a thread arena's
     64 MiB heap as soon as it is empty (Ray Train runs the loop off the main thread), so each
     step's activations go back to the OS when backward frees them and are page-faulted back,
-    zero-filled, by the next forward: 1100-2600 page faults per step of the ConvNet at batch
-    128, about 100 with these settings (README, "Performance"). A fixed mmap threshold
-    (32 MiB, glibc's cap), a high trim threshold and a top pad larger than a thread heap keep
-    the memory; blocks above 32 MiB are still mapped and unmapped. Process-wide; call it in
-    a process that trains. Returns False where the C library has no effective ``mallopt``.
+    zero-filled, by the next forward, every step (figures: benchmarks/README.md). A fixed
+    mmap threshold (32 MiB, glibc's cap), a high trim threshold and a top pad larger than a
+    thread heap keep the memory; blocks above 32 MiB are still mapped and unmapped.
+    Process-wide; call it in a process that trains. Returns False where the C library has no
+    effective ``mallopt``.
     """
     if not sys.platform.startswith("linux"):
         return False
