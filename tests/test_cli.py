@@ -32,7 +32,7 @@ def _assert_one_line_error(result, code: int, fragment: str) -> None:
     (["--epochs", "two"], 2, "argument --epochs: invalid int value"),
     (["--lr", "nan"], 2, "--lr must be a positive number"),
     (["--lr", "-1"], 2, "--lr must be a positive number"),
-    (["--num-workers", "0"], 2, "--num-workers must be an integer >= 1"),
+    (["--num-workers", "0"], 2, "--num-workers must be a count >= 1"),
     (["--num-workers", "4", "--batch-size", "3"], 2, "smaller than --num-workers"),
     (["--batch-size", "100", "--num-workers", "3"], 2, "multiple of 3"),
     (["--amp", "fp8"], 2, "argument --amp: invalid choice"),
@@ -235,8 +235,8 @@ def test_checkpoints_that_cannot_resume(tmp_path, shape, fragment):
         state = _foreign_model_state()
     storage = _run_dir_with_checkpoint(tmp_path, payload, state)
     before = _tree(storage)
-    result = run_cli_here("fit", "--dataset", "sample", "--storage-path", str(storage),
-                     "--name", "r")
+    result = run_cli_here("fit", "--dataset", "sample", "--epochs", "2", "--storage-path",
+                          str(storage), "--name", "r")
     _assert_one_line_error(result, 1, fragment)
     assert "cannot resume run 'r'" in result.stderr
     assert _tree(storage) == before
@@ -248,8 +248,8 @@ def test_resuming_with_other_settings_is_refused(tmp_path):
 
     storage = _run_dir_with_checkpoint(tmp_path, state={"model": ConvNet().state_dict()})
     before = _tree(storage)
-    result = run_cli_here("fit", "--dataset", "sample", "--storage-path", str(storage),
-                     "--name", "r", "--lr", "0.01")
+    result = run_cli_here("fit", "--dataset", "sample", "--epochs", "2", "--storage-path",
+                          str(storage), "--name", "r", "--lr", "0.01")
     _assert_one_line_error(result, 2, "was started with other settings (lr: 0.1 then, 0.01 now)")
     assert _tree(storage) == before
 
@@ -272,7 +272,7 @@ def test_corrupt_run_file(tmp_path):
     (["tune", "--seed", str(2**64)], "--seed must be at most"),
     (["tune", "--range", "seed=0,18446744073709551616"], "--seed must be at most"),
     (["tune", "--range", "momentum=0.5:1"], "--momentum must be in [0, 1)"),
-    (["evaluate", "nowhere", "--num-workers", "0"], "--num-workers must be an integer >= 1"),
+    (["evaluate", "nowhere", "--num-workers", "0"], "--num-workers must be a count >= 1"),
 ])
 def test_bad_flags_of_the_other_commands_before_ray_starts(tmp_path, args, fragment):
     import sys
