@@ -11,6 +11,7 @@ COMMANDS = {
     "tune": "search hyperparameters with Ray Tune, every trial a Ray Train run",
     "evaluate": "score a checkpoint on the test set: per-class accuracy, confusion matrix",
     "submit": "run fit or tune on a Ray cluster through the Jobs API, and follow it",
+    "serve": "serve a checkpoint over HTTP with Ray Serve: JSON API and a page to draw on",
 }
 
 

@@ -62,9 +62,10 @@ _PACKAGE_DIR = Path(__file__).resolve().parent
 def build_parser() -> ArgumentParser:
     parser = ArgumentParser(
         prog="raytrain-mnist submit",
-        usage="%(prog)s [--address URL] [--no-wait] -- {fit,tune} [flags]\n"
+        usage="%(prog)s [--address URL] [--no-wait] -- {fit,tune,evaluate,serve} [flags]\n"
               "       %(prog)s [--address URL] {status,logs,stop} JOB_ID | list",
-        description="Submit fit or tune to a Ray cluster's Jobs API and follow it, or act on "
+        description="Submit fit, tune, evaluate or serve to a Ray cluster's Jobs API and "
+                    "follow it (serve runs until stopped: use --no-wait), or act on "
                     "jobs already submitted.",
         epilog="example:\n  %(prog)s --address http://127.0.0.1:8265 -- fit --num-workers 4 "
                "--use-gpu \\\n      --storage-path s3://bucket/runs",
