@@ -53,9 +53,11 @@ class ArgumentParser(argparse.ArgumentParser):
 
 def add_dataclass_args(parser: argparse.ArgumentParser, cls: type, title: str,
                        only: Sequence[str] | None = None,
-                       defaults: dict[str, Any] | None = None) -> None:
+                       defaults: dict[str, Any] | None = None,
+                       types: dict[str, Callable[[str], Any]] | None = None) -> None:
     """One flag per field of ``cls`` (or of those named in ``only``): ``--field-name``,
-    typed, with the field's default (or the one ``defaults`` gives for this command)."""
+    typed, with the field's default (or the one ``defaults`` gives for this command), read
+    by the field's type or the parser ``types`` gives for this command."""
     group = parser.add_argument_group(title)
     hints = typing.get_type_hints(cls)
     for f in dataclasses.fields(cls):
@@ -70,7 +72,8 @@ def add_dataclass_args(parser: argparse.ArgumentParser, cls: type, title: str,
                                help=meta.get("help"))
             continue
         shown = "" if default is None else f" (default: {default})"
-        group.add_argument(flag, dest=f.name, type=kind, default=default,
+        group.add_argument(flag, dest=f.name, type=(types or {}).get(f.name, kind),
+                           default=default,
                            choices=meta.get("choices"), help=f"{meta.get('help')}{shown}",
                            metavar=None if meta.get("choices") else f.name.upper())
 

@@ -14,8 +14,6 @@ the notebook and job submission all build these; none restates a default.
 from __future__ import annotations
 
 import dataclasses
-import hashlib
-import json
 import math
 import os
 from dataclasses import dataclass, field
@@ -36,14 +34,17 @@ SYNC_BN_CHOICES = ("auto", "on", "off")
 SCHEDULE_CHOICES = ("onecycle", "constant")
 BACKEND_CHOICES = ("auto", "nccl", "gloo")
 INIT_METHOD_CHOICES = ("env", "tcp")
+DATASET_CHOICES = ("auto", "mnist", "sample")
+PLACEMENT_CHOICES = ("PACK", "SPREAD", "STRICT_SPREAD")
+PROGRESS_CHOICES = ("auto", "bar", "lines", "off")
 #: The largest seed ``torch.manual_seed`` and ``torch.Generator.manual_seed`` accept.
 SEED_MAX = 2**64 - 1
 #: Where loop.build_optimizer's one-cycle schedule stops warming up (a share of all steps).
 ONECYCLE_PCT_START = 0.25
 #: Longest run name: a file name, with room for the ``.previous-N`` of ``--fresh``.
 NAME_MAX = 200
-DATASET_CHOICES = ("auto", "mnist", "sample")
-PLACEMENT_CHOICES = ("PACK", "SPREAD", "STRICT_SPREAD")
+#: The training set TrainConfig's defaults are sized for: full MNIST.
+FULL_TRAIN_SIZE = 60_000
 
 
 @dataclass(frozen=True)
@@ -75,12 +76,12 @@ class TrainConfig:
         _check_float("momentum", self.momentum)
         if self.momentum >= 1:
             raise ConfigError(f"--momentum must be in [0, 1), got {self.momentum}")
+        _check_float("weight-decay", self.weight_decay)
+        _check_int("seed", self.seed, 0)
         # The order of epoch e is seeded with seed + e, and torch takes 64-bit seeds.
         if self.seed + self.epochs - 1 > SEED_MAX:
             raise ConfigError(f"--seed must be at most {SEED_MAX - self.epochs + 1} (torch "
                               f"seeds are 64-bit, each epoch uses seed + epoch), got {self.seed}")
-        _check_float("weight-decay", self.weight_decay)
-        _check_int("seed", self.seed, 0)
         _check_choice("schedule", self.schedule, SCHEDULE_CHOICES)
         _check_choice("amp", self.amp, AMP_CHOICES)
         _check_choice("sync-bn", self.sync_bn, SYNC_BN_CHOICES)
@@ -101,7 +102,19 @@ class TrainConfig:
 class RunSettings:
     """Where a run executes and where its data and results live."""
 
-    num_workers: int = _opt(2, "training workers (Ray actors), one per GPU or CPU slot")
+    num_workers: int = _opt(
+        2, "training workers (Ray actors), one per GPU or CPU slot; fit also takes a range "
+        "MIN-MAX (e.g. 2-4): an elastic run that starts once MIN fit and grows or shrinks as "
+        "nodes come and go, from its latest checkpoint",
+    )
+    resize_check_s: float = _opt(
+        60.0, "with a --num-workers range: seconds between Ray's checks for room to grow",
+    )
+    progress: str = _opt(
+        "auto", "live progress: a bar within each epoch (bar), start-up phases and epoch lines "
+        "without redraws (lines), epoch lines only (off); auto = bar on a terminal, else lines",
+        PROGRESS_CHOICES,
+    )
     use_gpu: bool = _opt(False, "train on GPUs, one per worker unless --gpus-per-worker says "
                                  "otherwise (NCCL backend by default)")
     gpus_per_worker: Optional[float] = _opt(
@@ -165,7 +178,9 @@ class RunSettings:
     )
 
     def __post_init__(self) -> None:
-        _check_int("num-workers", self.num_workers, 1)
+        object.__setattr__(self, "num_workers", check_workers(self.num_workers))
+        _check_float("resize-check-s", self.resize_check_s, positive=True)
+        _check_choice("progress", self.progress, PROGRESS_CHOICES)
         if self.cpus_per_worker is not None:
             _check_int("cpus-per-worker", self.cpus_per_worker, 1)
         _check_choice("backend", self.backend, BACKEND_CHOICES)
@@ -182,12 +197,12 @@ class RunSettings:
             raise ConfigError("--storage-path must not be empty")
         if self.name is not None:
             check_run_name(self.name)
+        if self.socket_ifname is not None and not self.socket_ifname.strip():
+            raise ConfigError("--socket-ifname must name a network interface, e.g. eth0")
         if self.address is not None:
             check_ray_address(self.address)
         if self.mlflow_uri is not None:
             check_mlflow_uri(self.mlflow_uri)
-        if self.socket_ifname is not None and not self.socket_ifname.strip():
-            raise ConfigError("--socket-ifname must name a network interface, e.g. eth0")
 
     def _check_gpus_per_worker(self) -> None:
         f = self.gpus_per_worker
@@ -205,6 +220,19 @@ class RunSettings:
             raise ConfigError(
                 f"--backend nccl cannot run workers that share a GPU (--gpus-per-worker {f:g}): "
                 "NCCL refuses two ranks on one device; use --backend auto or gloo")
+
+    @property
+    def elastic(self) -> bool:
+        """A worker range: Ray sizes the run between ``min_workers`` and ``max_workers``."""
+        return isinstance(self.num_workers, WorkerRange)
+
+    @property
+    def min_workers(self) -> int:
+        return self.num_workers[0] if self.elastic else self.num_workers
+
+    @property
+    def max_workers(self) -> int:
+        return self.num_workers[1] if self.elastic else self.num_workers
 
     @property
     def gpus(self) -> float:
@@ -242,15 +270,20 @@ class FitConfig:
 
     train: TrainConfig = field(default_factory=TrainConfig)
     run: RunSettings = field(default_factory=RunSettings)
+    #: ``--epochs`` was not given: on a smaller training set (the bundled sample), fit
+    #: trains as many steps as the default epochs take on full MNIST (:func:`epochs_for`).
+    auto_epochs: bool = False
 
     def __post_init__(self) -> None:
         t, r = self.train, self.run
-        if t.batch_size < r.num_workers:
+        if r.elastic:
+            _check_batch_splits(t.batch_size, r.num_workers)
+        elif t.batch_size < r.num_workers:
             raise ConfigError(
                 f"--batch-size {t.batch_size} is smaller than --num-workers {r.num_workers}: "
                 "every worker needs at least one sample per step"
             )
-        if t.batch_size % r.num_workers:
+        elif t.batch_size % r.num_workers:
             lo = t.batch_size // r.num_workers * r.num_workers
             raise ConfigError(
                 f"--batch-size {t.batch_size} does not split evenly over {r.num_workers} "
@@ -266,14 +299,79 @@ class FitConfig:
         if r.backend == "nccl" and not r.use_gpu:
             raise ConfigError("--backend nccl needs --use-gpu; on CPU use --backend gloo")
 
-    @property
-    def run_name(self) -> str:
-        """The run's name: given, or derived from what the run computes.
 
-        Deterministic (no timestamp) so that running the same command again resumes
-        the same run instead of starting a new one.
-        """
-        if self.run.name:
+class WorkerRange(tuple):
+    """An elastic worker count ``(min, max)``, as ``--num-workers MIN-MAX`` writes it."""
+
+    def __new__(cls, values) -> "WorkerRange":
+        low, high = values
+        return super().__new__(cls, (low, high))
+
+    def __str__(self) -> str:  # the flag's form: names and resume commands use it
+        return f"{self[0]}-{self[1]}"
+
+
+def parse_workers(text: str):
+    """``--num-workers`` of fit: ``N`` or ``MIN-MAX``. Text that is neither is returned as
+    is, for :func:`check_workers` to refuse in its one line."""
+    low, sep, high = text.strip().partition("-")
+    try:
+        return WorkerRange((int(low), int(high))) if sep else int(low)
+    except ValueError:
+        return text
+
+
+def check_workers(value: Any) -> "int | WorkerRange":
+    """A worker count (int >= 1) or a range ``(min, max)`` with 1 <= min <= max; a range of
+    one size is that fixed size."""
+    if isinstance(value, (tuple, list)) and len(value) == 2 and all(
+            isinstance(v, int) and not isinstance(v, bool) for v in value):
+        low, high = value
+        if 1 <= low <= high:
+            return low if low == high else WorkerRange(value)
+        raise ConfigError(f"--num-workers {low}-{high}: a range needs 1 <= MIN <= MAX, "
+                          "e.g. 2-4")
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ConfigError(f"--num-workers must be a count >= 1 (e.g. 2) or a range MIN-MAX "
+                          f"(e.g. 2-4), got {value!r}")
+    return value
+
+
+def _check_batch_splits(batch_size: int, workers: WorkerRange) -> None:
+    """Every size an elastic run may take splits the global batch evenly, so a resize
+    changes the per-worker batch and nothing else."""
+    sizes = range(workers[0], workers[1] + 1)
+    bad = [n for n in sizes if batch_size % n]
+    if not bad:
+        return
+    good = [n for n in sizes if not batch_size % n]
+    lcm = math.lcm(*sizes)
+    suggestion = f"--batch-size {max(lcm, batch_size // lcm * lcm)}"
+    raise ConfigError(
+        f"--batch-size {batch_size} does not split evenly over {', '.join(map(str, bad))} "
+        f"worker(s), which --num-workers {workers} may run on; sizes that work: "
+        f"{', '.join(map(str, good)) or 'none'} (or use {suggestion})")
+
+
+def epochs_for(train: TrainConfig, train_size: int) -> int:
+    """Epochs over ``train_size`` images that take about as many optimizer steps as the
+    default epochs take over full MNIST at ``train``'s batch size (never fewer epochs)."""
+    default = TrainConfig.__dataclass_fields__["epochs"].default
+    if train_size >= FULL_TRAIN_SIZE:
+        return default
+    steps = max(1, train_size // train.batch_size)
+    return max(default, math.ceil(default * (FULL_TRAIN_SIZE // train.batch_size) / steps))
+
+
+def check_run_name(name: str) -> None:
+    if (not name or name in (".", "..") or "/" in name or os.sep in name
+            or name.startswith("-") or not name.isprintable() or len(name) > NAME_MAX):
+        raise ConfigError(
+            f"--name {name!r} is not a valid run name: use letters, digits, '-', '_' or '.' "
+            f"(at most {NAME_MAX} characters)"
+        )
+
+
 def check_ray_address(address: str, flag: str = "--address") -> None:
     """The forms of a Ray cluster address: ``auto``, ``HOST:PORT`` (``[IPv6]:PORT``) or
     ``ray://HOST:PORT``. Whether something answers there is the cluster module's to find."""
@@ -356,22 +454,17 @@ def check_data_fits(train: TrainConfig, run: RunSettings, train_size: int) -> No
                 f"--epochs {train.epochs} x {steps} step(s) per epoch is {total} steps, a "
                 "one-cycle warm-up of no step (PyTorch's OneCycleLR fails on it); change "
                 "--epochs or --batch-size, or use --schedule constant")
-
-
-            return self.run.name
-        identity = {**self.train.to_dict(), "num_workers": self.run.num_workers,
-                    "use_gpu": self.run.use_gpu, "dataset": self.run.dataset}
-        digest = hashlib.sha1(json.dumps(identity, sort_keys=True).encode()).hexdigest()[:8]
-        return f"mnist-{self.run.num_workers}w-{digest}"
-
-
-def check_run_name(name: str) -> None:
-    if (not name or name in (".", "..") or "/" in name or os.sep in name
-            or name.startswith("-") or not name.isprintable() or len(name) > NAME_MAX):
+    # A resize restores the schedule from the checkpoint, its length included: every size
+    # must take the same steps per epoch (padded shares can add one at large sizes).
+    by_size = {n: steps_per_epoch(train_size, train.batch_size, n) for n in range(low, high + 1)}
+    if len(set(by_size.values())) > 1:
+        usual = by_size[low]
+        good = ", ".join(str(n) for n, s in by_size.items() if s == usual)
+        other = ", ".join(f"{s} on {n}" for n, s in by_size.items() if s != usual)
         raise ConfigError(
-            f"--name {name!r} is not a valid run name: use letters, digits, '-', '_' or '.' "
-            f"(at most {NAME_MAX} characters)"
-        )
+            f"--num-workers {low}-{high}: an epoch of {train_size} images takes {usual} steps "
+            f"on {low} worker(s) but {other}, and a resize must keep the schedule; sizes "
+            f"that work: {good}")
 
 
 def _check_int(flag: str, value: Any, minimum: int) -> None:

@@ -25,7 +25,7 @@ def build_trainer(run: RunSettings, train_func: Callable[[dict], Any], loop_conf
                   threads: int, storage: str, name: str, callbacks: list | None = None,
                   storage_filesystem=None):
     """A ``TorchTrainer`` running ``train_func(loop_config)`` on ``run.num_workers`` workers
-    of ``threads`` CPUs (and ``run.gpus`` GPUs) each, its run directory ``<storage>/<name>``."""
+    (a count, or an elastic range) of ``threads`` CPUs (and ``run.gpus`` GPUs) each, its run directory ``<storage>/<name>``."""
     import ray
     from ray.train import CheckpointConfig, FailureConfig, RunConfig, ScalingConfig
     from ray.train.torch import TorchConfig, TorchTrainer
@@ -37,9 +37,15 @@ def build_trainer(run: RunSettings, train_func: Callable[[dict], Any], loop_conf
         train_loop_config=loop_config,
         # Workers sharing a GPU get Gloo (on CUDA tensors): NCCL refuses two ranks on one device.
         torch_config=TorchConfig(backend=run.resolved_backend, init_method=run.init_method),
-        scaling_config=ScalingConfig(num_workers=run.num_workers, use_gpu=run.use_gpu,
-                                     resources_per_worker=resources,
-                                     placement_strategy=run.placement_strategy),
+        # A (min, max) range is Ray's elastic policy: when it finds room to grow (or less
+        # than the group holds) it restarts the group from the latest checkpoint, and that is
+        # no failure. A node lost without notice kills its workers: that one is a failure
+        # (--max-failures), after which the group restarts at the size that fits.
+        scaling_config=ScalingConfig(
+            num_workers=tuple(run.num_workers) if run.elastic else run.num_workers,
+            elastic_resize_monitor_interval_s=run.resize_check_s,
+            use_gpu=run.use_gpu, resources_per_worker=resources,
+            placement_strategy=run.placement_strategy),
         run_config=RunConfig(
             name=name,
             storage_path=storage,
