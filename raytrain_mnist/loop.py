@@ -146,10 +146,11 @@ def train_step(model: nn.Module, images: torch.Tensor, labels: torch.Tensor,
 
 def train_one_epoch(model: nn.Module, loader, optimizer: torch.optim.Optimizer,
                     scheduler, scaler: torch.amp.GradScaler, autocast,
-                    device: torch.device) -> dict[str, float]:
+                    device: torch.device, on_step=None) -> dict[str, float]:
     """One pass over ``loader``; returns loss and accuracy over every rank's samples, the
     steps taken, the CPU seconds (user + system) all ranks' processes spent on them, and
-    when the first step had finished (unix time)."""
+    when the first step had finished (unix time). ``on_step(steps, sums)`` is called after
+    every step with this rank's running (loss sum, correct, count) on the device."""
     model.train()
     cpu_started = time.process_time()
     # Running sums stay on the device: reading them (.item()) would sync every step.
@@ -167,6 +168,8 @@ def train_one_epoch(model: nn.Module, loader, optimizer: torch.optim.Optimizer,
             if device.type == "cuda":
                 torch.cuda.synchronize(device)
             first_step_at = time.time()
+        if on_step is not None:
+            on_step(steps, sums)
     cpu = torch.tensor([time.process_time() - cpu_started], dtype=torch.float64, device=device)
     loss_sum, correct, count, cpu_s = all_reduce_sum(torch.cat([sums, cpu])).tolist()
     return {"train_loss": loss_sum / count, "train_accuracy": correct / count,
@@ -281,9 +284,46 @@ def _quiet_report_log() -> None:
     logging.getLogger(context.__file__).setLevel(logging.WARNING)
 
 
+class ProgressFeed:
+    """Rank 0's stream to the driver: small dicts sent fire-and-forget to ``actor`` (its
+    ``put``), at most one step update every ``every_s`` seconds so the feed costs nothing
+    measurable. Without an actor (Tune trials, other ranks) every call is a no-op."""
+
+    def __init__(self, actor, batch_size: int, steps_per_epoch: int,
+                 every_s: float = 0.25) -> None:
+        self.actor, self.every_s = actor, every_s
+        self.batch_size, self.steps_per_epoch = batch_size, steps_per_epoch
+        self._last = float("-inf")
+        self._epoch_started = 0.0
+        self._first_step_sent = False
+
+    def send(self, kind: str, **item) -> None:
+        if self.actor is not None:
+            self.actor.put.remote({"progress": kind, "at": time.time(), **item})
+
+    def epoch_start(self, epoch: int) -> None:
+        self._epoch, self._epoch_started = epoch, time.perf_counter()
+
+    def step(self, steps: int, sums: torch.Tensor) -> None:
+        if self.actor is None:
+            return
+        if not self._first_step_sent:
+            self._first_step_sent = True
+            self.send("first_step")
+        now = time.perf_counter()
+        if now - self._last < self.every_s and steps < self.steps_per_epoch:
+            return
+        self._last = now
+        loss_sum, _, count = sums.tolist()  # one read of the device a few times a second
+        self.send("step", epoch=self._epoch, images=steps * self.batch_size,
+                  total=self.steps_per_epoch * self.batch_size,
+                  seconds=now - self._epoch_started, loss=loss_sum / max(count, 1))
+
+
 def train_func_per_worker(config: dict[str, Any]) -> None:
     """Ray Train's entry point. ``config``: ``train`` (TrainConfig as a dict), ``data``
-    (ObjectRef of :class:`MnistData`), ``threads`` (torch threads for this worker)."""
+    (ObjectRef of :class:`MnistData`), ``threads`` (torch threads for this worker), and
+    optionally ``progress`` (an actor whose ``put`` takes rank 0's progress dicts)."""
     started_at = time.time()  # tells the driver which worker-group start a report came from
     cfg = TrainConfig.from_dict(config["train"])
     ctx = ray.train.get_context()
@@ -334,11 +374,20 @@ def train_func_per_worker(config: dict[str, Any]) -> None:
         logger.info("%d worker(s) on %s, process group %s, SyncBatchNorm %s, AMP %s",
                     world_size, device.type, _backend() or "none", "on" if sync_bn else "off",
                     cfg.amp)
+    # The global batch: each step takes cfg.batch_size images over all ranks, whatever
+    # the world size (a resize changes only the per-worker share).
+    feed = ProgressFeed(config.get("progress") if rank == 0 else None, cfg.batch_size,
+                        len(loader))
+    feed.send("ready", world_size=world_size, started_at=started_at,
+              resumed_from_epoch=None if state is None else state["epoch"],
+              device=device.type, backend=_backend())
 
     for epoch in range(start_epoch, cfg.epochs):
         set_epoch(loader, epoch, cfg.seed)
         started = time.perf_counter()
-        train = train_one_epoch(model, loader, optimizer, scheduler, scaler, autocast, device)
+        feed.epoch_start(epoch + 1)
+        train = train_one_epoch(model, loader, optimizer, scheduler, scaler, autocast, device,
+                                on_step=feed.step if feed.actor is not None else None)
         train_s = time.perf_counter() - started
         # DDP syncs BatchNorm buffers from rank 0 at the start of each forward, so after the
         # last step every rank holds its own running stats: evaluate rank 0's, the saved ones.
@@ -355,6 +404,7 @@ def train_func_per_worker(config: dict[str, Any]) -> None:
             "cpu_s_per_step": train["cpu_s"] / max(train["train_steps"], 1),
             # Unix times, for the benchmark's start-up and time-to-accuracy end points.
             "first_step_at": train["first_step_at"], "evaluated_at": time.time(),
+            "world_size": world_size,  # an elastic run's size can change between epochs
         })
         metrics = {**history[-1], "val_total": val["val_total"], "best_val_accuracy": best,
                    "resumed_from_epoch": None if state is None else state["epoch"],

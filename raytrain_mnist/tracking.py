@@ -48,8 +48,7 @@ def _run_setting(config: Any, name: str, default: Any) -> Any:
 def flat_params(config: Any) -> dict[str, str]:
     """``{"train.lr": "0.1", "run.num_workers": "2", ...}`` from a FitConfig or its dict."""
     if dataclasses.is_dataclass(config) and not isinstance(config, type):
-        config = {f.name: dataclasses.asdict(getattr(config, f.name))
-                  for f in dataclasses.fields(config)}
+        config = {f.name: _asdict(getattr(config, f.name)) for f in dataclasses.fields(config)}
     params: dict[str, str] = {}
     for section, values in (config or {}).items():
         if isinstance(values, dict):
@@ -57,6 +56,11 @@ def flat_params(config: Any) -> dict[str, str]:
         else:
             params[section] = str(values)
     return params
+
+
+def _asdict(value: Any) -> Any:
+    """A section of a FitConfig as a dict; a plain setting (``auto_epochs``) as it is."""
+    return dataclasses.asdict(value) if dataclasses.is_dataclass(value) else value
 
 
 def _number(value: Any) -> float | None:
