@@ -196,33 +196,40 @@ def _trial_dirname(trial) -> str:
     return f"trial_{trial.trial_id}"
 
 
-def _printer(searched: list[str], epochs: int, metric: str):
-    """A Tune callback that prints each trial's start, epochs and end as they happen."""
+def _printer(searched: list[str], epochs: int, metric: str, progress: str = "auto"):
+    """A Tune callback that shows the trials as they start, report and end: a table
+    redrawn in place on a terminal, else one line when a trial starts and one when it ends
+    (``--progress``, as in fit)."""
     from ray import tune
+
+    from raytrain_mnist.progress import TrialsTable
+
+    table = TrialsTable(progress, searched, epochs, metric)
 
     class Printer(tune.Callback):
         def on_trial_start(self, iteration, trials, trial, **info):
             values = trial.config.get("train_loop_config", {})
-            print(f"trial {trial.trial_id} started: "
-                  + ", ".join(f"{n}={_fmt(values.get(n))}" for n in searched), flush=True)
+            table.start(trial.trial_id, values, f"trial {trial.trial_id} started: "
+                        + ", ".join(f"{n}={_fmt(values.get(n))}" for n in searched))
 
         def on_trial_result(self, iteration, trials, trial, result, **info):
-            if "epoch" not in result:
-                return
-            line = (f"trial {trial.trial_id} epoch {result['epoch']:>3}/{epochs}  "
-                    f"val_acc {100 * result['val_accuracy']:6.2f}%  "
-                    f"val_loss {result['val_loss']:.4f}  {result['epoch_time_s']:6.1f} s")
-            if metric not in ("val_accuracy", "val_loss"):
-                line += f"  {metric} {result[metric]:.4f}"
-            print(line, flush=True)
+            if "epoch" in result:
+                table.result(trial.trial_id, result)
 
         def on_trial_complete(self, iteration, trials, trial, **info):
-            epoch = (trial.last_result or {}).get("epoch", 0)
+            last = trial.last_result or {}
+            epoch = last.get("epoch", 0)
             how = "finished" if epoch >= epochs else f"stopped early after epoch {epoch}"
-            print(f"trial {trial.trial_id} {how}", flush=True)
+            score = (f": {metric} {_fmt(last[metric])}"
+                     if isinstance(last.get(metric), (int, float)) else "")
+            table.end(trial.trial_id, how, f"trial {trial.trial_id} {how}{score}")
 
         def on_trial_error(self, iteration, trials, trial, **info):
-            print(f"trial {trial.trial_id} failed: see {trial.path}/error.txt", flush=True)
+            table.end(trial.trial_id, "failed",
+                      f"trial {trial.trial_id} failed: see {trial.path}/error.txt")
+
+        def on_experiment_end(self, trials, **info):
+            table.close()
 
     return Printer()
 
@@ -381,7 +388,8 @@ def _search(cmd: TuneCommand, experiment: Run, identity: dict, data, restoring: 
                 run_config=tune.RunConfig(
                     name=experiment.name, storage_path=experiment.storage,
                     failure_config=tune.FailureConfig(max_failures=TRIAL_RETRIES),
-                    callbacks=[_printer(space.searched, train.epochs, settings.metric)],
+                    callbacks=[_printer(space.searched, train.epochs, settings.metric,
+                                        run.progress)],
                     verbose=0,
                 ),
             )
