@@ -46,20 +46,33 @@ REPO = Path(__file__).resolve().parents[1]
 KINDS = ("driver", "train workers", "other Ray actors", "idle Ray workers", "Ray daemons")
 
 
-def process_kind(proc: psutil.Process, root_pid: int) -> str:
-    """What a process of a fit's tree is, from Ray's process titles (``ray::Class.method``)."""
-    if proc.pid == root_pid:
+def process_label(cmdline: list[str]) -> str:
+    """A short name: Ray's process title (``ray::Class.method``), a Python script or
+    module, or a binary's name."""
+    if not cmdline:
+        return "?"
+    first = cmdline[0]
+    if first.startswith(("ray::", "ray-")):
+        return first.split(" (")[0].strip()
+    if "python" in os.path.basename(first):
+        for i, arg in enumerate(cmdline[1:], start=1):
+            if arg == "-m" and i + 1 < len(cmdline):
+                return cmdline[i + 1]
+            if arg.endswith(".py"):
+                return os.path.basename(arg)
+    return os.path.basename(first)
+
+
+def process_kind(label: str, is_root: bool) -> str:
+    """What a process of a fit's tree is, from its label."""
+    if is_root:
         return "driver"
-    try:
-        title = " ".join(proc.cmdline()) or proc.name()
-    except (psutil.NoSuchProcess, psutil.AccessDenied):
-        return "Ray daemons"
-    if title.startswith("ray::"):
-        if "TrainWorker" in title:
+    if label.startswith("ray::") and not label.endswith("Agent"):
+        if "TrainWorker" in label:
             return "train workers"
-        if title.startswith("ray::IDLE"):
+        if label.startswith("ray::IDLE"):
             return "idle Ray workers"
-        return "other Ray actors"  # the Train controller, fit's progress actor
+        return "other Ray actors"  # the Train controller and its helpers, fit's progress actor
     return "Ray daemons"  # gcs_server, raylet, dashboard and its agents, log monitor
 
 
@@ -88,12 +101,22 @@ def _tree_pss_mb(pid: int) -> list[dict]:
     rows = []
     for proc in _tree(pid):
         try:
-            title = " ".join(proc.cmdline())[:80] or proc.name()
-            rows.append({"kind": process_kind(proc, pid), "process": title,
-                         "pss_mb": proc.memory_full_info().pss / 2**20})
-        except (psutil.NoSuchProcess, psutil.AccessDenied):
+            label = process_label(proc.cmdline())
+            rows.append({"kind": process_kind(label, proc.pid == pid), "process": label,
+                         "pss_mb": _pss_kib(proc) / 1024})
+        except (psutil.NoSuchProcess, psutil.AccessDenied, OSError):
             pass
     return rows
+
+
+def _pss_kib(proc: psutil.Process) -> int:
+    # smaps_rollup is one line per figure; psutil reads the full smaps, which costs more
+    # system time than the processes being measured use.
+    try:
+        with open(f"/proc/{proc.pid}/smaps_rollup") as f:
+            return next(int(line.split()[1]) for line in f if line.startswith("Pss:"))
+    except (OSError, StopIteration):
+        return proc.memory_full_info().pss // 1024
 
 
 def run_measured(command: list[str], env: dict, breakdown: bool = False,
@@ -361,7 +384,7 @@ def render_markdown(result: dict) -> str:
         lines += [f"| {kind} | {mb:.0f} |" for kind, mb in memory["pss_mb_by_kind"].items()]
         lines += [f"| **total** | **{memory['pss_mb_total']:.0f}** |", "",
                   "| process | kind | MB |", "|---|---|---:|"]
-        lines += [f"| `{row['process'][:60]}` | {row['kind']} | {row['pss_mb']:.0f} |"
+        lines += [f"| `{row['process']}` | {row['kind']} | {row['pss_mb']:.0f} |"
                   for row in memory["processes"] if row["pss_mb"] >= 20]
     return "\n".join(lines) + "\n"
 
