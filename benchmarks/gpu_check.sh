@@ -30,13 +30,13 @@ python3 -c 'import torch; print("torch", torch.__version__, "cuda", torch.versio
   "devices", torch.cuda.device_count())'
 
 say "tests: tests/test_gpu.py tests/test_amp.py"
-timeout 270 python3 -m pytest tests/test_gpu.py tests/test_amp.py -v -p no:cacheprovider \
+timeout -s INT -k 20 270 python3 -m pytest tests/test_gpu.py tests/test_amp.py -v -p no:cacheprovider \
   --junitxml="$LOGS/pytest-gpu.xml" 2>&1 | tee "$LOGS/pytest-gpu.log"
 TESTS=${PIPESTATUS[0]}
 say "tests exited $TESTS"
 
 say "benchmark: plain, fit-1, fit-2-shared"
-timeout 200 python3 -m benchmarks.gpu --data-dir "$DATA" --junit "$LOGS/pytest-gpu.xml" \
+timeout -s INT -k 20 200 python3 -m benchmarks.gpu --data-dir "$DATA" --junit "$LOGS/pytest-gpu.xml" \
   --out "$RESULTS" 2>&1 | tee "$LOGS/bench-gpu.log"
 BENCH=${PIPESTATUS[0]}
 say "benchmark exited $BENCH"
