@@ -250,7 +250,7 @@ def _score_on_ray(weights: dict, data, amp: str, run: RunSettings) -> dict[str, 
     threads = run.cpus_per_worker or cluster.default_cpus_per_worker(run.num_workers, local)
     storage = tempfile.mkdtemp(prefix="raytrain_mnist-evaluate-")
     try:
-        with cluster.connect(address, cluster.Request(run.num_workers, threads, run.use_gpu)):
+        with cluster.connect(address, cluster.Request.for_run(run, threads)):
             config = {"weights": ray.put(weights), "amp": amp, "threads": threads,
                       "data": ray.put((data.test_images, data.test_labels))}
             trainer = build_trainer(run, _score_per_worker, config, threads, storage,

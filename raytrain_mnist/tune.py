@@ -344,8 +344,9 @@ def _search(cmd: TuneCommand, experiment: Run, identity: dict, data, restoring: 
     local = address is None and not ray.is_initialized()
     concurrent, threads = _plan(settings, run, local)
     sized_for = concurrent if local else 1
-    request = cluster.Request(run.num_workers * sized_for, threads, run.use_gpu,
-                              extra_cpus=sized_for * TRIAL_CPU)
+    request = dataclasses.replace(cluster.Request.for_run(run, threads),
+                                  num_workers=run.num_workers * sized_for,
+                                  extra_cpus=sized_for * TRIAL_CPU)
     with cluster.connect(address, request):
         holds = trials_the_cluster_holds(run, threads)
         if settings.max_concurrent_trials and settings.max_concurrent_trials > holds:
@@ -358,7 +359,8 @@ def _search(cmd: TuneCommand, experiment: Run, identity: dict, data, restoring: 
         print(f"{'resuming' if restoring else 'starting'} search '{experiment.name}': "
               f"{settings.num_samples} trial(s), {settings.scheduler} on {settings.metric} "
               f"({mode}), {concurrent} at a time, each {run.num_workers} worker(s) x "
-              f"{threads} CPU{', 1 GPU' if run.use_gpu else ''} for up to {train.epochs} "
+              f"{threads} CPU{f', {run.gpus:g} GPU' if run.use_gpu else ''} for up to "
+              f"{train.epochs} "
               f"epoch(s); {data.train_size} train / {data.test_size} test images from "
               f"{data.source}", flush=True)
         print(f"search space: {space.describe()}", flush=True)
