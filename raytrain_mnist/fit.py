@@ -307,13 +307,19 @@ def _train(cfg: FitConfig, run: Run, data, identity: dict, prior: list[dict],
                  if cfg.auto_epochs and cfg.train.epochs != TrainConfig().epochs else "")
         renderer.line(f"{'resuming' if prior else 'starting'} run '{run.name}': "
                       f"{_workers_text(cfg)} x {threads} CPU"
-                      f"{', 1 GPU' if cfg.run.use_gpu else ''}, {data.train_size} train / "
+                      f"{_gpu_text(cfg.run)}, {data.train_size} train / "
                       f"{data.test_size} test images from {data.source}{sized}")
         run.write_json(RUN_FILE, identity)
         from raytrain_mnist.tracking import EpochLog
 
         tracker = EpochLog(run.dir, cfg)  # a bad --mlflow-uri fails here, before training
-        progress = ray.remote(num_cpus=0)(_Progress).remote()
+        from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+        # On the driver's node, as Ray puts the Train controller: a lost worker node must
+        # not take the stream (and the epochs it carries) with it.
+        progress = ray.remote(num_cpus=0)(_Progress).options(
+            scheduling_strategy=NodeAffinitySchedulingStrategy(
+                ray.get_runtime_context().get_node_id(), soft=False)).remote()
         from raytrain_mnist.loop import train_func_per_worker
         from raytrain_mnist.trainer import build_trainer
 
@@ -334,6 +340,10 @@ def _train(cfg: FitConfig, run: Run, data, identity: dict, prior: list[dict],
         summary = _summarize(cfg, run, data, threads, metrics, printer,
                              time.perf_counter() - started, error)
     return summary, error, tracker, logs
+
+
+def _gpu_text(run: RunSettings) -> str:
+    return f", {run.gpus:g} GPU, {run.backend_description}" if run.use_gpu else ""
 
 
 def _fit_interruptibly(trainer, progress, started_ray: bool):
