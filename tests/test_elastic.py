@@ -1,0 +1,153 @@
+"""Elastic runs on a real multi-node Ray on this machine (CPU, Gloo): ``--num-workers 1-2``
+grows when a node joins and shrinks when one is lost, and finishes either way.
+
+One cluster serves both runs: a head that hosts no training and one 1-CPU node; the grow
+test adds a second node, the shrink test removes it. ``fit`` runs as a subprocess (the
+shared in-process Ray of the ``fitted`` reference stays where it is) and the tests act on
+its output lines, never on time.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import threading
+from pathlib import Path
+
+import pytest
+
+from raytrain_mnist._cli import EXIT_USAGE
+from tests.conftest import REPO, run_cli_here
+
+
+@pytest.fixture(scope="module")
+def one_node():
+    """A head with no CPUs and one 1-CPU node, on loopback."""
+    from ray.cluster_utils import Cluster
+
+    from raytrain_mnist.cluster import loopback_node
+
+    with loopback_node():
+        cluster = Cluster(initialize_head=True, connect=False,
+                          head_node_args={"num_cpus": 0, "include_dashboard": False})
+        cluster.add_node(num_cpus=1)
+    cluster.wait_for_nodes()
+    yield cluster
+    cluster.shutdown()
+
+
+class _Fit:
+    """``raytrain-mnist fit ARGS`` in a subprocess; its output read line by line on a
+    thread, with an event per awaited line."""
+
+    def __init__(self, *args: str) -> None:
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "raytrain_mnist", "fit", *args], cwd=REPO,
+            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+            # Single-node mode, as the cluster's nodes run (loopback_node): else Ray turns the
+            # loopback address into this machine's outward one, where nothing listens.
+            env={**os.environ, "PYTHONUNBUFFERED": "1", "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0"})
+        self.lines: list[str] = []
+        self.first_epoch = threading.Event()
+        self._reader = threading.Thread(target=self._read, daemon=True)
+        self._reader.start()
+
+    def _read(self) -> None:
+        for line in self.proc.stdout:
+            self.lines.append(line)
+            if line.startswith("epoch "):
+                self.first_epoch.set()
+        self.first_epoch.set()  # ended without one: the waiter finds out from the output
+
+    def wait(self, timeout: float = 400) -> str:
+        self.proc.wait(timeout)
+        self._reader.join(10)
+        return "".join(self.lines)
+
+
+def _args(cluster, tiny_mnist, storage, name: str, epochs: int) -> list[str]:
+    # The training settings of the shared fixed-size run (conftest `fitted`).
+    return ["--num-workers", "1-2", "--resize-check-s", "2", "--cpus-per-worker", "1",
+            "--epochs", str(epochs), "--batch-size", "32", "--lr", "0.05",
+            "--data-dir", str(tiny_mnist), "--dataset", "mnist", "--address", cluster.address,
+            "--storage-path", str(storage), "--name", name, "--keep-checkpoints", "2"]
+
+
+def test_elastic_run_grows_when_a_node_joins_and_matches_a_fixed_run(
+        one_node, tiny_mnist, tmp_path, fitted):
+    run = _Fit(*_args(one_node, tiny_mnist, tmp_path, "grow", epochs=8))
+    assert run.first_epoch.wait(400)
+    from raytrain_mnist.cluster import loopback_node
+
+    with loopback_node():
+        one_node.add_node(num_cpus=1)
+    out = run.wait()
+    assert run.proc.returncode == 0, out
+    summary = json.loads((tmp_path / "grow" / "summary.json").read_text())
+    sizes = [h["world_size"] for h in summary["history"]]
+    assert sizes[0] == 1 and sizes[-1] == 2, (sizes, out)
+    assert summary["resizes"] and summary["resizes"][0]["from"] == 1, summary["resizes"]
+    resize = summary["resizes"][0]
+    assert f"workers 1 → 2 at epoch {resize['at_epoch']}" in out
+    assert sizes[resize["at_epoch"] - 1] == 2 and sizes[resize["at_epoch"] - 2] == 1
+    assert summary["num_workers"] == [1, 2] and summary["elastic"] is True
+    assert summary["status"] == "finished" and summary["epochs_completed"] == 8
+    # Same global batch and schedule as the 2-worker fixed run: the same accuracy, up to
+    # data order (the shards differ by world size) on 203 test images.
+    reference = fitted["summary"]["val_accuracy"]
+    assert abs(summary["val_accuracy"] - reference) <= 0.06, (summary["val_accuracy"], reference)
+
+
+def test_elastic_run_shrinks_when_a_node_is_lost_and_finishes(one_node, tiny_mnist, tmp_path):
+    from raytrain_mnist.cluster import loopback_node
+
+    with loopback_node():
+        while len(one_node.worker_nodes) < 2:
+            one_node.add_node(num_cpus=1)
+    one_node.wait_for_nodes()
+    run = _Fit(*_args(one_node, tiny_mnist, tmp_path, "shrink", epochs=5))
+    assert run.first_epoch.wait(400)
+    assert "2 worker(s) started" in "".join(run.lines), "".join(run.lines)
+    one_node.remove_node(next(iter(one_node.worker_nodes)))  # either: a rank on each
+    out = run.wait()
+    assert run.proc.returncode == 0, out
+    summary = json.loads((tmp_path / "shrink" / "summary.json").read_text())
+    sizes = [h["world_size"] for h in summary["history"]]
+    assert sizes[0] == 2 and sizes[-1] == 1, (sizes, out)
+    assert [(r["from"], r["to"]) for r in summary["resizes"]] == [(2, 1)]
+    assert "workers 2 → 1 at epoch" in out
+    assert summary["status"] == "finished" and summary["epochs_completed"] == 5
+
+
+@pytest.mark.parametrize("workers, message", [
+    ("4-2", "--num-workers 4-2: a range needs 1 <= MIN <= MAX"),
+    ("0-2", "--num-workers 0-2: a range needs 1 <= MIN <= MAX"),
+    ("2-x", "--num-workers must be a count >= 1 (e.g. 2) or a range MIN-MAX"),
+    ("2-5", "--batch-size 128 does not split evenly over 3, 5 worker(s), which "
+            "--num-workers 2-5 may run on; sizes that work: 2, 4"),
+])
+def test_a_bad_worker_range_is_one_line_before_ray_starts(workers, message):
+    done = run_cli_here("fit", "--num-workers", workers, "--dataset", "sample")
+    assert done.returncode == EXIT_USAGE
+    assert done.stderr.count("\n") == 1 and message in done.stderr, done.stderr
+
+
+def test_a_range_is_a_range_in_names_flags_and_the_trainer():
+    from raytrain_mnist import runs
+    from raytrain_mnist._cli import flags_of
+    from raytrain_mnist.config import FitConfig, RunSettings, TrainConfig, parse_workers
+    from raytrain_mnist.trainer import build_trainer
+
+    run = RunSettings(num_workers=parse_workers("1-3"), resize_check_s=5.0)
+    cfg = FitConfig(TrainConfig(batch_size=96), run)
+    assert runs.default_name(cfg).startswith("mnist-1-3w-")
+    assert flags_of(run)[:2] == ["--num-workers", "1-3"]
+    assert RunSettings(num_workers=parse_workers("2-2")).num_workers == 2
+    trainer = build_trainer(run, lambda config: None, {}, 1, "/tmp", "x")
+    scaling = trainer.scaling_config
+    assert scaling.num_workers == (1, 3) and scaling.elastic_resize_monitor_interval_s == 5.0
+    from raytrain_mnist.cluster import Request
+
+    assert Request.for_run(run, 1).num_workers == 1  # preflight: the minimum must fit

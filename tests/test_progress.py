@@ -1,0 +1,128 @@
+"""Live progress: a bar redrawn within each epoch on a terminal, whole lines otherwise.
+
+The renderer is tested on its own (no Ray); one in-process ``fit`` writes to a
+pseudo-terminal on the shared local Ray, and the piped case is the shared ``fitted`` run.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import io
+import os
+import pty
+import re
+import termios
+import threading
+import time
+
+import pytest
+
+from raytrain_mnist.progress import Renderer, TrialsTable, resolve_mode
+
+_EPOCH = re.compile(r"^epoch +\d+/\d+ ", re.M)
+
+
+def _steps(renderer: Renderer, epoch: int, n: int = 3) -> None:
+    for i in range(1, n + 1):
+        renderer.step({"progress": "step", "epoch": epoch, "images": 100 * i, "total": 300,
+                       "seconds": 0.1 * i, "loss": 1.0 / i})
+        time.sleep(0.3)  # past rich's refresh period: each update is drawn
+
+
+def test_lines_mode_writes_whole_lines_only():
+    out = io.StringIO()
+    renderer = Renderer("auto", 2, time.perf_counter(), out)
+    assert renderer.mode == "lines" and resolve_mode("auto", out) == "lines"
+    renderer.phase("data loaded")
+    _steps(renderer, 1, 2)
+    renderer.epoch(1, "epoch   1/2  ...")
+    renderer.close()
+    text = out.getvalue()
+    assert "\r" not in text and "\x1b" not in text
+    assert re.fullmatch(r" +\d+\.\d s  data loaded\nepoch   1/2  \.\.\.\n", text), text
+
+
+def test_off_mode_prints_epoch_lines_only():
+    out = io.StringIO()
+    renderer = Renderer("off", 2, time.perf_counter(), out)
+    renderer.phase("data loaded")
+    _steps(renderer, 1, 1)
+    renderer.epoch(1, "epoch   1/2")
+    assert out.getvalue() == "epoch   1/2\n"
+
+
+def test_bar_mode_redraws_then_clears_before_the_epoch_line():
+    out = io.StringIO()
+    renderer = Renderer("bar", 2, time.perf_counter(), out)
+    _steps(renderer, 1)
+    renderer.epoch(1, "epoch   1/2  done")
+    _steps(renderer, 1, 1)  # a late update for a committed epoch draws nothing
+    renderer.close()
+    text = out.getvalue()
+    before, line, after = text.partition("epoch   1/2  done\n")
+    assert line and after == ""
+    assert "\r" in before and "img/s" in before and "ETA" in before and "loss" in before
+    assert "300/300 img" in before or "200/300 img" in before
+
+
+def test_trials_table_lines_and_bar():
+    out = io.StringIO()
+    table = TrialsTable("lines", ["lr"], 2, "val_accuracy", out)
+    table.start("a", {"lr": 0.1}, "trial a started: lr=0.1")
+    table.result("a", {"epoch": 1, "val_accuracy": 0.9, "val_loss": 0.3})
+    table.end("a", "finished", "trial a finished")
+    assert out.getvalue() == "trial a started: lr=0.1\ntrial a finished\n"
+
+    out = io.StringIO()
+    table = TrialsTable("bar", ["lr"], 2, "val_accuracy", out)
+    table.start("a", {"lr": 0.1}, "")
+    time.sleep(0.3)
+    table.result("a", {"epoch": 1, "val_accuracy": 0.9, "val_loss": 0.3})
+    time.sleep(0.3)
+    table.end("a", "finished", "")
+    table.close()
+    text = out.getvalue()
+    assert "\r" in text and "90.00%" in text and "finished" in text
+
+
+def test_piped_fit_prints_phase_lines_and_no_carriage_return(fitted):
+    out = fitted["out"]
+    assert "\r" not in out and "\x1b" not in out
+    first_epoch = _EPOCH.search(out).start()
+    phases = re.findall(r"^ +\d+\.\d s  (.+)$", out[:first_epoch], re.M)
+    assert "workers starting" in phases and "first step" in phases, out[:first_epoch]
+
+
+def test_fit_on_a_terminal_redraws_a_bar_during_an_epoch(fitted, tmp_path, monkeypatch):
+    """The shared run's settings, one worker, written to a pseudo-terminal."""
+    from raytrain_mnist.fit import fit
+
+    monkeypatch.setenv("TERM", "xterm")
+    cfg = fitted["cfg"]
+    cfg = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, epochs=2),
+                              run=dataclasses.replace(cfg.run, num_workers=1, name="tty",
+                                                      storage_path=str(tmp_path)))
+    master, slave = pty.openpty()
+    attrs = termios.tcgetattr(slave)
+    attrs[1] &= ~termios.ONLCR  # no "\r" added to each "\n": every one seen is the bar's
+    termios.tcsetattr(slave, termios.TCSANOW, attrs)
+    received = bytearray()
+
+    def drain():
+        with contextlib.suppress(OSError):
+            while chunk := os.read(master, 65536):
+                received.extend(chunk)
+
+    reader = threading.Thread(target=drain, daemon=True)
+    reader.start()
+    with open(slave, "w", buffering=1, closefd=True) as terminal:
+        with contextlib.redirect_stdout(terminal):
+            summary = fit(cfg)
+    reader.join(10)
+    os.close(master)
+    text = received.decode(errors="replace")
+    assert summary["status"] == "finished"
+    during = text[:text.index("epoch   1/2  train_loss")]
+    assert re.search("\r[^\n]", during) and "img/s" in during, during[-2000:]
+    assert "first step" in during
