@@ -393,10 +393,14 @@ def test_browser_draws_a_digit_and_reads_the_prediction(server, tiny_mnist, tmp_
                     break
             page.screenshot(path=str(tmp_path / "serve_page.png"))
             print(f"screenshot: {tmp_path / 'serve_page.png'}")
+            page.focus("#clear")  # the keyboard clears it too
+            page.keyboard.press("Enter")
+            cleared = page.text_content("#digit").strip()
         finally:
             browser.close()
     assert seen[-1][1] == str(seen[-1][0]), f"(drawn digit, what the page read): {seen}"
     assert len(bars) == 10 and all(b.endswith("%") for b in bars)
+    assert cleared == "–"
     assert (tmp_path / "serve_page.png").stat().st_size > 10_000
     assert not blocked, f"the page asked for other origins: {blocked}"
 
