@@ -246,6 +246,8 @@ def page() -> bytes:
 
 # --------------------------------------------------------------------------- the deployment
 
+#: Bodies smaller than this are parsed on the event loop (a thread hop would cost more).
+_PARSE_INLINE_BYTES = 64 * 1024
 #: Only what the page itself holds may load: no CDN, no third-party request.
 _PAGE_CSP = ("default-src 'none'; script-src 'unsafe-inline'; style-src 'unsafe-inline'; "
              "connect-src 'self'; img-src data:; base-uri 'none'; form-action 'none'")
@@ -312,7 +314,7 @@ class DigitClassifier:
         routes = {"/": ("GET",), "/index.html": ("GET",), "/health": ("GET",),
                   "/predict": ("POST",)}
         if path not in routes:
-            return _error(404, f"no {path}; try GET /, GET /health or POST /predict")
+            return _error(404, f"no {path[:80]}; try GET /, GET /health or POST /predict")
         if method not in routes[path]:
             return _error(405, f"{path} answers {' and '.join(routes[path])}",
                           {"Allow": ", ".join(routes[path])})
@@ -322,7 +324,11 @@ class DigitClassifier:
             return Response(self.page, media_type="text/html; charset=utf-8",
                             headers={"Content-Security-Policy": _PAGE_CSP})
         try:
-            images = parse_images(await _read_body(request))
+            body = await _read_body(request)
+            # Parsing a large body (up to ~100 ms) in a thread keeps this replica's event
+            # loop, which also gathers the batches, free for other clients meanwhile.
+            images = (parse_images(body) if len(body) < _PARSE_INLINE_BYTES
+                      else await asyncio.to_thread(parse_images, body))
         except BadRequest as exc:
             return _error(exc.status, str(exc))
         return JSONResponse(await self.predict(images))
@@ -447,6 +453,7 @@ def serving(cfg: ServeConfig, checkpoint: str) -> Iterator[str]:
     from raytrain_mnist import cluster
 
     address = cluster.resolve_address(cfg.address)
+    # Reads the weights: a bad checkpoint is refused here, before any Ray starts.
     app = build_app({"checkpoint": checkpoint, "replicas": cfg.replicas,
                      "max_batch_size": cfg.max_batch_size, "use_gpu": cfg.use_gpu})
     # Replicas are not training workers: the local Ray is sized for them as extra CPUs,
@@ -558,8 +565,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     target, cfg, config_file = parse_command(argv)
     setup_logging()
     checkpoint = _best_checkpoint(target)
-    load_checkpoint(checkpoint)  # a bad checkpoint is one line now, not a replica's crash
     if config_file:
+        load_checkpoint(checkpoint)  # a bad checkpoint is one line now, not the cluster's
         path = write_config(config_file, cfg, checkpoint)
         print(f"wrote {path}; deploy it with: serve deploy {path}")
         return 0
