@@ -420,10 +420,12 @@ def check_local(cfg: ServeConfig) -> None:
     if cfg.use_gpu:
         import torch
 
-        if torch.cuda.device_count() < 1:
-            raise UserError("--use-gpu: this machine has no GPU visible to PyTorch (no "
-                            "--address or RAY_ADDRESS given); drop --use-gpu to serve on "
-                            "CPUs", EXIT_USAGE)
+        found = torch.cuda.device_count()
+        if found < cfg.replicas:
+            raise UserError(f"--use-gpu asks for {cfg.replicas} GPU replica(s) but this "
+                            f"machine has {found} GPU(s) visible to PyTorch (no --address or "
+                            "RAY_ADDRESS given); drop --use-gpu to serve on CPUs, or lower "
+                            "--replicas", EXIT_USAGE)
     with socket.socket(socket.AF_INET6 if ":" in cfg.host else socket.AF_INET) as sock:
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         try:

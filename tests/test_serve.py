@@ -333,6 +333,16 @@ def test_health_and_page(server):
     assert len(page) < 10_000
 
 
+def test_a_second_serve_on_the_same_cluster_is_refused_and_leaves_the_first(server):
+    from raytrain_mnist._cli import UserError
+    from raytrain_mnist.serve import ServeConfig, _best_checkpoint, serving
+
+    with pytest.raises(UserError, match="already runs on this cluster's Serve"):
+        with serving(ServeConfig(port=free_ports(1)[0]), _best_checkpoint(server["run_dir"])):
+            pass
+    assert http(server["url"] + "health")[0] == 200
+
+
 def _strokes(digit: np.ndarray, scale: float) -> list[tuple[float, float, float]]:
     """Horizontal strokes (y, x0, x1) in canvas pixels covering the digit's inked pixels."""
     strokes = []
