@@ -26,7 +26,6 @@ import asyncio
 import base64
 import binascii
 import contextlib
-import dataclasses
 import io
 import json
 import logging
@@ -449,7 +448,6 @@ def url_of(cfg: ServeConfig) -> str:
 def serving(cfg: ServeConfig, checkpoint: str) -> Iterator[str]:
     """Deploy ``checkpoint`` and yield the URL; on exit remove what this call deployed
     (the application; Serve itself when it was not running before; a Ray it started)."""
-    import ray
     from ray import serve
 
     from raytrain_mnist import cluster
