@@ -87,9 +87,15 @@ def connect(address: str | None, request: Request) -> Iterator[bool]:
         return
     if address:
         _check_reachable(address)
+        # A cluster on loopback (a `ray start --node-ip-address 127.0.0.1`, a test's): Ray
+        # would otherwise register this driver under the machine's outward address, where
+        # nothing of that cluster listens, and wait forever.
+        on_loopback = _is_loopback(address)
         try:
-            ray.init(address=address, logging_level=logging.WARNING,
-                     log_to_driver=_worker_logs_to_driver())
+            with loopback_node() if on_loopback else contextlib.nullcontext():
+                ray.init(address=address, logging_level=logging.WARNING,
+                         log_to_driver=_worker_logs_to_driver(),
+                         **({"_node_ip_address": LOOPBACK} if on_loopback else {}))
         except (ConnectionError, RuntimeError, ValueError) as exc:
             raise UserError(f"cannot connect to the Ray cluster at {address}: {exc}") from exc
         started = False
@@ -105,6 +111,20 @@ def connect(address: str | None, request: Request) -> Iterator[bool]:
     finally:
         if started:
             ray.shutdown()
+
+
+def _is_loopback(address: str) -> bool:
+    import ipaddress
+
+    from raytrain_mnist.config import split_host_port
+
+    host = split_host_port(address.removeprefix("ray://"))[0]
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host or "").is_loopback
+    except ValueError:
+        return False
 
 
 def start_local(num_cpus: int | None = None, num_gpus: int | None = None,
