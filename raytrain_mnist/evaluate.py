@@ -422,14 +422,20 @@ def format_report(report: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+def add_target_argument(parser: ArgumentParser) -> None:
+    """RUN_DIR_OR_CHECKPOINT, as :func:`resolve_target` takes it (evaluate and serve)."""
+    parser.add_argument("target", metavar="RUN_DIR_OR_CHECKPOINT",
+                        help="a run directory (its best checkpoint), a Tune experiment (its "
+                             "best trial's), a checkpoint directory or a state.pt file; a "
+                             "local path or a URI such as s3://bucket/runs/NAME")
+
+
 def build_parser() -> ArgumentParser:
     parser = ArgumentParser(
         prog="raytrain-mnist evaluate",
         description="Score a checkpoint on the MNIST test set: accuracy per class, a confusion "
                     "matrix and the most confidently wrong digits.")
-    parser.add_argument("target", metavar="RUN_DIR_OR_CHECKPOINT",
-                        help="a run directory (its best checkpoint), a checkpoint directory or "
-                             "a state.pt file")
+    add_target_argument(parser)
     parser.add_argument("--data-dir", help="MNIST in torchvision's layout; default: the "
                         "directory the run trained with")
     parser.add_argument("--dataset", choices=DATASET_CHOICES,

@@ -545,9 +545,9 @@ def build_parser() -> ArgumentParser:
         prog="raytrain-mnist serve",
         description="Serve a run's best checkpoint over HTTP with Ray Serve: POST /predict, "
                     "GET /health, and a page at / to draw a digit on. Ctrl-C stops it.")
-    parser.add_argument("target", metavar="RUN_DIR_OR_CHECKPOINT",
-                        help="a run directory (its best checkpoint), a Tune experiment (its "
-                             "best trial's), a checkpoint directory or a state.pt file")
+    from raytrain_mnist.evaluate import add_target_argument
+
+    add_target_argument(parser)
     add_dataclass_args(parser, ServeConfig, "serving")
     parser.add_argument("--write-config", metavar="FILE",
                         help="write a Ray Serve config for `serve deploy` to FILE and exit "
