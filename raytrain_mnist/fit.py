@@ -161,6 +161,8 @@ class _Printer:
     def _flush(self) -> None:
         import ray
 
+        if not ray.is_initialized():  # a call now would start a new Ray of its own
+            return
         try:
             items = ray.get(self.actor.drain.remote(), timeout=10)
         except Exception:  # the cluster is going away; what was printed stays printed
@@ -301,7 +303,7 @@ def _train(cfg: FitConfig, run: Run, data, identity: dict, prior: list[dict],
     request = cluster.Request.for_run(cfg.run, threads)
     renderer.phase("starting a local Ray" if local else
                    f"connecting to Ray at {address}" if address else "using the connected Ray")
-    with cluster.connect(address, request) as started_ray:
+    with cluster.connect(address, request):
         sized = (f"; {cfg.train.epochs} epochs, as many steps as "
                  f"{TrainConfig().epochs} on full MNIST (--epochs sets them)"
                  if cfg.auto_epochs and cfg.train.epochs != TrainConfig().epochs else "")
@@ -332,7 +334,7 @@ def _train(cfg: FitConfig, run: Run, data, identity: dict, prior: list[dict],
         renderer.phase("workers starting")
         with _Printer(progress, cfg.train.epochs, prior, tracker.log, renderer) as printer:
             try:
-                result = _fit_interruptibly(trainer, progress, started_ray)
+                result = _fit_interruptibly(trainer, progress)
             except ray.train.TrainingFailedError as exc:
                 error, logs = exc, cluster.worker_logs_dir()
         metrics = result.metrics if result is not None else (
@@ -346,13 +348,16 @@ def _gpu_text(run: RunSettings) -> str:
     return f", {run.gpus:g} GPU, {run.backend_description}" if run.use_gpu else ""
 
 
-def _fit_interruptibly(trainer, progress, started_ray: bool):
+def _fit_interruptibly(trainer, progress):
     """``trainer.fit()`` on a helper thread, so that Ctrl-C reaches this (main) thread.
 
     On the main thread Ray installs its own SIGINT handler, which exits the process
-    without a word; off it, Ray installs none, and we stop the run ourselves: by ending
-    the Ray this command started, or, in a Ray that is not ours (a notebook's, a
-    cluster's), by aborting just this run's controller. Returns None when interrupted.
+    without a word; off it, Ray installs none, and we stop the run ourselves by aborting
+    its controller, as Ray's handler would: its workers stop, the committed checkpoints
+    stay. A Ray that is not ours (a notebook's, a cluster's) lives on; the one this command
+    started is shut down by :func:`cluster.connect` once the summary is written (not here:
+    the progress thread would bring up a new Ray if it found none). Returns None when
+    interrupted.
     """
     import ray
 
@@ -372,16 +377,19 @@ def _fit_interruptibly(trainer, progress, started_ray: bool):
     except KeyboardInterrupt:
         print("\nCtrl-C: stopping the workers; the last committed checkpoint is kept",
               file=sys.stderr, flush=True)
-        if started_ray:
-            ray.shutdown()  # ends this job: Ray stops its controller and workers
-        else:
+        controller = None
+        # Interrupted while the controller was starting: it announces itself in a moment.
+        for _ in range(60):
             controller = ray.get(progress.get_controller.remote(), timeout=30)
-            if controller is not None:
-                try:
-                    ray.get(controller.abort.remote(), timeout=60)
-                except ray.exceptions.RayActorError:
-                    pass  # the controller ends itself once it has stopped its workers
-            thread.join(60)
+            if controller is not None or not thread.is_alive():
+                break
+            time.sleep(0.5)
+        if controller is not None:
+            try:
+                ray.get(controller.abort.remote(), timeout=60)
+            except ray.exceptions.RayActorError:
+                pass  # the controller ends itself once it has stopped its workers
+        thread.join(60)
         return None
     if "error" in outcome:
         raise outcome["error"]
