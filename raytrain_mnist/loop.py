@@ -290,7 +290,7 @@ class ProgressFeed:
     measurable. Without an actor (Tune trials, other ranks) every call is a no-op."""
 
     def __init__(self, actor, batch_size: int, steps_per_epoch: int,
-                 every_s: float = 0.25) -> None:
+                 every_s: float = 0.5) -> None:
         self.actor, self.every_s = actor, every_s
         self.batch_size, self.steps_per_epoch = batch_size, steps_per_epoch
         self._last = float("-inf")

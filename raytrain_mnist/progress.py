@@ -101,6 +101,7 @@ class Renderer:
         eta = (item["total"] - item["images"]) / rate if rate else 0.0
         self._bar.update(self._task, completed=item["images"], total=item["total"],
                          rate=rate, eta=_duration(eta), loss=item["loss"])
+        self._bar.refresh()
 
     def close(self) -> None:
         self._close_bar()
@@ -119,7 +120,9 @@ class Renderer:
             TextColumn("{task.fields[rate]:>7,.0f} img/s"),
             TextColumn("ETA {task.fields[eta]}"),
             TextColumn("loss {task.fields[loss]:.4f}"),
-            console=console, transient=True, refresh_per_second=4,
+            # Drawn when an update arrives (a few a second), never by a timer thread: the
+            # driver shares the machine with the workers it is drawing.
+            console=console, transient=True, auto_refresh=False,
             # Lines go through line(), which clears the bar first; rich must not swap
             # sys.stdout under other threads.
             redirect_stdout=False, redirect_stderr=False,
