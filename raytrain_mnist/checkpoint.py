@@ -81,10 +81,11 @@ def check_torch(version: str | None = None) -> None:
 
 def load_model(path: str | os.PathLike) -> ConvNet:
     """A :class:`ConvNet` holding the weights of the checkpoint at ``path``."""
-    return _model_from(load(path), path)
+    return model_from(load(path), path)
 
 
-def _model_from(state: dict[str, Any], path: str | os.PathLike) -> ConvNet:
+def model_from(state: dict[str, Any], path: str | os.PathLike) -> ConvNet:
+    """A :class:`ConvNet` holding the weights of ``state`` (loaded from ``path``)."""
     model = ConvNet()
     weights = state.get("model")
     if not isinstance(weights, dict) or not all(
@@ -103,18 +104,23 @@ RESUME_KEYS = ("model", "optimizer", "scheduler", "scaler", "epoch", "best_val_a
 
 
 def check_resumable(path: str | os.PathLike, train_config: dict[str, Any]) -> int:
+    """The epoch of the checkpoint at ``path``, once :func:`resumable_state` accepts it."""
+    return resumable_state(path, train_config)["epoch"]
+
+
+def resumable_state(path: str | os.PathLike, train_config: dict[str, Any]) -> dict[str, Any]:
     """Check that the checkpoint at ``path`` can resume a run of ``train_config``: on the
     driver, before any worker starts, everything a worker will load is loaded here into
     freshly built objects on the CPU (model, optimizer, schedule, grad scaler, RNG) and used
     once, so a worker cannot fail on it.
 
-    Returns its epoch; raises :class:`CheckpointError` naming what is wrong.
+    Returns the state; raises :class:`CheckpointError` naming what is wrong.
     """
     state = load(path)
     missing = [key for key in RESUME_KEYS if key not in state]
     if missing:
         raise CheckpointError(f"{path} lacks {', '.join(missing)}: it cannot resume a run")
-    model = _model_from(state, path)
+    model = model_from(state, path)
     if state["config"] != train_config:
         raise CheckpointError(f"{path} was written by a run with other training settings")
     from raytrain_mnist.config import ConfigError, TrainConfig
@@ -136,7 +142,7 @@ def check_resumable(path: str | os.PathLike, train_config: dict[str, Any]) -> in
         raise CheckpointError(f"{path}: its history is not a list of per-epoch records")
     _check_training_state(state, cfg, model, path)
     _check_rng(state["rng"], path)
-    return epoch
+    return state
 
 
 def _check_training_state(state: dict[str, Any], cfg, model: ConvNet, path) -> None:

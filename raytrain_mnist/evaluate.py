@@ -285,12 +285,8 @@ def evaluate_checkpoint(target: str | os.PathLike, data_dir: str | None = None,
     if dataset is not None and dataset not in DATASET_CHOICES:
         raise ConfigError(f"--dataset must be one of {', '.join(DATASET_CHOICES)}; "
                           f"got {dataset!r}")
-    from raytrain_mnist import checkpoint as ckpt
-
     resolved = resolve_target(target)
-    with Run.at(resolved.checkpoint).local_copy(resolved.checkpoint) as local:
-        state = ckpt.load(local)  # CheckpointError (one line) when it is not one
-        model = ckpt.load_model(local)
+    state, model = load_checkpoint(resolved.checkpoint)  # one line when it is not one
     data = load_test_data(resolved.summary, data_dir, dataset)
     _check_same_data(resolved, data)
     out_dir = _out_dir(resolved, out)
@@ -314,6 +310,16 @@ def evaluate_checkpoint(target: str | os.PathLike, data_dir: str | None = None,
 
 
 REPORT_FILES = (EVALUATION_FILE, CONFUSION_FILE, MISCLASSIFIED_FILE)
+
+
+def load_checkpoint(checkpoint: str) -> tuple[dict, Any]:
+    """The checkpoint's state and its model, read once with ``weights_only=True`` (a URI is
+    downloaded first). :class:`~raytrain_mnist.checkpoint.CheckpointError` when unusable."""
+    from raytrain_mnist import checkpoint as ckpt
+
+    with Run.at(checkpoint).local_copy(checkpoint) as local:
+        state = ckpt.load(local)
+        return state, ckpt.model_from(state, local)
 
 
 def _check_same_data(resolved: Target, data) -> None:

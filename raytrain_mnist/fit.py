@@ -213,12 +213,11 @@ def _resume_point(run: Run, cfg: FitConfig) -> list[dict]:
     latest = run.latest_checkpoint()
     if latest is None:
         return []
-    from raytrain_mnist.checkpoint import CheckpointError, check_resumable, load
+    from raytrain_mnist.checkpoint import CheckpointError, resumable_state
 
     with run.local_copy(latest) as directory:
         try:
-            check_resumable(directory, cfg.train.to_dict())
-            return list(load(directory).get("history") or [])
+            return list(resumable_state(directory, cfg.train.to_dict())["history"])
         except CheckpointError as exc:
             raise UserError(f"cannot resume run '{run.name}': {exc}; move {run.dir} away, "
                             "pick another --name, or add --fresh") from exc

@@ -43,6 +43,7 @@ import numpy as np
 from raytrain_mnist._cli import (EXIT_USAGE, ArgumentParser, UserError, add_dataclass_args,
                                  dataclass_from_args, run_cli, setup_logging)
 from raytrain_mnist.config import ConfigError
+from raytrain_mnist.evaluate import add_target_argument, load_checkpoint, resolve_target
 
 logger = logging.getLogger(__name__)
 
@@ -104,19 +105,7 @@ def _check_int(flag: str, value: Any, low: int, high: int | None = None) -> None
 def _best_checkpoint(target: str | os.PathLike) -> str:
     """The checkpoint a run directory, Tune experiment or checkpoint path stands for
     (a local path or a URI)."""
-    from raytrain_mnist.evaluate import resolve_target
-
     return resolve_target(target).checkpoint
-
-
-def load_checkpoint(checkpoint: str) -> tuple[dict, Any]:
-    """The checkpoint's state and its model, read with ``weights_only=True`` (a URI is
-    downloaded first). :class:`~raytrain_mnist.checkpoint.CheckpointError` when unusable."""
-    from raytrain_mnist import checkpoint as ckpt
-    from raytrain_mnist.runs import Run
-
-    with Run.at(checkpoint).local_copy(checkpoint) as local:
-        return ckpt.load(local), ckpt.load_model(local)
 
 
 def _absolute(checkpoint: str) -> str:
@@ -545,8 +534,6 @@ def build_parser() -> ArgumentParser:
         prog="raytrain-mnist serve",
         description="Serve a run's best checkpoint over HTTP with Ray Serve: POST /predict, "
                     "GET /health, and a page at / to draw a digit on. Ctrl-C stops it.")
-    from raytrain_mnist.evaluate import add_target_argument
-
     add_target_argument(parser)
     add_dataclass_args(parser, ServeConfig, "serving")
     parser.add_argument("--write-config", metavar="FILE",

@@ -303,14 +303,15 @@ def search(cmd: TuneCommand) -> dict[str, Any]:
     """Run (or continue) the search; returns what ``best.json`` holds."""
     started = time.perf_counter()
     space, settings, train, run = cmd.space, cmd.settings, cmd.train, cmd.run
-    experiment = Run(run.storage_path, experiment_name(
-        experiment_identity(space, settings, train, run), run), record=SEARCH_FILE)
+    settings_identity = experiment_identity(space, settings, train, run)
+    experiment = Run(run.storage_path, experiment_name(settings_identity, run),
+                     record=SEARCH_FILE)
 
     from raytrain_mnist.data import load_mnist
 
     data = load_mnist(run.data_dir, run.dataset)
     space.check_data(train, run, data.train_size)  # every trial it can draw must train
-    identity = {**experiment_identity(space, settings, train, run), "data": data_identity(data)}
+    identity = {**settings_identity, "data": data_identity(data)}
     with experiment.claim(run.fresh, "search"):  # one search per directory at a time
         restoring = _check_experiment(experiment, identity, settings.resume)
         best, trials = _search(cmd, experiment, identity, data, restoring, started)
