@@ -44,7 +44,7 @@ def _product_loop(args, rank: int = 0, world: int = 1, sampler=None) -> None:
 
     from raytrain_mnist.config import TrainConfig
     from raytrain_mnist.data import load_mnist
-    from raytrain_mnist.loop import (build_optimizer, evaluate, keep_freed_memory,
+    from raytrain_mnist.worker.loop import (build_optimizer, evaluate, keep_freed_memory,
                                      make_train_loader, set_epoch, to_device, train_one_epoch)
     from raytrain_mnist.model import ConvNet
 

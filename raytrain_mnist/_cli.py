@@ -20,29 +20,8 @@ import typing
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
-from raytrain_mnist.config import ConfigError
-
-#: Exit status of usage errors (bad flags, bad config), as argparse uses.
-EXIT_USAGE = 2
-#: Exit status of a run that failed for a reason other than its input.
-EXIT_FAILURE = 1
-#: Exit status after Ctrl-C, as shells report SIGINT.
-EXIT_INTERRUPTED = 130
-
-# At exit, CPython's last garbage collection walks every object that torch, Ray and pandas
-# made, seconds of each command's exit (benchmarks/README.md). It skips frozen objects, which
-# are still freed by reference counting (and streams are flushed regardless). Registered at
-# import, before Ray registers its shutdown, so it runs after it.
-atexit.register(gc.freeze)
-
-
-class UserError(Exception):
-    """An error the user can fix; printed as one line. ``exit_code`` picks the status."""
-
-    def __init__(self, message: str, exit_code: int = EXIT_FAILURE) -> None:
-        super().__init__(message)
-        self.exit_code = exit_code
-
+from raytrain_mnist.errors import (EXIT_FAILURE, EXIT_INTERRUPTED, EXIT_USAGE, ConfigError,
+                                   UserError, cause_line, first_line)
 
 class ArgumentParser(argparse.ArgumentParser):
     """argparse, but a usage error is a single line naming the flag and pointing at --help."""
@@ -130,6 +109,12 @@ def _base_type(hint: Any) -> type:
 
 def run_cli(main: Callable[[Sequence[str] | None], int], argv: Sequence[str] | None = None) -> int:
     """Run ``main`` and turn the errors a user can cause into one line and an exit status."""
+    # At exit, CPython's last garbage collection walks every object that torch, Ray and pandas
+    # made, seconds of each command's exit (benchmarks/README.md). It skips frozen objects,
+    # which are still freed by reference counting (and streams are flushed regardless).
+    # Registered before the command starts Ray (which registers its shutdown), so it runs
+    # after Ray's; only a command process does this, never a library import.
+    atexit.register(gc.freeze)
     prog = "raytrain-mnist"
     try:
         return main(argv)
@@ -145,25 +130,9 @@ def run_cli(main: Callable[[Sequence[str] | None], int], argv: Sequence[str] | N
     except Exception as exc:  # a bug or an environment problem: still one line by default
         if os.environ.get("RAYTRAIN_MNIST_TRACEBACK"):
             raise
-        print(f"{prog}: internal error: {exc.__class__.__name__}: {_one_line(exc)} "
+        print(f"{prog}: internal error: {exc.__class__.__name__}: {first_line(exc)} "
               "(set RAYTRAIN_MNIST_TRACEBACK=1 for the traceback)", file=sys.stderr)
         return EXIT_FAILURE
-
-
-def _lines(exc: BaseException) -> list[str]:
-    return [line.strip() for line in str(exc).splitlines() if line.strip()]
-
-
-def cause_line(exc: BaseException) -> str:
-    """The line of an error message that names the cause. Ray wraps a worker's exception
-    in its own text; the last line is the worker's."""
-    lines = _lines(exc)
-    return lines[-1] if lines else exc.__class__.__name__
-
-
-def _one_line(exc: BaseException) -> str:
-    lines = _lines(exc)
-    return lines[0][:300] if lines else ""
 
 
 def setup_logging(verbose: bool = False) -> None:

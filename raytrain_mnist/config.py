@@ -19,9 +19,7 @@ import os
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
-
-class ConfigError(ValueError):
-    """A setting the user can fix. The message names the setting and the fix."""
+from raytrain_mnist.errors import ConfigError
 
 
 def _opt(default: Any, help: str, choices: tuple | None = None, flag: str | None = None):

@@ -25,7 +25,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from raytrain_mnist._cli import EXIT_USAGE, UserError
+from raytrain_mnist.errors import EXIT_USAGE, UserError, first_line
 
 logger = logging.getLogger(__name__)
 

@@ -7,7 +7,7 @@ loaded with ``weights_only=True``. The test set is the one the run trained with 
 says so (``summary.json``: ``dataset``, ``data_source``, ``config.run.data_dir``), else
 ``--data-dir``/``--dataset``.
 
-Scoring reuses :func:`raytrain_mnist.loop.evaluate` (exact shards, all-reduced sums): in this
+Scoring reuses :func:`raytrain_mnist.worker.loop.evaluate` (exact shards, all-reduced sums): in this
 process with one worker, on a ``TorchTrainer`` with several. A forward hook collects each
 image's prediction on the way, for the confusion matrix and the most confidently wrong digits.
 
@@ -29,7 +29,7 @@ from typing import Any, Sequence
 from raytrain_mnist._cli import (EXIT_USAGE, ArgumentParser, UserError, add_dataclass_args,
                                  cause_line, dataclass_from_args, run_cli, setup_logging)
 from raytrain_mnist.config import DATASET_CHOICES, ConfigError, RunSettings
-from raytrain_mnist.runs import (BEST_FILE, CHECKPOINT_METRIC, RUNS_DIR, SEARCH_FILE,
+from raytrain_mnist.driver.runs import (BEST_FILE, CHECKPOINT_METRIC, RUNS_DIR, SEARCH_FILE,
                                  STATE_FILE, SUMMARY_FILE, Run, check_no_credentials, data_identity,
                                  is_uri)
 
@@ -192,7 +192,7 @@ def score(model, images, labels, device, amp: str = "off", rank: int = 0,
     """
     import torch
 
-    from raytrain_mnist.loop import amp_context, evaluate
+    from raytrain_mnist.worker.loop import amp_context, evaluate
 
     if amp == "fp16" and device.type != "cuda":
         amp = "off"  # fp16 autocast is a GPU feature; fit refuses it on CPU anyway
@@ -242,8 +242,8 @@ def _score_on_ray(weights: dict, data, amp: str, run: RunSettings) -> dict[str, 
     """Score on ``run.num_workers`` Ray Train workers, built as fit builds its trainer."""
     import ray
 
-    from raytrain_mnist import cluster
-    from raytrain_mnist.trainer import build_trainer
+    from raytrain_mnist.driver import cluster
+    from raytrain_mnist.driver.trainer import build_trainer
 
     address = cluster.resolve_address(run.address)
     local = address is None and not ray.is_initialized()
@@ -314,8 +314,8 @@ REPORT_FILES = (EVALUATION_FILE, CONFUSION_FILE, MISCLASSIFIED_FILE)
 
 def load_checkpoint(checkpoint: str) -> tuple[dict, Any]:
     """The checkpoint's state and its model, read once with ``weights_only=True`` (a URI is
-    downloaded first). :class:`~raytrain_mnist.checkpoint.CheckpointError` when unusable."""
-    from raytrain_mnist import checkpoint as ckpt
+    downloaded first). :class:`~raytrain_mnist.worker.checkpoint.CheckpointError` when unusable."""
+    from raytrain_mnist.worker import checkpoint as ckpt
 
     with Run.at(checkpoint).local_copy(checkpoint) as local:
         state = ckpt.load(local)
@@ -357,7 +357,7 @@ def _write_report(result, data, state, resolved: Target, out_dir: Path,
                   num_workers: int) -> dict[str, Any]:
     import numpy as np
 
-    from raytrain_mnist import plots
+    from raytrain_mnist.driver import plots
 
     labels = data.test_labels.numpy()
     predictions, confidence = result["predictions"], result["confidence"]

@@ -17,15 +17,15 @@ import threading
 import time
 from typing import Any, Sequence
 
-from raytrain_mnist import cluster, runs
+from raytrain_mnist.driver import cluster, runs
 from raytrain_mnist._cli import (EXIT_FAILURE, ArgumentParser, UserError,
                                  add_dataclass_args, cause_line, command_line,
                                  dataclass_from_args, flags_of, invocation, run_cli,
                                  setup_logging)
 from raytrain_mnist.config import (FitConfig, RunSettings, TrainConfig, check_data_fits,
                                    epochs_for, parse_workers)
-from raytrain_mnist.progress import Renderer
-from raytrain_mnist.runs import CURVES_FILE, RUN_FILE, SUMMARY_FILE, Run
+from raytrain_mnist.console import Renderer
+from raytrain_mnist.driver.runs import CURVES_FILE, RUN_FILE, SUMMARY_FILE, Run
 
 logger = logging.getLogger(__name__)
 
@@ -213,7 +213,7 @@ def _resume_point(run: Run, cfg: FitConfig) -> list[dict]:
     latest = run.latest_checkpoint()
     if latest is None:
         return []
-    from raytrain_mnist.checkpoint import CheckpointError, resumable_state
+    from raytrain_mnist.worker.checkpoint import CheckpointError, resumable_state
 
     with run.local_copy(latest) as directory:
         try:
@@ -253,7 +253,7 @@ def fit(cfg: FitConfig) -> dict[str, Any]:
         # Still claimed: a second command never sees a half-written or stale summary.
         run.write_json(SUMMARY_FILE, summary)
         if summary["history"]:
-            from raytrain_mnist.plots import training_curves_png
+            from raytrain_mnist.driver.plots import training_curves_png
 
             run.write_bytes(CURVES_FILE, training_curves_png(
                 summary["history"],
@@ -311,7 +311,7 @@ def _train(cfg: FitConfig, run: Run, data, identity: dict, prior: list[dict],
                       f"{_gpu_text(cfg.run)}, {data.train_size} train / "
                       f"{data.test_size} test images from {data.source}{sized}")
         run.write_json(RUN_FILE, identity)
-        from raytrain_mnist.tracking import EpochLog
+        from raytrain_mnist.driver.tracking import EpochLog
 
         tracker = EpochLog(run.dir, cfg)  # a bad --mlflow-uri fails here, before training
         from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
@@ -321,8 +321,8 @@ def _train(cfg: FitConfig, run: Run, data, identity: dict, prior: list[dict],
         progress = ray.remote(num_cpus=0)(_Progress).options(
             scheduling_strategy=NodeAffinitySchedulingStrategy(
                 ray.get_runtime_context().get_node_id(), soft=False)).remote()
-        from raytrain_mnist.loop import train_func_per_worker
-        from raytrain_mnist.trainer import build_trainer
+        from raytrain_mnist.worker.loop import train_func_per_worker
+        from raytrain_mnist.driver.trainer import build_trainer
 
         # --progress off: no stream from rank 0 at all (the epochs still arrive).
         loop_config = {"train": cfg.train.to_dict(), "data": ray.put(data), "threads": threads,

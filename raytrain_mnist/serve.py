@@ -109,7 +109,7 @@ def _best_checkpoint(target: str | os.PathLike) -> str:
 
 
 def _absolute(checkpoint: str) -> str:
-    from raytrain_mnist.runs import is_uri
+    from raytrain_mnist.driver.runs import is_uri
 
     return checkpoint if is_uri(checkpoint) else str(Path(checkpoint).expanduser().resolve())
 
@@ -229,7 +229,7 @@ def _mnist_like(gray: np.ndarray) -> np.ndarray:
 
 def page() -> bytes:
     """The drawing page, from the package's data."""
-    return resources.files("raytrain_mnist").joinpath(*_PAGE).read_bytes()
+    return resources.files("raytrain_mnist.serving").joinpath(*_PAGE).read_bytes()
 
 
 # --------------------------------------------------------------------------- the deployment
@@ -250,7 +250,7 @@ class DigitClassifier:
         import torch
         from ray import serve
 
-        from raytrain_mnist.loop import amp_context
+        from raytrain_mnist.worker.loop import amp_context
         from raytrain_mnist.model import ConvNet
 
         torch.set_num_threads(CPUS_PER_REPLICA)
@@ -439,7 +439,7 @@ def serving(cfg: ServeConfig, checkpoint: str) -> Iterator[str]:
     (the application; Serve itself when it was not running before; a Ray it started)."""
     from ray import serve
 
-    from raytrain_mnist import cluster
+    from raytrain_mnist.driver import cluster
 
     address = cluster.resolve_address(cfg.address)
     # Reads the weights: a bad checkpoint is refused here, before any Ray starts.
@@ -480,7 +480,7 @@ def _check_placeable(cfg: ServeConfig, strict: bool) -> None:
     Ray we started; on a cluster an autoscaler may still add nodes, so only warn."""
     import ray
 
-    from raytrain_mnist import cluster
+    from raytrain_mnist.driver import cluster
 
     nodes = [n["Resources"] for n in ray.nodes() if n.get("Alive")]
     want = cluster.Request(cfg.replicas, CPUS_PER_REPLICA, cfg.use_gpu)
@@ -557,7 +557,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         path = write_config(config_file, cfg, checkpoint)
         print(f"wrote {path}; deploy it with: serve deploy {path}")
         return 0
-    from raytrain_mnist import cluster
+    from raytrain_mnist.driver import cluster
 
     if cluster.resolve_address(cfg.address) is None:
         check_local(cfg)

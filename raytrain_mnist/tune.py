@@ -26,14 +26,14 @@ import time
 from pathlib import Path
 from typing import Any, Sequence
 
-from raytrain_mnist import cluster
+from raytrain_mnist.driver import cluster
 from raytrain_mnist._cli import (EXIT_USAGE, ArgumentParser, UserError,
                                  add_dataclass_args, cause_line, command_line,
                                  dataclass_from_args, flags_of, invocation, run_cli,
                                  setup_logging)
 from raytrain_mnist.config import FitConfig, RunSettings, TrainConfig
-from raytrain_mnist.runs import BEST_FILE, RUNS_DIR, SEARCH_FILE, Run, data_identity
-from raytrain_mnist.search_space import (SearchSpace, TuneSettings, check_budget,
+from raytrain_mnist.driver.runs import BEST_FILE, RUNS_DIR, SEARCH_FILE, Run, data_identity
+from raytrain_mnist.driver.search_space import (SearchSpace, TuneSettings, check_budget,
                                          experiment_identity, experiment_name, searchable)
 
 RESULTS_FILE = "results.csv"
@@ -85,7 +85,7 @@ def build_parser() -> ArgumentParser:
 
 
 def _default_space_text() -> str:
-    from raytrain_mnist.search_space import SEARCH_SPACE
+    from raytrain_mnist.driver.search_space import SEARCH_SPACE
 
     return "; ".join(f"{n} {p.describe()}" for n, p in SEARCH_SPACE.items())
 
@@ -121,8 +121,8 @@ def _trial(config: dict, setup: dict, data: list) -> None:
     from ray import tune
     from ray.tune.integration.ray_train import TuneReportCallback
 
-    from raytrain_mnist.loop import train_func_per_worker
-    from raytrain_mnist.trainer import build_trainer
+    from raytrain_mnist.worker.loop import train_func_per_worker
+    from raytrain_mnist.driver.trainer import build_trainer
 
     train = TrainConfig.from_dict({**setup["train"], **config["train_loop_config"]})
     cfg = FitConfig(train, RunSettings(**setup["run"]))
@@ -202,7 +202,7 @@ def _printer(searched: list[str], epochs: int, metric: str, progress: str = "aut
     (``--progress``, as in fit)."""
     from ray import tune
 
-    from raytrain_mnist.progress import TrialsTable
+    from raytrain_mnist.console import TrialsTable
 
     table = TrialsTable(progress, searched, epochs, metric)
 
@@ -318,7 +318,7 @@ def search(cmd: TuneCommand) -> dict[str, Any]:
         # Still claimed: a second command never reads a half-written result.
         experiment.write_bytes(RESULTS_FILE, results_csv(trials, space.searched,
                                                          settings.metric))
-        from raytrain_mnist.tune_plots import trials_png
+        from raytrain_mnist.driver.tune_plots import trials_png
 
         experiment.write_bytes(PLOT_FILE, trials_png(
             trials, f"{experiment.name}: validation accuracy per trial ({run.num_workers} "

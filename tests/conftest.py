@@ -26,7 +26,7 @@ os.environ.setdefault("RAY_DEDUP_LOGS", "0")
 # Ray Train's controller polls workers every 0.5 s instead of 2 s: a committed checkpoint and
 # the end of a run come sooner, which adds up over the suite's many short runs (fit keeps
 # Ray's 2 s: faster polling costs training throughput, benchmarks/README.md).
-from raytrain_mnist.cluster import LOCAL_TRAIN_ENV  # noqa: E402
+from raytrain_mnist.driver.cluster import LOCAL_TRAIN_ENV  # noqa: E402
 
 for _key, _value in {**LOCAL_TRAIN_ENV, "RAY_TRAIN_HEALTH_CHECK_INTERVAL_S": "0.5"}.items():
     os.environ.setdefault(_key, _value)
@@ -176,7 +176,7 @@ def ray_local():
     """One local Ray in this process (3 CPUs: the most any in-process test asks for)."""
     import ray
 
-    from raytrain_mnist.cluster import LOOPBACK, local_runtime_env, loopback_node
+    from raytrain_mnist.driver.cluster import LOOPBACK, local_runtime_env, loopback_node
 
     with loopback_node():  # on loopback, as fit starts its own
         ray.init(address="local", num_cpus=3, num_gpus=0, include_dashboard=False,
@@ -194,7 +194,7 @@ def two_nodes():
     Started by the first test that needs it, stopped after the last."""
     from ray.cluster_utils import Cluster
 
-    from raytrain_mnist.cluster import loopback_node
+    from raytrain_mnist.driver.cluster import loopback_node
 
     with loopback_node():  # every node on 127.0.0.1, listening on nothing else
         cluster = Cluster(initialize_head=True,

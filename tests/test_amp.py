@@ -7,9 +7,9 @@ import pytest
 import torch
 from torch import nn
 
-from raytrain_mnist import checkpoint as ckpt
+from raytrain_mnist.worker import checkpoint as ckpt
 from raytrain_mnist.config import ConfigError, FitConfig, RunSettings, TrainConfig
-from raytrain_mnist.loop import (amp_context, build_model, build_optimizer, grad_scaler,
+from raytrain_mnist.worker.loop import (amp_context, build_model, build_optimizer, grad_scaler,
                                  make_train_loader, train_one_epoch, train_step)
 from raytrain_mnist.model import ConvNet
 

@@ -7,7 +7,7 @@ import re
 import pytest
 import torch
 
-from raytrain_mnist import checkpoint as ckpt
+from raytrain_mnist.worker import checkpoint as ckpt
 from raytrain_mnist.config import TrainConfig
 from raytrain_mnist.model import ConvNet
 
@@ -112,7 +112,7 @@ CFG = TrainConfig(epochs=3, batch_size=32, lr=0.05)
 
 def _resume_state(cfg: TrainConfig = CFG) -> dict:
     """What the worker saves after its first epoch, built with the worker's own optimizer."""
-    from raytrain_mnist.loop import build_optimizer
+    from raytrain_mnist.worker.loop import build_optimizer
 
     torch.manual_seed(0)
     model = ConvNet()

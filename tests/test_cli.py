@@ -104,7 +104,7 @@ def _command_flags() -> dict[str, set[str]]:
 
     from raytrain_mnist.__main__ import COMMANDS
     from raytrain_mnist.config import RunSettings, TrainConfig
-    from raytrain_mnist.search_space import TuneSettings
+    from raytrain_mnist.driver.search_space import TuneSettings
 
     from_config = {"fit": _flags_of_config(TrainConfig, RunSettings),
                    "tune": _flags_of_config(TrainConfig, RunSettings, TuneSettings)}
@@ -180,7 +180,7 @@ def _run_dir_with_checkpoint(tmp_path, payload: bytes | None = None, state: dict
 
     from raytrain_mnist.config import FitConfig, RunSettings, TrainConfig
     from raytrain_mnist.data import load_sample
-    from raytrain_mnist.runs import RUN_FILE, fit_identity
+    from raytrain_mnist.driver.runs import RUN_FILE, fit_identity
 
     storage = tmp_path / "runs"
     run_dir = storage / "r"

@@ -176,7 +176,7 @@ def test_every_worker_count_of_an_elastic_range_is_checked():
 
 
 def test_a_search_space_is_checked_against_the_data_size():
-    from raytrain_mnist.search_space import SearchSpace, TuneSettings
+    from raytrain_mnist.driver.search_space import SearchSpace, TuneSettings
 
     base, run = TrainConfig(epochs=2), RunSettings(num_workers=2)
     space = SearchSpace.from_cli(ranges=["batch_size=64,4096"])

@@ -12,7 +12,7 @@ import torch.nn.functional as F
 from torch.utils.data import DistributedSampler
 
 from raytrain_mnist.config import TrainConfig
-from raytrain_mnist.loop import (BatchedTensorDataset, build_optimizer, evaluate,
+from raytrain_mnist.worker.loop import (BatchedTensorDataset, build_optimizer, evaluate,
                                  make_train_loader, set_epoch, shard, train_one_epoch)
 from raytrain_mnist.model import ConvNet, normalize
 
@@ -121,7 +121,7 @@ def test_shards_cover_every_index_once(n, world):
 
 _FAULTS_PER_STEP = """
 import resource, threading, torch, torch.nn.functional as F
-from raytrain_mnist.loop import keep_freed_memory
+from raytrain_mnist.worker.loop import keep_freed_memory
 from raytrain_mnist.model import ConvNet, normalize
 torch.set_num_threads(1)
 model, images = ConvNet(), torch.randint(0, 256, (128, 28, 28), dtype=torch.uint8)

@@ -27,7 +27,7 @@ def one_node():
     """A head with no CPUs and one 1-CPU node, on loopback."""
     from ray.cluster_utils import Cluster
 
-    from raytrain_mnist.cluster import loopback_node
+    from raytrain_mnist.driver.cluster import loopback_node
 
     with loopback_node():
         cluster = Cluster(initialize_head=True, connect=False,
@@ -81,7 +81,7 @@ def test_elastic_run_grows_when_a_node_joins_and_matches_a_fixed_run(
     # (every 2 s) has seen it, however slow this machine is (its epochs slow down alike).
     run = _Fit(*_args(one_node, tiny_mnist, tmp_path, "grow", epochs=EPOCHS))
     assert run.first_epoch.wait(400)
-    from raytrain_mnist.cluster import loopback_node
+    from raytrain_mnist.driver.cluster import loopback_node
 
     with loopback_node():
         one_node.add_node(num_cpus=1)
@@ -111,7 +111,7 @@ def _schedule(epochs: int) -> list[float]:
     import torch
 
     from raytrain_mnist.config import TrainConfig
-    from raytrain_mnist.loop import build_optimizer
+    from raytrain_mnist.worker.loop import build_optimizer
 
     steps = 2048 // 32  # tiny_mnist's training digits over the global batch
     optimizer, scheduler = build_optimizer(torch.nn.Linear(1, 1),
@@ -127,7 +127,7 @@ def _schedule(epochs: int) -> list[float]:
 
 
 def test_elastic_run_shrinks_when_a_node_is_lost_and_finishes(one_node, tiny_mnist, tmp_path):
-    from raytrain_mnist.cluster import loopback_node
+    from raytrain_mnist.driver.cluster import loopback_node
 
     with loopback_node():
         while len(one_node.worker_nodes) < 2:
@@ -161,10 +161,10 @@ def test_a_bad_worker_range_is_one_line_before_ray_starts(workers, message):
 
 
 def test_a_range_is_a_range_in_names_flags_and_the_trainer():
-    from raytrain_mnist import runs
+    from raytrain_mnist.driver import runs
     from raytrain_mnist._cli import flags_of
     from raytrain_mnist.config import FitConfig, RunSettings, TrainConfig, parse_workers
-    from raytrain_mnist.trainer import build_trainer
+    from raytrain_mnist.driver.trainer import build_trainer
 
     run = RunSettings(num_workers=parse_workers("1-3"), resize_check_s=5.0)
     cfg = FitConfig(TrainConfig(batch_size=96), run)
@@ -174,6 +174,6 @@ def test_a_range_is_a_range_in_names_flags_and_the_trainer():
     trainer = build_trainer(run, lambda config: None, {}, 1, "/tmp", "x")
     scaling = trainer.scaling_config
     assert scaling.num_workers == (1, 3) and scaling.elastic_resize_monitor_interval_s == 5.0
-    from raytrain_mnist.cluster import Request
+    from raytrain_mnist.driver.cluster import Request
 
     assert Request.for_run(run, 1).num_workers == 1  # preflight: the minimum must fit

@@ -11,10 +11,10 @@ from pathlib import Path
 import pytest
 from PIL import Image
 
-from raytrain_mnist import checkpoint as ckpt
+from raytrain_mnist.worker import checkpoint as ckpt
 from raytrain_mnist._cli import UserError
 from raytrain_mnist.fit import fit
-from raytrain_mnist.runs import Run
+from raytrain_mnist.driver.runs import Run
 
 SUMMARY_KEYS = {"name", "run_dir", "status", "data_source", "train_size", "test_size",
                 "num_workers", "use_gpu", "epochs_completed", "resumed_from_epoch",

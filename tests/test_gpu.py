@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from raytrain_mnist import cluster
+from raytrain_mnist.driver import cluster
 from raytrain_mnist.config import RunSettings
 from tests.conftest import REPO, run_cli, run_cli_here
 
@@ -70,7 +70,7 @@ def test_fractional_gpus_are_counted_per_device():
 
 
 def test_the_trainer_asks_for_fractional_gpus_and_gloo(tmp_path):
-    from raytrain_mnist.trainer import build_trainer
+    from raytrain_mnist.driver.trainer import build_trainer
 
     run = RunSettings(num_workers=4, use_gpu=True, gpus_per_worker=0.25)
     trainer = build_trainer(run, lambda config: None, {}, 2, str(tmp_path), "gpu-request")
@@ -151,7 +151,7 @@ def one_worker_nccl(gpu_ray, tmp_path_factory) -> dict:
 @needs_gpu
 def test_cpu_and_gpu_loaders_give_the_same_batches():
     from raytrain_mnist.data import load_mnist
-    from raytrain_mnist.loop import make_train_loader, set_epoch, to_device
+    from raytrain_mnist.worker.loop import make_train_loader, set_epoch, to_device
 
     data = load_mnist(MNIST, "mnist")
     on_gpu = to_device(data, torch.device("cuda"))
@@ -192,7 +192,7 @@ def test_two_workers_share_the_gpu_with_sync_batchnorm(gpu_ray, tmp_path_factory
 @needs_gpu
 @pytest.mark.parametrize("amp", ["fp16", "bf16"])
 def test_mixed_precision_trains_on_the_gpu(gpu_ray, tmp_path_factory, amp):
-    from raytrain_mnist import checkpoint as ckpt
+    from raytrain_mnist.worker import checkpoint as ckpt
 
     summary = _fit(tmp_path_factory, f"gpu-{amp}", epochs=1, num_workers=1, amp=amp)
     (epoch,) = summary["history"]

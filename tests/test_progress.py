@@ -18,7 +18,7 @@ import time
 
 import pytest
 
-from raytrain_mnist.progress import Renderer, TrialsTable, resolve_mode
+from raytrain_mnist.console import Renderer, TrialsTable, resolve_mode
 
 _EPOCH = re.compile(r"^epoch +\d+/\d+ ", re.M)
 

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from raytrain_mnist import checkpoint as ckpt
+from raytrain_mnist.worker import checkpoint as ckpt
 from tests.conftest import MARKER_VAR, REPO, kill_marked, marked
 
 ENV = {**os.environ, "PYTHONUNBUFFERED": "1"}
@@ -199,7 +199,7 @@ def test_ctrl_c_stops_cleanly_prints_the_resume_command_and_stops_its_own_ray(
 _IN_A_NOTEBOOK = """
 import sys
 import ray
-from raytrain_mnist.cluster import start_local
+from raytrain_mnist.driver.cluster import start_local
 from raytrain_mnist.config import FitConfig, RunSettings, TrainConfig
 from raytrain_mnist.fit import fit
 

@@ -14,10 +14,10 @@ import uuid
 
 import pytest
 
-from raytrain_mnist import runs
+from raytrain_mnist.driver import runs
 from raytrain_mnist._cli import UserError
 from raytrain_mnist.config import FitConfig, RunSettings, TrainConfig
-from raytrain_mnist.runs import Run
+from raytrain_mnist.driver.runs import Run
 from tests.conftest import REPO, kill_marked, MARKER_VAR
 
 

@@ -68,7 +68,7 @@ def png_b64(array: np.ndarray) -> str:
 @pytest.fixture(scope="module")
 def checkpoint_dir(tmp_path_factory) -> Path:
     """An untrained ConvNet's checkpoint: enough for what ends before Ray starts."""
-    from raytrain_mnist import checkpoint as ckpt
+    from raytrain_mnist.worker import checkpoint as ckpt
     from raytrain_mnist.model import ConvNet
 
     path = tmp_path_factory.mktemp("ckpt") / "checkpoint_000000"

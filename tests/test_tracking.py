@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from raytrain_mnist._cli import UserError
-from raytrain_mnist.tracking import SCALARS, EpochLog
+from raytrain_mnist.driver.tracking import SCALARS, EpochLog
 
 LOGGED = ["train_loss", "train_accuracy", "val_loss", "val_accuracy", "images_per_s",
           "epoch_time_s", "best_val_accuracy"]

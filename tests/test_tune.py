@@ -24,9 +24,9 @@ from pathlib import Path
 import pytest
 from PIL import Image
 
-from raytrain_mnist import checkpoint as ckpt
+from raytrain_mnist.worker import checkpoint as ckpt
 from raytrain_mnist.config import ConfigError, TrainConfig
-from raytrain_mnist.search_space import SEARCH_SPACE, SearchSpace, parse_range
+from raytrain_mnist.driver.search_space import SEARCH_SPACE, SearchSpace, parse_range
 from tests.conftest import MARKER_VAR, REPO, kill_marked, run_cli, write_tiny_mnist
 
 BEST_KEYS = {"best_val_accuracy", "best_config", "best_checkpoint", "fit_command",
@@ -88,8 +88,8 @@ def test_a_planted_tune_state_is_never_restored(tmp_path):
 
     # With a matching search.json, but owned by someone else: still refused.
     from raytrain_mnist.data import load_sample
-    from raytrain_mnist.runs import data_identity
-    from raytrain_mnist.search_space import experiment_identity
+    from raytrain_mnist.driver.runs import data_identity
+    from raytrain_mnist.driver.search_space import experiment_identity
     from raytrain_mnist.tune import parse_command
 
     cmd = parse_command(["--storage-path", str(tmp_path), "--name", "planted",

@@ -19,7 +19,7 @@ from typing import Any
 
 import torch
 
-from raytrain_mnist._cli import UserError
+from raytrain_mnist.errors import UserError, first_line
 from raytrain_mnist.model import ConvNet
 
 STATE_FILE = "state.pt"
@@ -147,7 +147,7 @@ def resumable_state(path: str | os.PathLike, train_config: dict[str, Any]) -> di
 
 def _check_training_state(state: dict[str, Any], cfg, model: ConvNet, path) -> None:
     """Load optimizer, schedule and scaler state as the worker does, then take one step."""
-    from raytrain_mnist.loop import build_optimizer
+    from raytrain_mnist.worker.loop import build_optimizer
 
     optimizer, scheduler = build_optimizer(model, cfg, 1)
     for part, target in (("optimizer", optimizer), ("scheduler", scheduler)):
@@ -169,7 +169,7 @@ def _check_training_state(state: dict[str, Any], cfg, model: ConvNet, path) -> N
                     raise ValueError(f"learning rates {lrs!r}")
         except Exception as exc:  # torch raises anything from KeyError to RuntimeError here
             raise CheckpointError(f"{path}: its {part} state does not fit this run "
-                                  f"({_first_line(exc)})") from exc
+                                  f"({first_line(exc)})") from exc
     scaler_state = state["scaler"]
     try:
         if not isinstance(scaler_state, dict):
@@ -180,7 +180,7 @@ def _check_training_state(state: dict[str, Any], cfg, model: ConvNet, path) -> N
             scaler.scale(torch.ones(()))  # builds its scale tensor from the loaded value
     except Exception as exc:
         raise CheckpointError(f"{path}: its scaler state does not fit this run "
-                              f"({_first_line(exc)})") from exc
+                              f"({first_line(exc)})") from exc
 
 
 def _check_rng(rng: Any, path) -> None:
@@ -193,13 +193,9 @@ def _check_rng(rng: Any, path) -> None:
                                      and cuda.dtype == torch.uint8):
             raise TypeError("the CUDA generator state is not a byte tensor")
     except Exception as exc:
-        raise CheckpointError(f"{path}: its RNG state is unusable ({_first_line(exc)})") \
+        raise CheckpointError(f"{path}: its RNG state is unusable ({first_line(exc)})") \
             from exc
 
-
-def _first_line(exc: BaseException) -> str:
-    lines = [line.strip() for line in str(exc).splitlines() if line.strip()]
-    return (lines[0] if lines else exc.__class__.__name__)[:160]
 
 
 def rng_state() -> dict[str, Any]:

@@ -40,7 +40,7 @@ from pathlib import Path
 from typing import Any, Iterator
 from urllib.parse import urlsplit
 
-from raytrain_mnist._cli import EXIT_USAGE, UserError
+from raytrain_mnist.errors import EXIT_USAGE, UserError, first_line
 from raytrain_mnist.config import FitConfig
 
 logger = logging.getLogger(__name__)
@@ -179,7 +179,7 @@ class Run:
                 try:
                     fs, path = pyarrow.fs.FileSystem.from_uri(self.dir)
                 except (ValueError, OSError) as exc:
-                    raise UserError(f"--storage-path {self.storage}: {_first_line(exc)}",
+                    raise UserError(f"--storage-path {self.storage}: {first_line(exc)}",
                                     EXIT_USAGE) from exc
                 self._fs = (fs, path)
         return self._fs
@@ -192,7 +192,7 @@ class Run:
         try:
             return self.fs[0].get_file_info(path).type
         except OSError as exc:
-            raise UserError(f"cannot reach {self.dir}: {_first_line(exc)}") from exc
+            raise UserError(f"cannot reach {self.dir}: {first_line(exc)}") from exc
 
     def exists(self, name: str = "") -> bool:
         import pyarrow.fs
@@ -212,7 +212,7 @@ class Run:
             with self.fs[0].open_input_stream(self._path(name)) as f:
                 return f.read()
         except OSError as exc:
-            raise UserError(f"{self.dir}/{name} is unreadable ({_first_line(exc)})") from exc
+            raise UserError(f"{self.dir}/{name} is unreadable ({first_line(exc)})") from exc
 
     def read_json(self, name: str) -> dict | None:
         """A JSON record of the run; None when absent, one-line error when not ours."""
@@ -332,7 +332,7 @@ class Run:
                 pyarrow.fs.copy_files(path, tmp, source_filesystem=fs,
                                       destination_filesystem=pyarrow.fs.LocalFileSystem())
             except OSError as exc:
-                raise UserError(f"cannot read checkpoint {checkpoint}: {_first_line(exc)}")
+                raise UserError(f"cannot read checkpoint {checkpoint}: {first_line(exc)}")
             yield Path(tmp)
 
     def relocate(self, recorded: str | None) -> str | None:
@@ -501,7 +501,7 @@ class _Lease:
                 self._write()
             except Exception as exc:  # a store hiccup: the next beat retries
                 logger.warning("could not renew the lease on %s (%s)", self.run.dir,
-                               _first_line(exc))
+                               first_line(exc))
 
     def release(self) -> None:
         self._stop.set()
@@ -525,7 +525,3 @@ def _stale(lease: dict) -> bool:
     except (psutil.NoSuchProcess, KeyError, ValueError, TypeError):
         return True
 
-
-def _first_line(exc: BaseException) -> str:
-    text = str(exc).strip() or exc.__class__.__name__
-    return text.splitlines()[0][:300]

@@ -18,7 +18,7 @@ import sys
 from dataclasses import dataclass
 from typing import Iterator
 
-from raytrain_mnist._cli import EXIT_USAGE, UserError
+from raytrain_mnist.errors import EXIT_USAGE, UserError, first_line
 
 logger = logging.getLogger(__name__)
 

@@ -29,7 +29,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
-from raytrain_mnist import checkpoint as ckpt
+from raytrain_mnist.worker import checkpoint as ckpt
 from raytrain_mnist.config import TrainConfig
 from raytrain_mnist.data import MnistData
 from raytrain_mnist.model import ConvNet, normalize

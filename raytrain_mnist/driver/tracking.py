@@ -21,8 +21,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-from raytrain_mnist._cli import EXIT_USAGE, UserError
-from raytrain_mnist.runs import CURVES_FILE, SUMMARY_FILE, Run, check_no_credentials, is_uri
+from raytrain_mnist.errors import EXIT_USAGE, UserError, first_line
+from raytrain_mnist.driver.runs import CURVES_FILE, SUMMARY_FILE, Run, check_no_credentials, is_uri
 
 logger = logging.getLogger(__name__)
 
@@ -183,7 +183,7 @@ class _Mlflow:
         except UserError:
             raise
         except Exception as exc:  # any store error, before training starts: refuse
-            raise UserError(f"MLflow at {uri}: {_first_line(exc)}") from exc
+            raise UserError(f"MLflow at {uri}: {first_line(exc)}") from exc
         logger.info("MLflow: run %s in %s", self.run_id, uri)
 
     def _existing_run(self, local: bool) -> str | None:
@@ -205,7 +205,7 @@ class _Mlflow:
         except Exception as exc:  # tracking must never stop training
             self.enabled = False
             logger.warning("MLflow: %s failed (%s); no more MLflow logging for this run",
-                           method, _first_line(exc))
+                           method, first_line(exc))
 
     def log_metrics(self, scalars: dict[str, float], step: int) -> None:
         from mlflow.entities import Metric
@@ -240,7 +240,3 @@ def _params(params: dict[str, str]):
 
     return [Param(key, value[:6000]) for key, value in params.items()]
 
-
-def _first_line(exc: BaseException) -> str:
-    text = str(exc).strip() or exc.__class__.__name__
-    return text.splitlines()[0][:300]

@@ -1,0 +1,47 @@
+"""Errors a user can cause, their exit statuses, and the one line that tells them.
+
+Every layer may import this module (it imports nothing of ours); the command layer turns
+these into one line on stderr and an exit status (:func:`raytrain_mnist._cli.run_cli`).
+"""
+
+from __future__ import annotations
+
+#: Exit status of a run that failed for a reason other than its input.
+EXIT_FAILURE = 1
+#: Exit status of usage errors (bad flags, bad config), as argparse uses.
+EXIT_USAGE = 2
+#: Exit status after Ctrl-C, as shells report SIGINT.
+EXIT_INTERRUPTED = 130
+
+#: The most characters of a message that one error line quotes.
+MAX_LINE = 300
+
+
+class ConfigError(ValueError):
+    """A setting the user can fix. The message names the setting and the fix."""
+
+
+class UserError(Exception):
+    """An error the user can fix; printed as one line. ``exit_code`` picks the status."""
+
+    def __init__(self, message: str, exit_code: int = EXIT_FAILURE) -> None:
+        super().__init__(message)
+        self.exit_code = exit_code
+
+
+def _lines(exc: BaseException) -> list[str]:
+    return [line.strip() for line in str(exc).splitlines() if line.strip()]
+
+
+def first_line(exc: BaseException) -> str:
+    """The first non-blank line of an error's message (its class name when it has none), at
+    most :data:`MAX_LINE` characters: what a one-line error quotes of a library's exception."""
+    lines = _lines(exc)
+    return lines[0][:MAX_LINE] if lines else exc.__class__.__name__
+
+
+def cause_line(exc: BaseException) -> str:
+    """The line of an error message that names the cause. Ray wraps a worker's exception
+    in its own text; the last line is the worker's."""
+    lines = _lines(exc)
+    return lines[-1][:MAX_LINE] if lines else exc.__class__.__name__

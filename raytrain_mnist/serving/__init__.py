@@ -1,0 +1,1 @@
+"""Code that runs inside Ray Serve replicas: the HTTP app and the image parsing."""
