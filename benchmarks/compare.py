@@ -102,8 +102,13 @@ def _tree_pss_mb(pid: int) -> list[dict]:
     for proc in _tree(pid):
         try:
             label = process_label(proc.cmdline())
-            rows.append({"kind": process_kind(label, proc.pid == pid), "process": label,
-                         "pss_mb": _pss_kib(proc) / 1024})
+            rows.append(
+                {
+                    "kind": process_kind(label, proc.pid == pid),
+                    "process": label,
+                    "pss_mb": _pss_kib(proc) / 1024,
+                }
+            )
         except (psutil.NoSuchProcess, psutil.AccessDenied, OSError):
             pass
     return rows
@@ -119,14 +124,23 @@ def _pss_kib(proc: psutil.Process) -> int:
         return proc.memory_full_info().pss // 1024
 
 
-def run_measured(command: list[str], env: dict, breakdown: bool = False,
-                 ) -> tuple[subprocess.CompletedProcess, float, float, float, dict | None]:
+def run_measured(
+    command: list[str],
+    env: dict,
+    breakdown: bool = False,
+) -> tuple[subprocess.CompletedProcess, float, float, float, dict | None]:
     """Run ``command``; return (result, start unix time, wall seconds, peak RSS of its
     process tree in MB, and with ``breakdown`` the PSS per process kind at the tree's
     peak)."""
     start = time.time()
-    process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                               text=True, cwd=REPO, env={**env, "BENCH_T0": repr(start)})
+    process = subprocess.Popen(
+        command,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        cwd=REPO,
+        env={**env, "BENCH_T0": repr(start)},
+    )
     peak = [0.0]
     peak_rows: list[list[dict] | None] = [None]
 
@@ -161,10 +175,26 @@ def _parse_result(out: str) -> dict:
 
 
 def fit_command(args, workers: int, storage: Path, name: str, extra=()) -> list[str]:
-    return [sys.executable, "-m", "raytrain_mnist.fit", "--num-workers", str(workers),
-            "--dataset", args.dataset, "--data-dir", args.data_dir, "--epochs",
-            str(args.epochs), "--batch-size", str(args.batch_size), "--storage-path",
-            str(storage), "--name", name, *extra]
+    return [
+        sys.executable,
+        "-m",
+        "raytrain_mnist.fit",
+        "--num-workers",
+        str(workers),
+        "--dataset",
+        args.dataset,
+        "--data-dir",
+        args.data_dir,
+        "--epochs",
+        str(args.epochs),
+        "--batch-size",
+        str(args.batch_size),
+        "--storage-path",
+        str(storage),
+        "--name",
+        name,
+        *extra,
+    ]
 
 
 def fit_history(summary: dict) -> list[dict]:
@@ -183,8 +213,9 @@ def fit_row(summary: dict, start: float, wall: float, peak: float) -> dict:
         "images_per_s": history[-1]["images_per_s"],
         "startup_s": history[0]["first_step_at"] - start,
         "time_to_99_s": None if hit is None else hit["evaluated_at"] - start,
-        "train_s_to_99": None if hit is None else sum(
-            h["train_s"] for h in history if h["epoch"] <= hit["epoch"]),
+        "train_s_to_99": None
+        if hit is None
+        else sum(h["train_s"] for h in history if h["epoch"] <= hit["epoch"]),
         "wall_s": wall,
         "cpu_s_per_step": history[-1]["cpu_s_per_step"],
         "final_val_accuracy": summary["val_accuracy"],
@@ -201,7 +232,7 @@ def loop_row(data: dict, wall: float, peak: float) -> dict:
         "images_per_s": epochs[-1]["images_per_s"],
         "startup_s": data["first_step_s"],
         "time_to_99_s": None if hit is None else epochs[hit]["eval_done_s"],
-        "train_s_to_99": None if hit is None else sum(e["train_s"] for e in epochs[:hit + 1]),
+        "train_s_to_99": None if hit is None else sum(e["train_s"] for e in epochs[: hit + 1]),
         "wall_s": wall,
         "cpu_s_per_step": epochs[-1].get("cpu_s_per_step"),
         "final_val_accuracy": epochs[-1]["val_accuracy"],
@@ -211,26 +242,56 @@ def loop_row(data: dict, wall: float, peak: float) -> dict:
 
 def measure_variant(name: str, args, env: dict, storage: Path) -> dict:
     py = sys.executable
-    common = ["--data-dir", args.data_dir, "--epochs", str(args.epochs),
-              "--batch-size", str(args.batch_size), "--dataset", args.dataset]
+    common = [
+        "--data-dir",
+        args.data_dir,
+        "--epochs",
+        str(args.epochs),
+        "--batch-size",
+        str(args.batch_size),
+        "--dataset",
+        args.dataset,
+    ]
     cores, n = args.cores, args.workers
     if name.startswith("fit"):
         workers = 1 if name == "fit-1" else n
         run_name = f"{name}-{time.time_ns()}"
-        command = fit_command(args, workers, storage, run_name,
-                              ["--cpus-per-worker", str(max(1, cores // workers))])
+        command = fit_command(
+            args, workers, storage, run_name, ["--cpus-per-worker", str(max(1, cores // workers))]
+        )
         _, start, wall, peak, _ = run_measured(command, env)
         summary = json.loads((storage / run_name / "summary.json").read_text())
         return fit_row(summary, start, wall, peak)
     if name == "plain":
         command = [py, "-m", "benchmarks.variants", "plain", "--threads", str(cores), *common]
     elif name == "torchrun":
-        command = [py, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={n}",
-                   "-m", "benchmarks.variants", "torchrun", "--threads", str(max(1, cores // n)),
-                   *common]
+        command = [
+            py,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            f"--nproc_per_node={n}",
+            "-m",
+            "benchmarks.variants",
+            "torchrun",
+            "--threads",
+            str(max(1, cores // n)),
+            *common,
+        ]
     else:
-        command = [py, "-m", "benchmarks.variants", "ray_example", "--workers", "1",
-                   "--threads", str(cores), "--storage", str(storage), *common]
+        command = [
+            py,
+            "-m",
+            "benchmarks.variants",
+            "ray_example",
+            "--workers",
+            "1",
+            "--threads",
+            str(cores),
+            "--storage",
+            str(storage),
+            *common,
+        ]
     result, _, wall, peak, _ = run_measured(command, env)
     return loop_row(_parse_result(result.stdout), wall, peak)
 
@@ -239,15 +300,21 @@ def memory_breakdown(args, env: dict, storage: Path) -> dict:
     """Peak memory (PSS) of a 1-worker fit by process kind, and of each process, sampled
     when the tree's total peaked."""
     run_name = f"memory-{time.time_ns()}"
-    command = fit_command(args, 1, storage, run_name,
-                          ["--cpus-per-worker", str(max(1, args.cores))])
+    command = fit_command(
+        args, 1, storage, run_name, ["--cpus-per-worker", str(max(1, args.cores))]
+    )
     _, _, wall, peak_rss, rows = run_measured(command, env, breakdown=True)
     rows = sorted(rows or [], key=lambda r: -r["pss_mb"])
     kinds = dict.fromkeys(KINDS, 0.0)
     for row in rows:
         kinds[row["kind"]] += row["pss_mb"]
-    return {"pss_mb_by_kind": kinds, "pss_mb_total": sum(kinds.values()),
-            "processes": rows, "peak_rss_mb": peak_rss, "wall_s": wall}
+    return {
+        "pss_mb_by_kind": kinds,
+        "pss_mb_total": sum(kinds.values()),
+        "processes": rows,
+        "peak_rss_mb": peak_rss,
+        "wall_s": wall,
+    }
 
 
 VARIANTS = ["plain", "torchrun", "fit-1", "fit-N", "ray-example"]
@@ -280,7 +347,9 @@ def paired_ratio(runs: dict[str, list[dict]], a: str, b: str, key: str):
     measured back to back, so they share the machine's state of the moment."""
     if a not in runs or b not in runs:
         return None
-    pairs = [x[key] / y[key] for x, y in zip(runs[a], runs[b]) if x.get(key) and y.get(key)]
+    pairs = [
+        x[key] / y[key] for x, y in zip(runs[a], runs[b], strict=False) if x.get(key) and y.get(key)
+    ]
     return statistics.median(pairs) if pairs else None
 
 
@@ -294,15 +363,26 @@ def main(argv=None) -> int:
     parser.add_argument("--workers", type=int, default=2, help="N for torchrun and fit-N")
     parser.add_argument("--cores", type=int, default=os.cpu_count(), help="CPU threads in all")
     parser.add_argument("--variants", default=",".join(VARIANTS))
-    parser.add_argument("--dataset", default="mnist", choices=["mnist", "sample"],
-                        help="sample: the bundled 5,000 digits, to try the benchmark quickly "
-                        "(never reaches 99 %%; ray-example needs full MNIST)")
-    parser.add_argument("--memory", action=argparse.BooleanOptionalAction, default=True,
-                        help="one more fit-1, untimed, for the memory breakdown by process kind")
+    parser.add_argument(
+        "--dataset",
+        default="mnist",
+        choices=["mnist", "sample"],
+        help="sample: the bundled 5,000 digits, to try the benchmark quickly "
+        "(never reaches 99 %%; ray-example needs full MNIST)",
+    )
+    parser.add_argument(
+        "--memory",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="one more fit-1, untimed, for the memory breakdown by process kind",
+    )
     args = parser.parse_args(argv)
     variants = [v for v in args.variants.split(",") if v]
-    env = {**os.environ, "RAY_AUTH_MODE": os.environ.get("RAY_AUTH_MODE", "disabled"),
-           "PYTHONUNBUFFERED": "1"}
+    env = {
+        **os.environ,
+        "RAY_AUTH_MODE": os.environ.get("RAY_AUTH_MODE", "disabled"),
+        "PYTHONUNBUFFERED": "1",
+    }
 
     runs: dict[str, list[dict]] = {v: [] for v in variants}
     memory = None
@@ -311,30 +391,46 @@ def main(argv=None) -> int:
             for variant in variants:  # interleaved, so drift hits every variant alike
                 row = measure_variant(variant, args, env, Path(storage))
                 runs[variant].append(row)
-                print(f"[{repeat + 1}/{args.repeats}] {variant:<12} "
-                      f"{row['images_per_s']:7.0f} img/s  start-up {row['startup_s']:5.1f} s  "
-                      f"to 99% {_fmt(row['time_to_99_s'], '6.1f')} s  "
-                      f"CPU/step {_fmt(row['cpu_s_per_step'], '.4f')} s  "
-                      f"wall {row['wall_s']:5.1f} s  peak {row['peak_rss_mb']:6.0f} MB",
-                      flush=True)
+                print(
+                    f"[{repeat + 1}/{args.repeats}] {variant:<12} "
+                    f"{row['images_per_s']:7.0f} img/s  start-up {row['startup_s']:5.1f} s  "
+                    f"to 99% {_fmt(row['time_to_99_s'], '6.1f')} s  "
+                    f"CPU/step {_fmt(row['cpu_s_per_step'], '.4f')} s  "
+                    f"wall {row['wall_s']:5.1f} s  peak {row['peak_rss_mb']:6.0f} MB",
+                    flush=True,
+                )
         if args.memory:
             memory = memory_breakdown(args, env, Path(storage))
-            print("memory of fit-1 (PSS at peak, MB): " + ", ".join(
-                f"{k} {v:.0f}" for k, v in memory["pss_mb_by_kind"].items()), flush=True)
+            print(
+                "memory of fit-1 (PSS at peak, MB): "
+                + ", ".join(f"{k} {v:.0f}" for k, v in memory["pss_mb_by_kind"].items()),
+                flush=True,
+            )
 
-    table = {v: {k: _median([r[k] for r in rows]) for k in rows[0]} | {
-        "throughput_spread": _spread([r["images_per_s"] for r in rows])}
-        for v, rows in runs.items() if rows}
+    table = {
+        v: {k: _median([r[k] for r in rows]) for k in rows[0]}
+        | {"throughput_spread": _spread([r["images_per_s"] for r in rows])}
+        for v, rows in runs.items()
+        if rows
+    }
     ratios = {name: paired_ratio(runs, a, b, key) for name, a, b, key in RATIOS}
     ratios["fit_time_to_99_s"] = table.get("fit-N", {}).get("time_to_99_s")
     ratios["fit1_time_to_99_s"] = table.get("fit-1", {}).get("time_to_99_s")
-    machine = (f"{platform.machine()}, {os.cpu_count()} cores, "
-               f"{psutil.virtual_memory().total / 2**30:.0f} GiB, Python "
-               f"{platform.python_version()}")
+    machine = (
+        f"{platform.machine()}, {os.cpu_count()} cores, "
+        f"{psutil.virtual_memory().total / 2**30:.0f} GiB, Python "
+        f"{platform.python_version()}"
+    )
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    result = {"machine": machine, "settings": vars(args), "variants": table,
-              "ratios": ratios, "memory_fit1": memory, "runs": runs}
+    result = {
+        "machine": machine,
+        "settings": vars(args),
+        "variants": table,
+        "ratios": ratios,
+        "memory_fit1": memory,
+        "runs": runs,
+    }
     (out / "results.json").write_text(json.dumps(result, indent=2))
     (out / "results.md").write_text(render_markdown(result))
     print(render_markdown(result))
@@ -349,43 +445,72 @@ def render_markdown(result: dict) -> str:
     t = result["variants"]
     s = result["settings"]
     data = "Full MNIST" if s.get("dataset", "mnist") == "mnist" else "The 5,000-digit sample"
-    lines = [f"Machine: {result['machine']}. {data}, {s['epochs']} epoch(s), global batch "
-             f"{s['batch_size']}, {s['cores']} CPU threads per variant, median of "
-             f"{s['repeats']} interleaved run(s). Times from command start: start-up to the "
-             "first optimizer step, time to 99 % to the end of the first evaluation at "
-             "≥ 99 %.", "",
-             "| variant | images/s | start-up s | time to 99 % s | wall s | CPU s / step "
-             "| final acc | peak MB | noise |",
-             "|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    lines = [
+        f"Machine: {result['machine']}. {data}, {s['epochs']} epoch(s), global batch "
+        f"{s['batch_size']}, {s['cores']} CPU threads per variant, median of "
+        f"{s['repeats']} interleaved run(s). Times from command start: start-up to the "
+        "first optimizer step, time to 99 % to the end of the first evaluation at "
+        "≥ 99 %.",
+        "",
+        "| variant | images/s | start-up s | time to 99 % s | wall s | CPU s / step "
+        "| final acc | peak MB | noise |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|",
+    ]
     for name, row in t.items():
         lines.append(
             f"| {name} | {row['images_per_s']:.0f} | {row['startup_s']:.1f} | "
             f"{_fmt(row['time_to_99_s'], '.1f')} | {row['wall_s']:.1f} | "
             f"{_fmt(row['cpu_s_per_step'], '.4f')} | "
             f"{100 * row['final_val_accuracy']:.2f} % | {row['peak_rss_mb']:.0f} | "
-            f"{_fmt(row['throughput_spread'], '.1%')} |")
+            f"{_fmt(row['throughput_spread'], '.1%')} |"
+        )
     r = result["ratios"]
-    targets = {"fit1_vs_plain": "≥ 0.97", "fit2_vs_torchrun": "≥ 0.97",
-               "data_path_vs_ray_example": "≥ 1.5", "fit1_vs_plain_cpu_s_per_step": "≤ 1.03",
-               "fit2_vs_torchrun_cpu_s_per_step": "", "fit1_vs_plain_time_to_99": "",
-               "fit_vs_plain_time_to_99": "≤ 1.5"}
-    lines += ["", "Paired ratios (median of the per-repeat ratios):", "",
-              "| ratio | value | target |", "|---|---:|---|"]
-    lines += [f"| {name} | {_fmt(r.get(name), '.3f')} | {target} |"
-              for name, target in targets.items()]
-    lines += [f"| fit_time_to_99_s (default command) | {_fmt(r['fit_time_to_99_s'], '.1f')} "
-              "| ≤ 45 |",
-              "", "Noise: the spread (max − min) / median of throughput across repeats."]
+    targets = {
+        "fit1_vs_plain": "≥ 0.97",
+        "fit2_vs_torchrun": "≥ 0.97",
+        "data_path_vs_ray_example": "≥ 1.5",
+        "fit1_vs_plain_cpu_s_per_step": "≤ 1.03",
+        "fit2_vs_torchrun_cpu_s_per_step": "",
+        "fit1_vs_plain_time_to_99": "",
+        "fit_vs_plain_time_to_99": "≤ 1.5",
+    }
+    lines += [
+        "",
+        "Paired ratios (median of the per-repeat ratios):",
+        "",
+        "| ratio | value | target |",
+        "|---|---:|---|",
+    ]
+    lines += [
+        f"| {name} | {_fmt(r.get(name), '.3f')} | {target} |" for name, target in targets.items()
+    ]
+    lines += [
+        f"| fit_time_to_99_s (default command) | {_fmt(r['fit_time_to_99_s'], '.1f')} | ≤ 45 |",
+        "",
+        "Noise: the spread (max − min) / median of throughput across repeats.",
+    ]
     memory = result.get("memory_fit1")
     if memory:
-        lines += ["", "Peak memory of a 1-worker fit by process kind (PSS: shared pages split "
-                  "between the processes that map them), at the moment the total peaked:", "",
-                  "| process kind | MB |", "|---|---:|"]
+        lines += [
+            "",
+            "Peak memory of a 1-worker fit by process kind (PSS: shared pages split "
+            "between the processes that map them), at the moment the total peaked:",
+            "",
+            "| process kind | MB |",
+            "|---|---:|",
+        ]
         lines += [f"| {kind} | {mb:.0f} |" for kind, mb in memory["pss_mb_by_kind"].items()]
-        lines += [f"| **total** | **{memory['pss_mb_total']:.0f}** |", "",
-                  "| process | kind | MB |", "|---|---|---:|"]
-        lines += [f"| `{row['process']}` | {row['kind']} | {row['pss_mb']:.0f} |"
-                  for row in memory["processes"] if row["pss_mb"] >= 20]
+        lines += [
+            f"| **total** | **{memory['pss_mb_total']:.0f}** |",
+            "",
+            "| process | kind | MB |",
+            "|---|---|---:|",
+        ]
+        lines += [
+            f"| `{row['process']}` | {row['kind']} | {row['pss_mb']:.0f} |"
+            for row in memory["processes"]
+            if row["pss_mb"] >= 20
+        ]
     return "\n".join(lines) + "\n"
 
 

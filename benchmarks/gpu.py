@@ -29,22 +29,39 @@ import xml.etree.ElementTree as ET
 from importlib import metadata
 from pathlib import Path
 
-from benchmarks.compare import (_parse_result, fit_command, fit_row, loop_row,
-                                run_measured)
+from benchmarks.compare import _parse_result, fit_command, fit_row, loop_row, run_measured
 
 VARIANTS = ("plain", "fit-1", "fit-2-shared")
 #: The issue's targets on one H200 (benchmarks, not tests).
-TARGETS = {"fit1_vs_plain_images_per_s": 0.95, "plain_train_s_to_99": 1.5,
-           "fit1_train_s_to_99": 2.0, "startup_s": 15.0}
+TARGETS = {
+    "fit1_vs_plain_images_per_s": 0.95,
+    "plain_train_s_to_99": 1.5,
+    "fit1_train_s_to_99": 2.0,
+    "startup_s": 15.0,
+}
 KEYS = ("images_per_s", "train_s_to_99", "startup_s", "wall_s", "final_accuracy")
 
 
 def measure(name: str, args, env: dict, storage: Path) -> dict:
     if name == "plain":
-        command = [sys.executable, "-m", "benchmarks.variants", "plain", "--device",
-                   "cpu" if args.cpu_dry_run else "cuda", "--threads", str(os.cpu_count()),
-                   "--data-dir", args.data_dir, "--dataset", args.dataset,
-                   "--epochs", str(args.epochs), "--batch-size", str(args.batch_size)]
+        command = [
+            sys.executable,
+            "-m",
+            "benchmarks.variants",
+            "plain",
+            "--device",
+            "cpu" if args.cpu_dry_run else "cuda",
+            "--threads",
+            str(os.cpu_count()),
+            "--data-dir",
+            args.data_dir,
+            "--dataset",
+            args.dataset,
+            "--epochs",
+            str(args.epochs),
+            "--batch-size",
+            str(args.batch_size),
+        ]
         result, _, wall, peak, _ = run_measured(command, env)
         row = loop_row(_parse_result(result.stdout), wall, peak)
     else:
@@ -55,8 +72,10 @@ def measure(name: str, args, env: dict, storage: Path) -> dict:
         _, start, wall, peak, _ = run_measured(command, env)
         summary = json.loads((storage / run_name / "summary.json").read_text())
         row = fit_row(summary, start, wall, peak)
-        row["workers"] = [{k: w.get(k) for k in ("rank", "device", "backend", "gpu")}
-                          for w in summary.get("workers", [])]
+        row["workers"] = [
+            {k: w.get(k) for k in ("rank", "device", "backend", "gpu")}
+            for w in summary.get("workers", [])
+        ]
     row["final_accuracy"] = row.pop("final_val_accuracy")
     return row
 
@@ -81,27 +100,44 @@ def checks_from(variants: dict, junit: str | None) -> tuple[dict, dict]:
 
     if value(plain, "images_per_s") and value(fit1, "images_per_s"):
         ratio = fit1["images_per_s"] / plain["images_per_s"]
-        check("fit-1 >= 0.95x plain images/s", ratio >= TARGETS["fit1_vs_plain_images_per_s"],
-              f"fit-1 / plain = {ratio:.3f}")
-    for row_name, row, target in (("plain", plain, TARGETS["plain_train_s_to_99"]),
-                                  ("fit-1", fit1, TARGETS["fit1_train_s_to_99"])):
+        check(
+            "fit-1 >= 0.95x plain images/s",
+            ratio >= TARGETS["fit1_vs_plain_images_per_s"],
+            f"fit-1 / plain = {ratio:.3f}",
+        )
+    for row_name, row, target in (
+        ("plain", plain, TARGETS["plain_train_s_to_99"]),
+        ("fit-1", fit1, TARGETS["fit1_train_s_to_99"]),
+    ):
         if row and "error" not in row:
             got = row.get("train_s_to_99")
-            check(f"{row_name} training to 99 % <= {target:g} s",
-                  got is not None and got <= target,
-                  "never reached 99 %" if got is None else f"{got:.2f} s")
+            check(
+                f"{row_name} training to 99 % <= {target:g} s",
+                got is not None and got <= target,
+                "never reached 99 %" if got is None else f"{got:.2f} s",
+            )
     for row_name, row in (("fit-1", fit1), ("fit-2-shared", shared)):
         if row and "error" not in row:
-            check(f"{row_name} start-up <= {TARGETS['startup_s']:g} s",
-                  row["startup_s"] <= TARGETS["startup_s"], f"{row['startup_s']:.1f} s")
+            check(
+                f"{row_name} start-up <= {TARGETS['startup_s']:g} s",
+                row["startup_s"] <= TARGETS["startup_s"],
+                f"{row['startup_s']:.1f} s",
+            )
     if shared and "error" not in shared:
         acc = shared["final_accuracy"]
-        check("fit-2-shared reaches 99 % on 10,000 test images",
-              acc >= 0.99 and shared.get("val_total") == 10000,
-              f"{100 * acc:.2f} % of {shared.get('val_total')}")
+        check(
+            "fit-2-shared reaches 99 % on 10,000 test images",
+            acc >= 0.99 and shared.get("val_total") == 10000,
+            f"{100 * acc:.2f} % of {shared.get('val_total')}",
+        )
         devices = {(w.get("device"), w.get("backend")) for w in shared.get("workers", [])}
-        check("fit-2-shared: both workers on one GPU, Gloo", len(shared.get("workers", [])) == 2
-              and len(devices) == 1 and devices.pop()[1] == "gloo", str(shared.get("workers")))
+        check(
+            "fit-2-shared: both workers on one GPU, Gloo",
+            len(shared.get("workers", [])) == 2
+            and len(devices) == 1
+            and devices.pop()[1] == "gloo",
+            str(shared.get("workers")),
+        )
     if junit:
         for name, (outcome, message) in junit_outcomes(junit).items():
             if outcome == "skipped":  # e.g. the refusal test that needs a machine without GPUs
@@ -145,13 +181,19 @@ def main(argv=None) -> int:
     parser.add_argument("--batch-size", type=int, default=128)
     parser.add_argument("--variants", default=",".join(VARIANTS))
     parser.add_argument("--junit", help="pytest's --junitxml report of tests/test_gpu.py")
-    parser.add_argument("--cpu-dry-run", action="store_true",
-                        help="the same steps on CPU with the 5,000-digit sample, to try this "
-                        "script where there is no GPU (the figures mean nothing)")
+    parser.add_argument(
+        "--cpu-dry-run",
+        action="store_true",
+        help="the same steps on CPU with the 5,000-digit sample, to try this "
+        "script where there is no GPU (the figures mean nothing)",
+    )
     args = parser.parse_args(argv)
     args.dataset = "sample" if args.cpu_dry_run else "mnist"  # what fit_command passes on
-    env = {**os.environ, "RAY_AUTH_MODE": os.environ.get("RAY_AUTH_MODE", "disabled"),
-           "PYTHONUNBUFFERED": "1"}
+    env = {
+        **os.environ,
+        "RAY_AUTH_MODE": os.environ.get("RAY_AUTH_MODE", "disabled"),
+        "PYTHONUNBUFFERED": "1",
+    }
     variants: dict[str, dict] = {}
     with tempfile.TemporaryDirectory(prefix="raytrain_gpu_bench_") as storage:
         for name in [v for v in args.variants.split(",") if v]:
@@ -159,12 +201,17 @@ def main(argv=None) -> int:
             try:
                 row = measure(name, args, env, Path(storage))
             except Exception as exc:  # one broken variant must not lose the others' figures
-                row = {"error": str(exc).strip().splitlines()[-1][:500] if str(exc).strip()
-                       else exc.__class__.__name__}
+                row = {
+                    "error": str(exc).strip().splitlines()[-1][:500]
+                    if str(exc).strip()
+                    else exc.__class__.__name__
+                }
                 print(f"gpu benchmark: {name} FAILED: {row['error']}", flush=True)
             else:
-                print(f"gpu benchmark: {name}: " + ", ".join(
-                    f"{k} {_fmt(row.get(k))}" for k in KEYS), flush=True)
+                print(
+                    f"gpu benchmark: {name}: " + ", ".join(f"{k} {_fmt(row.get(k))}" for k in KEYS),
+                    flush=True,
+                )
             variants[name] = row
     checks, notes = checks_from(variants, args.junit)
     try:
@@ -173,11 +220,21 @@ def main(argv=None) -> int:
         ray_version = None
     import torch
 
-    result = {"device": device_name(), "torch": torch.__version__, "ray": ray_version,
-              "python": platform.python_version(), "cpus": os.cpu_count(),
-              "settings": {"epochs": args.epochs, "batch_size": args.batch_size,
-                           "cpu_dry_run": args.cpu_dry_run},
-              "variants": variants, "checks": checks, "notes": notes}
+    result = {
+        "device": device_name(),
+        "torch": torch.__version__,
+        "ray": ray_version,
+        "python": platform.python_version(),
+        "cpus": os.cpu_count(),
+        "settings": {
+            "epochs": args.epochs,
+            "batch_size": args.batch_size,
+            "cpu_dry_run": args.cpu_dry_run,
+        },
+        "variants": variants,
+        "checks": checks,
+        "notes": notes,
+    }
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / "gpu.json").write_text(json.dumps(result, indent=2))
@@ -194,21 +251,29 @@ def _fmt(value, spec: str = ".2f") -> str:
 
 def render_markdown(result: dict) -> str:
     s = result["settings"]
-    what = ("A dry run on CPU with the 5,000-digit sample: the figures mean nothing"
-            if s.get("cpu_dry_run") else "Full MNIST")
-    lines = [f"Device: {result['device']}; torch {result['torch']}, Ray {result['ray']}, "
-             f"Python {result['python']}, {result['cpus']} CPUs. {what}, {s['epochs']} "
-             f"epochs, global batch {s['batch_size']}, data resident on the GPU. Times from "
-             "command start; training to 99 % counts the epochs' training time only.", "",
-             "| variant | images/s | training s to 99 % | start-up s | wall s | final acc |",
-             "|---|---:|---:|---:|---:|---:|"]
+    what = (
+        "A dry run on CPU with the 5,000-digit sample: the figures mean nothing"
+        if s.get("cpu_dry_run")
+        else "Full MNIST"
+    )
+    lines = [
+        f"Device: {result['device']}; torch {result['torch']}, Ray {result['ray']}, "
+        f"Python {result['python']}, {result['cpus']} CPUs. {what}, {s['epochs']} "
+        f"epochs, global batch {s['batch_size']}, data resident on the GPU. Times from "
+        "command start; training to 99 % counts the epochs' training time only.",
+        "",
+        "| variant | images/s | training s to 99 % | start-up s | wall s | final acc |",
+        "|---|---:|---:|---:|---:|---:|",
+    ]
     for name, row in result["variants"].items():
         if "error" in row:
             lines.append(f"| {name} | failed: {row['error'][:120]} | | | | |")
             continue
-        lines.append(f"| {name} | {row['images_per_s']:.0f} | {_fmt(row['train_s_to_99'])} | "
-                     f"{row['startup_s']:.1f} | {row['wall_s']:.1f} | "
-                     f"{100 * row['final_accuracy']:.2f} % |")
+        lines.append(
+            f"| {name} | {row['images_per_s']:.0f} | {_fmt(row['train_s_to_99'])} | "
+            f"{row['startup_s']:.1f} | {row['wall_s']:.1f} | "
+            f"{100 * row['final_accuracy']:.2f} % |"
+        )
     lines += ["", "| check | result |", "|---|---|"]
     for name, outcome in result["checks"].items():
         note = result["notes"].get(name)

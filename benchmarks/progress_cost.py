@@ -26,25 +26,46 @@ REPO = Path(__file__).resolve().parents[1]
 
 
 def run_fit(mode: str, name: str, storage: str, args: argparse.Namespace) -> dict:
-    command = [sys.executable, "-m", "raytrain_mnist", "fit", "--progress", mode,
-               "--dataset", args.dataset, "--epochs", str(args.epochs),
-               "--num-workers", str(args.num_workers), "--storage-path", storage,
-               "--name", name, "--no-tensorboard"]
+    command = [
+        sys.executable,
+        "-m",
+        "raytrain_mnist",
+        "fit",
+        "--progress",
+        mode,
+        "--dataset",
+        args.dataset,
+        "--epochs",
+        str(args.epochs),
+        "--num-workers",
+        str(args.num_workers),
+        "--storage-path",
+        storage,
+        "--name",
+        name,
+        "--no-tensorboard",
+    ]
     if args.data_dir:
         command += ["--data-dir", args.data_dir]
     started = time.perf_counter()
     # Bytes: text mode would turn the bar's carriage returns into newlines.
-    done = subprocess.run(command, cwd=REPO, capture_output=True,
-                          env={**os.environ, "RAY_AUTH_MODE": "disabled"})
+    done = subprocess.run(
+        command, cwd=REPO, capture_output=True, env={**os.environ, "RAY_AUTH_MODE": "disabled"}
+    )
     stdout = done.stdout.decode(errors="replace")
     if done.returncode != 0:
-        sys.exit(f"{mode} run failed:\n{stdout[-2000:]}\n"
-                 f"{done.stderr.decode(errors='replace')[-2000:]}")
+        sys.exit(
+            f"{mode} run failed:\n{stdout[-2000:]}\n{done.stderr.decode(errors='replace')[-2000:]}"
+        )
     summary = json.loads((Path(storage) / name / "summary.json").read_text())
     rates = [h["images_per_s"] for h in summary["history"]]
-    return {"mode": mode, "images_per_s": statistics.median(rates), "epochs": rates,
-            "wall_s": round(time.perf_counter() - started, 1),
-            "carriage_returns": stdout.count("\r")}
+    return {
+        "mode": mode,
+        "images_per_s": statistics.median(rates),
+        "epochs": rates,
+        "wall_s": round(time.perf_counter() - started, 1),
+        "carriage_returns": stdout.count("\r"),
+    }
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -64,9 +85,11 @@ def main(argv: list[str] | None = None) -> int:
             pair = {}
             for mode in order:
                 result = run_fit(mode, f"{mode}-{repeat}", storage, args)
-                print(f"repeat {repeat + 1}/{args.repeats} {mode:>3}: "
-                      f"{result['images_per_s']:7.0f} img/s ({result['wall_s']} s wall)",
-                      flush=True)
+                print(
+                    f"repeat {repeat + 1}/{args.repeats} {mode:>3}: "
+                    f"{result['images_per_s']:7.0f} img/s ({result['wall_s']} s wall)",
+                    flush=True,
+                )
                 pair[mode] = result
                 runs.append({"repeat": repeat, **result})
             ratios.append(pair["bar"]["images_per_s"] / pair["off"]["images_per_s"])
@@ -82,9 +105,11 @@ def main(argv: list[str] | None = None) -> int:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / "progress.json").write_text(json.dumps(report, indent=2) + "\n")
-    print(f"bar/off throughput: {report['ratio_bar_over_off']:.3f} "
-          f"(per repeat: {', '.join(f'{r:.3f}' for r in ratios)}); "
-          f"written to {out / 'progress.json'}")
+    print(
+        f"bar/off throughput: {report['ratio_bar_over_off']:.3f} "
+        f"(per repeat: {', '.join(f'{r:.3f}' for r in ratios)}); "
+        f"written to {out / 'progress.json'}"
+    )
     return 0
 
 

@@ -34,8 +34,9 @@ CONFIGS = [(1, 1), (1, 32), (2, 1), (2, 32)]  # (replicas, max batch size)
 _WARMUP = 100
 
 
-async def load(url: str, images: np.ndarray, labels: np.ndarray, requests: int,
-               concurrency: int) -> dict:
+async def load(
+    url: str, images: np.ndarray, labels: np.ndarray, requests: int, concurrency: int
+) -> dict:
     import aiohttp
 
     bodies = [json.dumps({"images": [image.tolist()]}) for image in images]
@@ -52,8 +53,9 @@ async def load(url: str, images: np.ndarray, labels: np.ndarray, requests: int,
             next_index += 1
             i = index % len(bodies)
             start = time.perf_counter()
-            async with session.post(url + "predict", data=bodies[i],
-                                    headers={"Content-Type": "application/json"}) as response:
+            async with session.post(
+                url + "predict", data=bodies[i], headers={"Content-Type": "application/json"}
+            ) as response:
                 answer = await response.json()
             if not record:
                 continue
@@ -71,18 +73,24 @@ async def load(url: str, images: np.ndarray, labels: np.ndarray, requests: int,
         await asyncio.gather(*(client(session, requests, True) for _ in range(concurrency)))
         wall = time.perf_counter() - start
     ms = sorted(1000 * t for t in latencies)
-    return {"requests": len(ms), "errors": errors, "wall_s": round(wall, 2),
-            "requests_per_s": round(len(ms) / wall, 1),
-            "p50_ms": round(statistics.median(ms), 1),
-            "p99_ms": round(ms[min(len(ms) - 1, int(0.99 * len(ms)))], 1),
-            "accuracy": round(correct / len(ms), 4)}
+    return {
+        "requests": len(ms),
+        "errors": errors,
+        "wall_s": round(wall, 2),
+        "requests_per_s": round(len(ms) / wall, 1),
+        "p50_ms": round(statistics.median(ms), 1),
+        "p99_ms": round(ms[min(len(ms) - 1, int(0.99 * len(ms)))], 1),
+        "accuracy": round(correct / len(ms), 4),
+    }
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("target", help="run directory or checkpoint to serve")
-    parser.add_argument("--data-dir", help="MNIST in torchvision's layout (default: the "
-                        "bundled sample's test digits)")
+    parser.add_argument(
+        "--data-dir",
+        help="MNIST in torchvision's layout (default: the bundled sample's test digits)",
+    )
     parser.add_argument("--requests", type=int, default=2000)
     parser.add_argument("--concurrency", type=int, default=16)
     parser.add_argument("--port", type=int, default=8031)
@@ -99,18 +107,27 @@ def main(argv: list[str] | None = None) -> int:
     data = load_mnist(args.data_dir, "mnist" if args.data_dir else "sample", download=False)
     images, labels = data.test_images.numpy(), data.test_labels.numpy()
     replicas_most = max(r for r, _ in CONFIGS)
-    ray.init(address="local", num_cpus=max(os.cpu_count() or 1, replicas_most),
-             include_dashboard=False, logging_level="WARNING", log_to_driver=False)
+    ray.init(
+        address="local",
+        num_cpus=max(os.cpu_count() or 1, replicas_most),
+        include_dashboard=False,
+        logging_level="WARNING",
+        log_to_driver=False,
+    )
     rows = []
     try:
         for replicas, batch in CONFIGS:
-            cfg = ServeConfig(host="127.0.0.1", port=args.port, replicas=replicas,
-                              max_batch_size=batch)
+            cfg = ServeConfig(
+                host="127.0.0.1", port=args.port, replicas=replicas, max_batch_size=batch
+            )
             with serving(cfg, checkpoint) as url:
-                result = asyncio.run(load(url, images, labels, args.requests,
-                                          args.concurrency))
-            row = {"replicas": replicas, "max_batch_size": batch, **result,
-                   "load_average_after": round(os.getloadavg()[0], 1)}
+                result = asyncio.run(load(url, images, labels, args.requests, args.concurrency))
+            row = {
+                "replicas": replicas,
+                "max_batch_size": batch,
+                **result,
+                "load_average_after": round(os.getloadavg()[0], 1),
+            }
             print(json.dumps(row), flush=True)
             rows.append(row)
     finally:
@@ -118,10 +135,16 @@ def main(argv: list[str] | None = None) -> int:
 
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    meta = {"checkpoint": str(checkpoint), "test_images": f"{len(labels)} from {data.source}",
-            "requests": args.requests, "concurrency": args.concurrency,
-            "cpus": os.cpu_count(), "python": platform.python_version(),
-            "ray": ray.__version__, "machine": platform.machine()}
+    meta = {
+        "checkpoint": str(checkpoint),
+        "test_images": f"{len(labels)} from {data.source}",
+        "requests": args.requests,
+        "concurrency": args.concurrency,
+        "cpus": os.cpu_count(),
+        "python": platform.python_version(),
+        "ray": ray.__version__,
+        "machine": platform.machine(),
+    }
     (out / "serve.json").write_text(json.dumps({"meta": meta, "results": rows}, indent=2) + "\n")
     (out / "serve.md").write_text(markdown(meta, rows))
     print(f"wrote {out / 'serve.json'} and {out / 'serve.md'}")
@@ -140,9 +163,11 @@ def markdown(meta: dict, rows: list[dict]) -> str:
         "|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for r in rows:
-        lines.append(f"| {r['replicas']} | {r['max_batch_size']} | {r['requests_per_s']} | "
-                     f"{r['p50_ms']} | {r['p99_ms']} | {r['errors']} | {r['accuracy']:.4f} | "
-                     f"{r['load_average_after']} |")
+        lines.append(
+            f"| {r['replicas']} | {r['max_batch_size']} | {r['requests_per_s']} | "
+            f"{r['p50_ms']} | {r['p99_ms']} | {r['errors']} | {r['accuracy']:.4f} | "
+            f"{r['load_average_after']} |"
+        )
     lines += [
         "",
         "Accuracy is the share of answers that match the label (images taken in test-set "

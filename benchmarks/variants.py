@@ -44,9 +44,16 @@ def _product_loop(args, rank: int = 0, world: int = 1, sampler=None) -> None:
 
     from raytrain_mnist.config import TrainConfig
     from raytrain_mnist.data import load_mnist
-    from raytrain_mnist.worker.loop import (build_optimizer, evaluate, keep_freed_memory,
-                                     make_train_loader, set_epoch, to_device, train_one_epoch)
     from raytrain_mnist.model import ConvNet
+    from raytrain_mnist.worker.loop import (
+        keep_freed_memory,
+        make_train_loader,
+        set_epoch,
+        to_device,
+        train_one_epoch,
+    )
+    from raytrain_mnist.worker.optim import build_optimizer
+    from raytrain_mnist.worker.score import evaluate
 
     keep_freed_memory()  # part of the product's training path, as in every fit worker
     torch.set_num_threads(args.threads)
@@ -57,16 +64,21 @@ def _product_loop(args, rank: int = 0, world: int = 1, sampler=None) -> None:
     data = to_device(load_mnist(args.data_dir, args.dataset), device)
     torch.manual_seed(cfg.seed)
     model = ConvNet().to(device)
-    loader = make_train_loader(data.train_images, data.train_labels, cfg.batch_size // world,
-                               cfg.seed)
+    loader = make_train_loader(
+        data.train_images, data.train_labels, cfg.batch_size // world, cfg.seed
+    )
     if world > 1:
         from torch.nn.parallel import DistributedDataParallel
         from torch.utils.data import DataLoader, DistributedSampler
 
         model = DistributedDataParallel(model)
-        loader = DataLoader(loader.dataset, batch_size=loader.batch_size, drop_last=True,
-                            collate_fn=tuple,
-                            sampler=DistributedSampler(loader.dataset, seed=cfg.seed))
+        loader = DataLoader(
+            loader.dataset,
+            batch_size=loader.batch_size,
+            drop_last=True,
+            collate_fn=tuple,
+            sampler=DistributedSampler(loader.dataset, seed=cfg.seed),
+        )
     optimizer, scheduler = build_optimizer(model, cfg, len(loader))
     scaler = torch.amp.GradScaler(device.type, enabled=False)
     module = getattr(model, "module", model)
@@ -74,16 +86,24 @@ def _product_loop(args, rank: int = 0, world: int = 1, sampler=None) -> None:
     for epoch in range(cfg.epochs):
         set_epoch(loader, epoch, cfg.seed)
         started = time.perf_counter()
-        train = train_one_epoch(model, loader, optimizer, scheduler, scaler,
-                                contextlib.nullcontext(), device)
+        train = train_one_epoch(
+            model, loader, optimizer, scheduler, scaler, contextlib.nullcontext(), device
+        )
         seconds = time.perf_counter() - started
         if first_step is None:
             first_step = train["first_step_at"] - _t0()
-        val = evaluate(module, data.test_images, data.test_labels, device,
-                       rank=rank, world_size=world)
-        epochs.append({"images_per_s": train["train_images"] / seconds, "train_s": seconds,
-                       "cpu_s_per_step": train["cpu_s"] / train["train_steps"],
-                       "val_accuracy": val["val_accuracy"], "eval_done_s": _now()})
+        val = evaluate(
+            module, data.test_images, data.test_labels, device, rank=rank, world_size=world
+        )
+        epochs.append(
+            {
+                "images_per_s": train["train_images"] / seconds,
+                "train_s": seconds,
+                "cpu_s_per_step": train["cpu_s"] / train["train_steps"],
+                "val_accuracy": val["val_accuracy"],
+                "eval_done_s": _now(),
+            }
+        )
     if rank == 0:
         _emit(epochs, first_step)
 
@@ -115,20 +135,26 @@ def _ray_example_worker(config: dict) -> None:
     from raytrain_mnist.model import MNIST_MEAN, MNIST_STD, ConvNet
 
     torch.set_num_threads(config["threads"])
-    transform = transforms.Compose([transforms.ToTensor(),
-                                    transforms.Normalize((MNIST_MEAN,), (MNIST_STD,))])
+    transform = transforms.Compose(
+        [transforms.ToTensor(), transforms.Normalize((MNIST_MEAN,), (MNIST_STD,))]
+    )
     train = datasets.MNIST(config["data_dir"], train=True, transform=transform)
     test = datasets.MNIST(config["data_dir"], train=False, transform=transform)
     world = ray.train.get_context().get_world_size()
     train_loader = ray.train.torch.prepare_data_loader(
-        DataLoader(train, batch_size=config["batch_size"] // world, shuffle=True))
+        DataLoader(train, batch_size=config["batch_size"] // world, shuffle=True)
+    )
     test_loader = ray.train.torch.prepare_data_loader(DataLoader(test, batch_size=1000))
     model = ray.train.torch.prepare_model(ConvNet())
-    optimizer = torch.optim.SGD(model.parameters(), lr=config["lr"], momentum=0.9,
-                                nesterov=True, weight_decay=5e-4)
+    optimizer = torch.optim.SGD(
+        model.parameters(), lr=config["lr"], momentum=0.9, nesterov=True, weight_decay=5e-4
+    )
     scheduler = torch.optim.lr_scheduler.OneCycleLR(
-        optimizer, max_lr=config["lr"], total_steps=config["epochs"] * len(train_loader),
-        pct_start=0.25)
+        optimizer,
+        max_lr=config["lr"],
+        total_steps=config["epochs"] * len(train_loader),
+        pct_start=0.25,
+    )
     epochs, first_step = [], None
     for epoch in range(config["epochs"]):
         if world > 1:
@@ -151,8 +177,14 @@ def _ray_example_worker(config: dict) -> None:
             for x, y in test_loader:
                 correct += (model(x).argmax(1) == y).sum().item()
                 total += len(y)
-        epochs.append({"images_per_s": seen * world / seconds, "train_s": seconds,
-                       "val_accuracy": correct / total, "eval_done_s": _now()})
+        epochs.append(
+            {
+                "images_per_s": seen * world / seconds,
+                "train_s": seconds,
+                "val_accuracy": correct / total,
+                "eval_done_s": _now(),
+            }
+        )
         ray.train.report({"epoch": epoch})
     if ray.train.get_context().get_world_rank() == 0:
         _emit(epochs, first_step)
@@ -163,17 +195,27 @@ def ray_example(args) -> None:
     from ray.train import RunConfig, ScalingConfig
     from ray.train.torch import TorchTrainer
 
-    ray.init(address="local", num_cpus=max(os.cpu_count() or 1, args.workers * args.threads),
-             include_dashboard=False, logging_level="WARNING")
+    ray.init(
+        address="local",
+        num_cpus=max(os.cpu_count() or 1, args.workers * args.threads),
+        include_dashboard=False,
+        logging_level="WARNING",
+    )
     try:
-        TorchTrainer(_ray_example_worker,
-                     train_loop_config={"data_dir": os.path.abspath(args.data_dir),
-                                        "threads": args.threads, "epochs": args.epochs,
-                                        "batch_size": args.batch_size, "lr": 0.1},
-                     scaling_config=ScalingConfig(num_workers=args.workers,
-                                                  resources_per_worker={"CPU": args.threads}),
-                     run_config=RunConfig(storage_path=os.path.abspath(args.storage),
-                                          name="ray_example")).fit()
+        TorchTrainer(
+            _ray_example_worker,
+            train_loop_config={
+                "data_dir": os.path.abspath(args.data_dir),
+                "threads": args.threads,
+                "epochs": args.epochs,
+                "batch_size": args.batch_size,
+                "lr": 0.1,
+            },
+            scaling_config=ScalingConfig(
+                num_workers=args.workers, resources_per_worker={"CPU": args.threads}
+            ),
+            run_config=RunConfig(storage_path=os.path.abspath(args.storage), name="ray_example"),
+        ).fit()
     finally:
         ray.shutdown()
 

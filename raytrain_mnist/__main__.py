@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import importlib
 import sys
-from typing import Sequence
+from collections.abc import Sequence
 
 COMMANDS = {
     "fit": "train the ConvNet data-parallel on Ray Train",
@@ -19,8 +19,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if not argv or argv[0] in ("-h", "--help") or argv[0] not in COMMANDS:
         lines = [f"  {name:<9} {text}" for name, text in COMMANDS.items()]
-        print("usage: raytrain-mnist COMMAND [flags]   (COMMAND --help for its flags)\n\n"
-              "commands:\n" + "\n".join(lines), file=sys.stderr if argv[:1] else sys.stdout)
+        print(
+            "usage: raytrain-mnist COMMAND [flags]   (COMMAND --help for its flags)\n\n"
+            "commands:\n" + "\n".join(lines),
+            file=sys.stderr if argv[:1] else sys.stdout,
+        )
         if argv and argv[0] not in ("-h", "--help"):
             print(f"raytrain-mnist: error: unknown command {argv[0]!r}", file=sys.stderr)
             return 2

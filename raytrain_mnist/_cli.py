@@ -17,11 +17,19 @@ import shlex
 import shutil
 import sys
 import typing
+from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any, Callable, Sequence
+from typing import Any
 
-from raytrain_mnist.errors import (EXIT_FAILURE, EXIT_INTERRUPTED, EXIT_USAGE, ConfigError,
-                                   UserError, cause_line, first_line)
+from raytrain_mnist.errors import (
+    EXIT_FAILURE,
+    EXIT_INTERRUPTED,
+    EXIT_USAGE,
+    ConfigError,
+    UserError,
+    first_line,
+)
+
 
 class ArgumentParser(argparse.ArgumentParser):
     """argparse, but a usage error is a single line naming the flag and pointing at --help."""
@@ -30,10 +38,14 @@ class ArgumentParser(argparse.ArgumentParser):
         self.exit(EXIT_USAGE, f"{self.prog}: error: {message} (see --help)\n")
 
 
-def add_dataclass_args(parser: argparse.ArgumentParser, cls: type, title: str,
-                       only: Sequence[str] | None = None,
-                       defaults: dict[str, Any] | None = None,
-                       types: dict[str, Callable[[str], Any]] | None = None) -> None:
+def add_dataclass_args(
+    parser: argparse.ArgumentParser,
+    cls: type,
+    title: str,
+    only: Sequence[str] | None = None,
+    defaults: dict[str, Any] | None = None,
+    types: dict[str, Callable[[str], Any]] | None = None,
+) -> None:
     """One flag per field of ``cls`` (or of those named in ``only``): ``--field-name``,
     typed, with the field's default (or the one ``defaults`` gives for this command), read
     by the field's type or the parser ``types`` gives for this command."""
@@ -47,14 +59,20 @@ def add_dataclass_args(parser: argparse.ArgumentParser, cls: type, title: str,
         default = (defaults or {}).get(f.name, f.default)
         kind = _base_type(hints[f.name])
         if kind is bool:
-            group.add_argument(flag, dest=f.name, action="store_true", default=default,
-                               help=meta.get("help"))
+            group.add_argument(
+                flag, dest=f.name, action="store_true", default=default, help=meta.get("help")
+            )
             continue
         shown = "" if default is None else f" (default: {default})"
-        group.add_argument(flag, dest=f.name, type=(types or {}).get(f.name, kind),
-                           default=default,
-                           choices=meta.get("choices"), help=f"{meta.get('help')}{shown}",
-                           metavar=None if meta.get("choices") else f.name.upper())
+        group.add_argument(
+            flag,
+            dest=f.name,
+            type=(types or {}).get(f.name, kind),
+            default=default,
+            choices=meta.get("choices"),
+            help=f"{meta.get('help')}{shown}",
+            metavar=None if meta.get("choices") else f.name.upper(),
+        )
 
 
 def invocation(command: str) -> list[str]:
@@ -95,11 +113,17 @@ def command_line(words: Sequence[str]) -> str:
     return " ".join(shlex.quote(w) for w in words)
 
 
-def dataclass_from_args(cls: type, args: argparse.Namespace,
-                        only: Sequence[str] | None = None) -> Any:
+def dataclass_from_args(
+    cls: type, args: argparse.Namespace, only: Sequence[str] | None = None
+) -> Any:
     """``cls`` from the parsed flags (those in ``only``; the rest keep their defaults)."""
-    return cls(**{f.name: getattr(args, f.name) for f in dataclasses.fields(cls)
-                  if only is None or f.name in only})
+    return cls(
+        **{
+            f.name: getattr(args, f.name)
+            for f in dataclasses.fields(cls)
+            if only is None or f.name in only
+        }
+    )
 
 
 def _base_type(hint: Any) -> type:
@@ -130,8 +154,11 @@ def run_cli(main: Callable[[Sequence[str] | None], int], argv: Sequence[str] | N
     except Exception as exc:  # a bug or an environment problem: still one line by default
         if os.environ.get("RAYTRAIN_MNIST_TRACEBACK"):
             raise
-        print(f"{prog}: internal error: {exc.__class__.__name__}: {first_line(exc)} "
-              "(set RAYTRAIN_MNIST_TRACEBACK=1 for the traceback)", file=sys.stderr)
+        print(
+            f"{prog}: internal error: {exc.__class__.__name__}: {first_line(exc)} "
+            "(set RAYTRAIN_MNIST_TRACEBACK=1 for the traceback)",
+            file=sys.stderr,
+        )
         return EXIT_FAILURE
 
 

@@ -37,7 +37,7 @@ PLACEMENT_CHOICES = ("PACK", "SPREAD", "STRICT_SPREAD")
 PROGRESS_CHOICES = ("auto", "bar", "lines", "off")
 #: The largest seed ``torch.manual_seed`` and ``torch.Generator.manual_seed`` accept.
 SEED_MAX = 2**64 - 1
-#: Where loop.build_optimizer's one-cycle schedule stops warming up (a share of all steps).
+#: Where optim.build_optimizer's one-cycle schedule stops warming up (a share of all steps).
 ONECYCLE_PCT_START = 0.25
 #: Longest run name: a file name, with room for the ``.previous-N`` of ``--fresh``.
 NAME_MAX = 200
@@ -55,14 +55,16 @@ class TrainConfig:
     momentum: float = _opt(0.9, "SGD momentum (Nesterov)")
     weight_decay: float = _opt(5e-4, "L2 weight decay")
     schedule: str = _opt(
-        "onecycle", "learning-rate schedule: one-cycle warm-up and anneal, or constant",
+        "onecycle",
+        "learning-rate schedule: one-cycle warm-up and anneal, or constant",
         SCHEDULE_CHOICES,
     )
     amp: str = _opt(
         "off", "mixed precision: bf16 runs on CPU and GPU, fp16 needs a GPU", AMP_CHOICES
     )
     sync_bn: str = _opt(
-        "auto", "SyncBatchNorm: auto = on for GPU runs with more than one worker",
+        "auto",
+        "SyncBatchNorm: auto = on for GPU runs with more than one worker",
         SYNC_BN_CHOICES,
     )
     seed: int = _opt(0, "seed of weight initialisation and data order")
@@ -78,8 +80,10 @@ class TrainConfig:
         _check_int("seed", self.seed, 0)
         # The order of epoch e is seeded with seed + e, and torch takes 64-bit seeds.
         if self.seed + self.epochs - 1 > SEED_MAX:
-            raise ConfigError(f"--seed must be at most {SEED_MAX - self.epochs + 1} (torch "
-                              f"seeds are 64-bit, each epoch uses seed + epoch), got {self.seed}")
+            raise ConfigError(
+                f"--seed must be at most {SEED_MAX - self.epochs + 1} (torch "
+                f"seeds are 64-bit, each epoch uses seed + epoch), got {self.seed}"
+            )
         _check_choice("schedule", self.schedule, SCHEDULE_CHOICES)
         _check_choice("amp", self.amp, AMP_CHOICES)
         _check_choice("sync-bn", self.sync_bn, SYNC_BN_CHOICES)
@@ -88,7 +92,7 @@ class TrainConfig:
         return dataclasses.asdict(self)
 
     @classmethod
-    def from_dict(cls, values: dict) -> "TrainConfig":
+    def from_dict(cls, values: dict) -> TrainConfig:
         known = {f.name for f in dataclasses.fields(cls)}
         unknown = sorted(set(values) - known)
         if unknown:
@@ -101,39 +105,51 @@ class RunSettings:
     """Where a run executes and where its data and results live."""
 
     num_workers: int = _opt(
-        2, "training workers (Ray actors), one per GPU or CPU slot; fit also takes a range "
+        2,
+        "training workers (Ray actors), one per GPU or CPU slot; fit also takes a range "
         "MIN-MAX (e.g. 2-4): an elastic run that starts once MIN fit and grows or shrinks as "
         "nodes come and go, from its latest checkpoint",
     )
     resize_check_s: float = _opt(
-        60.0, "with a --num-workers range: seconds between Ray's checks for room to grow",
+        60.0,
+        "with a --num-workers range: seconds between Ray's checks for room to grow",
     )
     progress: str = _opt(
-        "auto", "live progress: a bar within each epoch (bar), start-up phases and epoch lines "
+        "auto",
+        "live progress: a bar within each epoch (bar), start-up phases and epoch lines "
         "without redraws (lines), epoch lines only (off); auto = bar on a terminal, else lines",
         PROGRESS_CHOICES,
     )
-    use_gpu: bool = _opt(False, "train on GPUs, one per worker unless --gpus-per-worker says "
-                                 "otherwise (NCCL backend by default)")
+    use_gpu: bool = _opt(
+        False,
+        "train on GPUs, one per worker unless --gpus-per-worker says "
+        "otherwise (NCCL backend by default)",
+    )
     gpus_per_worker: Optional[float] = _opt(
-        None, "GPUs per worker with --use-gpu (default 1): a fraction such as 0.25 puts "
+        None,
+        "GPUs per worker with --use-gpu (default 1): a fraction such as 0.25 puts "
         "several workers on one GPU (their traffic then goes over Gloo), or a whole number",
     )
     cpus_per_worker: Optional[int] = _opt(
-        None, "CPUs (and torch threads) per worker; default: this machine's cores / workers "
+        None,
+        "CPUs (and torch threads) per worker; default: this machine's cores / workers "
         "on a local Ray, 1 on a cluster",
     )
     backend: str = _opt(
-        "auto", "process-group backend: auto = NCCL with a GPU per worker, Gloo on CPUs or "
-        "on shared GPUs", BACKEND_CHOICES
+        "auto",
+        "process-group backend: auto = NCCL with a GPU per worker, Gloo on CPUs or on shared GPUs",
+        BACKEND_CHOICES,
     )
     init_method: str = _opt(
-        "env", "process-group initialisation: env:// (MASTER_ADDR/PORT) or tcp://host:port",
+        "env",
+        "process-group initialisation: env:// (MASTER_ADDR/PORT) or tcp://host:port",
         INIT_METHOD_CHOICES,
     )
     dataset: str = _opt(
-        "auto", "auto: full MNIST, else the bundled 5,000-image sample; mnist: full MNIST "
-        "or fail; sample: the bundled sample", DATASET_CHOICES,
+        "auto",
+        "auto: full MNIST, else the bundled 5,000-image sample; mnist: full MNIST "
+        "or fail; sample: the bundled sample",
+        DATASET_CHOICES,
     )
     data_dir: Optional[str] = _opt(
         None, "directory holding MNIST in torchvision's layout (DIR/MNIST/raw/*-ubyte[.gz])"
@@ -147,31 +163,34 @@ class RunSettings:
         None, "run name; the same name resumes that run (default: derived from the settings)"
     )
     fresh: bool = _opt(
-        False, "train this run again from scratch; its previous directory is kept as "
-        "NAME.previous-N"
+        False,
+        "train this run again from scratch; its previous directory is kept as NAME.previous-N",
     )
     address: Optional[str] = _opt(
-        None, "Ray cluster address (host:port or auto); default: $RAY_ADDRESS, else start "
-        "a local Ray",
+        None,
+        "Ray cluster address (host:port or auto); default: $RAY_ADDRESS, else start a local Ray",
     )
     max_failures: int = _opt(
         2, "worker-group restarts allowed after a worker failure (-1 = unlimited)"
     )
     keep_checkpoints: int = _opt(2, "checkpoints kept, ranked by validation accuracy")
     placement_strategy: str = _opt(
-        "PACK", "how workers are placed on nodes: PACK fills nodes first, SPREAD and "
-        "STRICT_SPREAD put them on different nodes", PLACEMENT_CHOICES,
+        "PACK",
+        "how workers are placed on nodes: PACK fills nodes first, SPREAD and "
+        "STRICT_SPREAD put them on different nodes",
+        PLACEMENT_CHOICES,
     )
     no_tensorboard: bool = _opt(
         False, "do not write TensorBoard event files into the run directory"
     )
     mlflow: bool = _opt(
-        False, "also log to MLflow (pip install 'raytrain-mnist[mlflow]'); store: "
-        "file:<run_dir>/mlruns"
+        False,
+        "also log to MLflow (pip install 'raytrain-mnist[mlflow]'); store: file:<run_dir>/mlruns",
     )
     mlflow_uri: Optional[str] = _opt(None, "MLflow tracking URI (implies --mlflow)")
     socket_ifname: Optional[str] = _opt(
-        None, "network interface for Gloo/NCCL traffic (sets GLOO_SOCKET_IFNAME and "
+        None,
+        "network interface for Gloo/NCCL traffic (sets GLOO_SOCKET_IFNAME and "
         "NCCL_SOCKET_IFNAME on every worker)",
     )
 
@@ -212,12 +231,15 @@ class RunSettings:
         # Ray's rules: a fraction of one GPU in steps of 0.0001, or whole GPUs (it cannot
         # split 1.5 over devices).
         if not ok or f <= 0 or (f > 1 and f != int(f)) or round(f, 4) != f:
-            raise ConfigError(f"--gpus-per-worker must be in (0, 1] (at most 4 decimals) or "
-                              f"a whole number, e.g. 0.5 (2 workers per GPU) or 2; got {f!r}")
+            raise ConfigError(
+                f"--gpus-per-worker must be in (0, 1] (at most 4 decimals) or "
+                f"a whole number, e.g. 0.5 (2 workers per GPU) or 2; got {f!r}"
+            )
         if self.backend == "nccl" and f < 1:
             raise ConfigError(
                 f"--backend nccl cannot run workers that share a GPU (--gpus-per-worker {f:g}): "
-                "NCCL refuses two ranks on one device; use --backend auto or gloo")
+                "NCCL refuses two ranks on one device; use --backend auto or gloo"
+            )
 
     @property
     def elastic(self) -> bool:
@@ -301,7 +323,7 @@ class FitConfig:
 class WorkerRange(tuple):
     """An elastic worker count ``(min, max)``, as ``--num-workers MIN-MAX`` writes it."""
 
-    def __new__(cls, values) -> "WorkerRange":
+    def __new__(cls, values) -> WorkerRange:
         low, high = values
         return super().__new__(cls, (low, high))
 
@@ -319,19 +341,23 @@ def parse_workers(text: str):
         return text
 
 
-def check_workers(value: Any) -> "int | WorkerRange":
+def check_workers(value: Any) -> int | WorkerRange:
     """A worker count (int >= 1) or a range ``(min, max)`` with 1 <= min <= max; a range of
     one size is that fixed size."""
-    if isinstance(value, (tuple, list)) and len(value) == 2 and all(
-            isinstance(v, int) and not isinstance(v, bool) for v in value):
+    if (
+        isinstance(value, (tuple, list))
+        and len(value) == 2
+        and all(isinstance(v, int) and not isinstance(v, bool) for v in value)
+    ):
         low, high = value
         if 1 <= low <= high:
             return low if low == high else WorkerRange(value)
-        raise ConfigError(f"--num-workers {low}-{high}: a range needs 1 <= MIN <= MAX, "
-                          "e.g. 2-4")
+        raise ConfigError(f"--num-workers {low}-{high}: a range needs 1 <= MIN <= MAX, e.g. 2-4")
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ConfigError(f"--num-workers must be a count >= 1 (e.g. 2) or a range MIN-MAX "
-                          f"(e.g. 2-4), got {value!r}")
+        raise ConfigError(
+            f"--num-workers must be a count >= 1 (e.g. 2) or a range MIN-MAX "
+            f"(e.g. 2-4), got {value!r}"
+        )
     return value
 
 
@@ -348,7 +374,8 @@ def _check_batch_splits(batch_size: int, workers: WorkerRange) -> None:
     raise ConfigError(
         f"--batch-size {batch_size} does not split evenly over {', '.join(map(str, bad))} "
         f"worker(s), which --num-workers {workers} may run on; sizes that work: "
-        f"{', '.join(map(str, good)) or 'none'} (or use {suggestion})")
+        f"{', '.join(map(str, good)) or 'none'} (or use {suggestion})"
+    )
 
 
 def epochs_for(train: TrainConfig, train_size: int) -> int:
@@ -362,8 +389,15 @@ def epochs_for(train: TrainConfig, train_size: int) -> int:
 
 
 def check_run_name(name: str) -> None:
-    if (not name or name in (".", "..") or "/" in name or os.sep in name
-            or name.startswith("-") or not name.isprintable() or len(name) > NAME_MAX):
+    if (
+        not name
+        or name in (".", "..")
+        or "/" in name
+        or os.sep in name
+        or name.startswith("-")
+        or not name.isprintable()
+        or len(name) > NAME_MAX
+    ):
         raise ConfigError(
             f"--name {name!r} is not a valid run name: use letters, digits, '-', '_' or '.' "
             f"(at most {NAME_MAX} characters)"
@@ -376,17 +410,22 @@ def check_ray_address(address: str, flag: str = "--address") -> None:
     if address == "auto":
         return
     if not address.strip():
-        raise ConfigError(f"{flag} is empty; drop it to train on a local Ray, or give "
-                          "HOST:PORT of the cluster's head (e.g. 10.0.0.1:6379)")
-    rest = address[len("ray://"):] if address.startswith("ray://") else address
+        raise ConfigError(
+            f"{flag} is empty; drop it to train on a local Ray, or give "
+            "HOST:PORT of the cluster's head (e.g. 10.0.0.1:6379)"
+        )
+    rest = address[len("ray://") :] if address.startswith("ray://") else address
     if "://" in rest:
         raise ConfigError(
             f"{flag} {address!r}: fit connects to the Ray GCS (host:port, e.g. 10.0.0.1:6379); "
-            "submit jobs to a dashboard URL with `python -m raytrain_mnist.submit`")
+            "submit jobs to a dashboard URL with `python -m raytrain_mnist.submit`"
+        )
     host, port = split_host_port(rest)
     if host is None or port is None:
-        raise ConfigError(f"{flag} {address!r} is not HOST:PORT with a port from 1 to 65535 "
-                          "(e.g. 127.0.0.1:6379), ray://HOST:PORT or auto")
+        raise ConfigError(
+            f"{flag} {address!r} is not HOST:PORT with a port from 1 to 65535 "
+            "(e.g. 127.0.0.1:6379), ray://HOST:PORT or auto"
+        )
 
 
 def split_host_port(text: str) -> tuple[str | None, int | None]:
@@ -414,7 +453,8 @@ def check_mlflow_uri(uri: str) -> None:
         raise ConfigError(
             "--mlflow-uri must not hold credentials (user:password@); give them through the "
             "environment: MLFLOW_TRACKING_USERNAME and MLFLOW_TRACKING_PASSWORD (or "
-            "MLFLOW_TRACKING_TOKEN)")
+            "MLFLOW_TRACKING_TOKEN)"
+        )
 
 
 def steps_per_epoch(train_size: int, batch_size: int, num_workers: int) -> int:
@@ -434,8 +474,10 @@ def check_data_fits(train: TrainConfig, run: RunSettings, train_size: int) -> No
     low, high = (workers, workers) if isinstance(workers, int) else workers
     for count in range(low, high + 1):
         if train.batch_size < count:
-            raise ConfigError(f"--batch-size {train.batch_size} is smaller than {count} "
-                              "workers: every worker needs at least one sample per step")
+            raise ConfigError(
+                f"--batch-size {train.batch_size} is smaller than {count} "
+                "workers: every worker needs at least one sample per step"
+            )
         steps = steps_per_epoch(train_size, train.batch_size, count)
         share = train_size if count == 1 else -(-train_size // count)
         if steps < 1:
@@ -444,14 +486,16 @@ def check_data_fits(train: TrainConfig, run: RunSettings, train_size: int) -> No
             raise ConfigError(
                 f"--batch-size {train.batch_size} is larger than the {train_size} training "
                 f"images{on} can fill: an epoch would have no step; use --batch-size "
-                f"{largest} or less")
+                f"{largest} or less"
+            )
         total = train.epochs * steps
         # OneCycleLR divides by its warm-up length in steps, ONECYCLE_PCT_START * total - 1.
         if train.schedule == "onecycle" and ONECYCLE_PCT_START * total - 1 == 0:
             raise ConfigError(
                 f"--epochs {train.epochs} x {steps} step(s) per epoch is {total} steps, a "
                 "one-cycle warm-up of no step (PyTorch's OneCycleLR fails on it); change "
-                "--epochs or --batch-size, or use --schedule constant")
+                "--epochs or --batch-size, or use --schedule constant"
+            )
     # A resize restores the schedule from the checkpoint, its length included: every size
     # must take the same steps per epoch (padded shares can add one at large sizes).
     by_size = {n: steps_per_epoch(train_size, train.batch_size, n) for n in range(low, high + 1)}
@@ -462,7 +506,8 @@ def check_data_fits(train: TrainConfig, run: RunSettings, train_size: int) -> No
         raise ConfigError(
             f"--num-workers {low}-{high}: an epoch of {train_size} images takes {usual} steps "
             f"on {low} worker(s) but {other}, and a resize must keep the schedule; sizes "
-            f"that work: {good}")
+            f"that work: {good}"
+        )
 
 
 def _check_int(flag: str, value: Any, minimum: int) -> None:

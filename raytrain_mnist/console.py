@@ -43,7 +43,11 @@ def resolve_mode(mode: str, stream: TextIO) -> str:
 def _duration(seconds: float) -> str:
     seconds = max(0, int(round(seconds)))
     minutes, seconds = divmod(seconds, 60)
-    return f"{minutes}:{seconds:02d}" if minutes < 60 else f"{minutes // 60}:{minutes % 60:02d}:{seconds:02d}"
+    return (
+        f"{minutes}:{seconds:02d}"
+        if minutes < 60
+        else f"{minutes // 60}:{minutes % 60:02d}:{seconds:02d}"
+    )
 
 
 class Renderer:
@@ -51,8 +55,9 @@ class Renderer:
     is when the renderer is made). ``started`` is the ``time.perf_counter()`` the elapsed
     seconds of the phase lines count from. Called from one thread at a time."""
 
-    def __init__(self, mode: str, epochs: int, started: float,
-                 stream: TextIO | None = None) -> None:
+    def __init__(
+        self, mode: str, epochs: int, started: float, stream: TextIO | None = None
+    ) -> None:
         self.stream = stream if stream is not None else sys.stdout
         self.mode = resolve_mode(mode, self.stream)
         self.epochs = epochs
@@ -99,8 +104,14 @@ class Renderer:
             self._open_bar(epoch, item["total"])
         rate = item["images"] / item["seconds"] if item.get("seconds") else 0.0
         eta = (item["total"] - item["images"]) / rate if rate else 0.0
-        self._bar.update(self._task, completed=item["images"], total=item["total"],
-                         rate=rate, eta=_duration(eta), loss=item["loss"])
+        self._bar.update(
+            self._task,
+            completed=item["images"],
+            total=item["total"],
+            rate=rate,
+            eta=_duration(eta),
+            loss=item["loss"],
+        )
         self._bar.refresh()
 
     def close(self) -> None:
@@ -122,10 +133,13 @@ class Renderer:
             TextColumn("loss {task.fields[loss]:.4f}"),
             # Drawn when an update arrives (a few a second), never by a timer thread: the
             # driver shares the machine with the workers it is drawing.
-            console=console, transient=True, auto_refresh=False,
+            console=console,
+            transient=True,
+            auto_refresh=False,
             # Lines go through line(), which clears the bar first; rich must not swap
             # sys.stdout under other threads.
-            redirect_stdout=False, redirect_stderr=False,
+            redirect_stdout=False,
+            redirect_stderr=False,
         )
         self._task = self._bar.add_task("train", total=total, rate=0.0, eta="?", loss=0.0)
         self._bar_epoch = epoch
@@ -142,8 +156,9 @@ class TrialsTable:
     report and end; otherwise (``lines``) one line when a trial starts and one when it ends;
     ``off`` prints the end lines only."""
 
-    def __init__(self, mode: str, searched: list[str], epochs: int, metric: str,
-                 stream: TextIO | None = None) -> None:
+    def __init__(
+        self, mode: str, searched: list[str], epochs: int, metric: str, stream: TextIO | None = None
+    ) -> None:
         self._stream = stream
         self.mode = resolve_mode(mode, self.stream)
         self.searched, self.epochs, self.metric = searched, epochs, metric
@@ -159,15 +174,15 @@ class TrialsTable:
         return {**self.__dict__, "_stream": None, "_live": None}
 
     def start(self, trial_id: str, values: dict[str, Any], text: str) -> None:
-        self.rows[trial_id] = {"values": values, "status": "running", "epoch": 0,
-                               "result": {}}
+        self.rows[trial_id] = {"values": values, "status": "running", "epoch": 0, "result": {}}
         if self.mode == "lines":
             self._print(text)
         self._redraw()
 
     def result(self, trial_id: str, result: dict[str, Any]) -> None:
-        row = self.rows.setdefault(trial_id, {"values": {}, "status": "running",
-                                              "epoch": 0, "result": {}})
+        row = self.rows.setdefault(
+            trial_id, {"values": {}, "status": "running", "epoch": 0, "result": {}}
+        )
         row["epoch"], row["result"] = result.get("epoch", row["epoch"]), result
         self._redraw()
 
@@ -192,15 +207,18 @@ class TrialsTable:
 
         table = Table(box=None, pad_edge=False, header_style="bold")
         for column in ["trial", *self.searched, "status", "epoch", "val_acc", "val_loss"]:
-            table.add_column(column, justify="left" if column in ("trial", "status")
-                             else "right")
+            table.add_column(column, justify="left" if column in ("trial", "status") else "right")
         for trial_id, row in self.rows.items():
             result = row["result"]
             acc, loss = result.get("val_accuracy"), result.get("val_loss")
-            table.add_row(trial_id, *(_short(row["values"].get(n)) for n in self.searched),
-                          row["status"], f"{row['epoch']}/{self.epochs}",
-                          "" if acc is None else f"{100 * acc:.2f}%",
-                          "" if loss is None else f"{loss:.4f}")
+            table.add_row(
+                trial_id,
+                *(_short(row["values"].get(n)) for n in self.searched),
+                row["status"],
+                f"{row['epoch']}/{self.epochs}",
+                "" if acc is None else f"{100 * acc:.2f}%",
+                "" if loss is None else f"{loss:.4f}",
+            )
         return table
 
     def _redraw(self) -> None:
@@ -211,8 +229,13 @@ class TrialsTable:
             from rich.live import Live
 
             console = Console(file=self.stream, force_terminal=True, highlight=False)
-            self._live = Live(self._table(), console=console, refresh_per_second=4,
-                              redirect_stdout=False, redirect_stderr=False)
+            self._live = Live(
+                self._table(),
+                console=console,
+                refresh_per_second=4,
+                redirect_stdout=False,
+                redirect_stderr=False,
+            )
             self._live.start()
         else:
             self._live.update(self._table())

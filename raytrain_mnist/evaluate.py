@@ -7,7 +7,7 @@ loaded with ``weights_only=True``. The test set is the one the run trained with 
 says so (``summary.json``: ``dataset``, ``data_source``, ``config.run.data_dir``), else
 ``--data-dir``/``--dataset``.
 
-Scoring reuses :func:`raytrain_mnist.worker.loop.evaluate` (exact shards, all-reduced sums): in this
+Scoring reuses :func:`raytrain_mnist.worker.score.evaluate` (exact shards, all-reduced sums): in this
 process with one worker, on a ``TorchTrainer`` with several. A forward hook collects each
 image's prediction on the way, for the confusion matrix and the most confidently wrong digits.
 
@@ -22,16 +22,32 @@ import os
 import shutil
 import sys
 import tempfile
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any
 
-from raytrain_mnist._cli import (EXIT_USAGE, ArgumentParser, UserError, add_dataclass_args,
-                                 cause_line, dataclass_from_args, run_cli, setup_logging)
+from raytrain_mnist._cli import (
+    ArgumentParser,
+    add_dataclass_args,
+    dataclass_from_args,
+    run_cli,
+    setup_logging,
+)
 from raytrain_mnist.config import DATASET_CHOICES, ConfigError, RunSettings
-from raytrain_mnist.driver.runs import (BEST_FILE, CHECKPOINT_METRIC, RUNS_DIR, SEARCH_FILE,
-                                 STATE_FILE, SUMMARY_FILE, Run, check_no_credentials, data_identity,
-                                 is_uri)
+from raytrain_mnist.driver.runs import (
+    BEST_FILE,
+    CHECKPOINT_METRIC,
+    RUNS_DIR,
+    SEARCH_FILE,
+    STATE_FILE,
+    SUMMARY_FILE,
+    Run,
+    check_no_credentials,
+    data_identity,
+    is_uri,
+)
+from raytrain_mnist.errors import EXIT_USAGE, UserError, cause_line
 
 EVALUATION_FILE = "evaluation.json"
 CONFUSION_FILE = "confusion_matrix.png"
@@ -49,6 +65,7 @@ class Target:
 
 
 # --------------------------------------------------------------------------- resolving
+
 
 def resolve_target(target: str | os.PathLike) -> Target:
     """A run directory (its best committed checkpoint), a Tune experiment directory (its
@@ -68,8 +85,11 @@ def resolve_target(target: str | os.PathLike) -> Target:
         return _run_target(run)
     path = Path(text).expanduser()
     if not path.exists():
-        raise UserError(f"{path} does not exist; pass a run directory, a checkpoint "
-                        f"directory or a {STATE_FILE} file", EXIT_USAGE)
+        raise UserError(
+            f"{path} does not exist; pass a run directory, a checkpoint "
+            f"directory or a {STATE_FILE} file",
+            EXIT_USAGE,
+        )
     if path.is_file() and path.name in (SUMMARY_FILE, BEST_FILE):
         path = path.parent
     if path.is_dir() and not (path / STATE_FILE).is_file():
@@ -77,8 +97,11 @@ def resolve_target(target: str | os.PathLike) -> Target:
     if path.is_file():
         with path.open("rb") as f:
             if f.read(4) != b"PK\x03\x04":  # torch.save writes a zip archive
-                raise UserError(f"{path} is not a checkpoint: pass a run directory, a "
-                                f"checkpoint directory or a {STATE_FILE} file", EXIT_USAGE)
+                raise UserError(
+                    f"{path} is not a checkpoint: pass a run directory, a "
+                    f"checkpoint directory or a {STATE_FILE} file",
+                    EXIT_USAGE,
+                )
     return _checkpoint_target(str(path.resolve()), None)
 
 
@@ -91,8 +114,9 @@ def _run_target(run: Run) -> Target:
         if not trial:
             raise UserError(f"search {run.dir} has no trial with a result yet")
         trial_run = Run(f"{run.dir}/{RUNS_DIR}", str(trial))
-        checkpoint = trial_run.best_checkpoint(best.get("metric", CHECKPOINT_METRIC),
-                                               best.get("mode", "max"))
+        checkpoint = trial_run.best_checkpoint(
+            best.get("metric", CHECKPOINT_METRIC), best.get("mode", "max")
+        )
         if checkpoint is None:
             raise UserError(f"the best trial of {run.dir} ({trial}) kept no checkpoint")
         return Target(checkpoint, _search_summary(run), run)
@@ -102,13 +126,18 @@ def _run_target(run: Run) -> Target:
             hint = f"; pass one of its checkpoints, e.g. {found[-1].parent}" if found else ""
         else:
             hint = ""
-        raise UserError(f"{run.dir} is neither a run directory (no {SUMMARY_FILE}) nor a "
-                        f"checkpoint (no {STATE_FILE}){hint}", EXIT_USAGE)
+        raise UserError(
+            f"{run.dir} is neither a run directory (no {SUMMARY_FILE}) nor a "
+            f"checkpoint (no {STATE_FILE}){hint}",
+            EXIT_USAGE,
+        )
     # Ray's record of what it committed names checkpoints relative to the run: always inside.
     checkpoint = run.best_checkpoint() or run.relocate(summary.get("best_checkpoint"))
     if checkpoint is None:
-        raise UserError(f"run {run.dir} has no checkpoint (status: "
-                        f"{summary.get('status', 'unknown')}); train it first")
+        raise UserError(
+            f"run {run.dir} has no checkpoint (status: "
+            f"{summary.get('status', 'unknown')}); train it first"
+        )
     return Target(checkpoint, summary, run)
 
 
@@ -121,7 +150,7 @@ def _checkpoint_target(checkpoint: str, run: Run | None) -> Target:
         summary = _quietly(owner.summary)
         if summary is not None and "dataset" in summary:
             return Target(checkpoint, summary, owner)
-        search = _quietly(lambda: owner.read_json(SEARCH_FILE))
+        search = _quietly(lambda owner=owner: owner.read_json(SEARCH_FILE))
         if search is not None and search.get("dataset") in ("mnist", "sample"):
             return Target(checkpoint, _search_summary(owner, search), owner)
     return Target(checkpoint, None, run)
@@ -137,8 +166,7 @@ def _parents(path: str) -> list[str]:
 
 def _search_summary(experiment: Run, search: dict | None = None) -> dict:
     search = search if search is not None else (experiment.read_json(SEARCH_FILE) or {})
-    return {"dataset": search.get("dataset"), "name": experiment.name,
-            "data": search.get("data")}
+    return {"dataset": search.get("dataset"), "name": experiment.name, "data": search.get("data")}
 
 
 def _quietly(read):
@@ -150,6 +178,7 @@ def _quietly(read):
 
 # --------------------------------------------------------------------------- data
 
+
 def load_test_data(summary: dict | None, data_dir: str | None, dataset: str | None):
     """The test set the run was scored on while it trained, when the run says which."""
     from raytrain_mnist.data import load_mnist
@@ -158,84 +187,42 @@ def load_test_data(summary: dict | None, data_dir: str | None, dataset: str | No
     if trained_on is None:
         return load_mnist(data_dir, dataset or "auto")
     if dataset not in (None, "auto", trained_on):
-        raise UserError(f"this checkpoint was trained and scored on the {trained_on!r} data "
-                        f"set; evaluating it on {dataset!r} would not measure the same thing "
-                        f"(drop --dataset or pass --dataset {trained_on})", EXIT_USAGE)
+        raise UserError(
+            f"this checkpoint was trained and scored on the {trained_on!r} data "
+            f"set; evaluating it on {dataset!r} would not measure the same thing "
+            f"(drop --dataset or pass --dataset {trained_on})",
+            EXIT_USAGE,
+        )
     if trained_on == "sample":
         data = load_mnist(None, "sample")
     else:
         recorded = ((summary.get("config") or {}).get("run") or {}).get("data_dir")
         if data_dir is None and recorded is not None and not Path(recorded).is_dir():
-            raise UserError(f"the run read MNIST from {recorded}, which is not a directory "
-                            "here; pass --data-dir", EXIT_USAGE)
+            raise UserError(
+                f"the run read MNIST from {recorded}, which is not a directory "
+                "here; pass --data-dir",
+                EXIT_USAGE,
+            )
         data = load_mnist(data_dir or recorded, "mnist")
     expected = summary.get("test_size")
     if expected is not None and data.test_size != expected:
-        raise UserError(f"the run was scored on {expected} test images, {data.source} holds "
-                        f"{data.test_size}; pass the --data-dir it trained with", EXIT_USAGE)
+        raise UserError(
+            f"the run was scored on {expected} test images, {data.source} holds "
+            f"{data.test_size}; pass the --data-dir it trained with",
+            EXIT_USAGE,
+        )
     published = "checksums match the published MNIST"
     trained_source = summary.get("data_source")
     if trained_source and (published in trained_source) != (published in data.source):
-        raise UserError(f"the run trained on {summary.get('data_source')}, this is "
-                        f"{data.source}; pass the --data-dir it trained with", EXIT_USAGE)
+        raise UserError(
+            f"the run trained on {summary.get('data_source')}, this is "
+            f"{data.source}; pass the --data-dir it trained with",
+            EXIT_USAGE,
+        )
     return data
 
 
 # --------------------------------------------------------------------------- scoring
-
-def score(model, images, labels, device, amp: str = "off", rank: int = 0,
-          world_size: int = 1) -> dict[str, Any]:
-    """:func:`loop.evaluate` on this rank's shard, plus each image's prediction and confidence.
-
-    Returns the all-reduced metrics and this shard's ``predictions`` and ``confidence``
-    (softmax probability of the predicted class) as numpy arrays.
-    """
-    import torch
-
-    from raytrain_mnist.worker.loop import amp_context, evaluate
-
-    if amp == "fp16" and device.type != "cuda":
-        amp = "off"  # fp16 autocast is a GPU feature; fit refuses it on CPU anyway
-    probabilities: list[torch.Tensor] = []
-    hook = model.register_forward_hook(
-        lambda _module, _inputs, logits: probabilities.append(logits.float().softmax(1).cpu()))
-    try:
-        metrics = evaluate(model, images, labels, device, amp_context(amp, device), rank,
-                           world_size)
-    finally:
-        hook.remove()
-    confidence, predictions = (torch.cat(probabilities) if probabilities
-                               else torch.empty(0, 10)).max(1)
-    return {**metrics, "predictions": predictions.numpy(), "confidence": confidence.numpy()}
-
-
-def _score_per_worker(config: dict[str, Any]) -> dict[str, Any] | None:
-    """Ray Train worker: score this rank's shard, gather every shard's predictions on rank 0."""
-    import numpy as np
-    import ray
-    import ray.train
-    import ray.train.torch
-    import torch
-    import torch.distributed as dist
-
-    from raytrain_mnist.model import ConvNet
-
-    ctx = ray.train.get_context()
-    rank, world_size = ctx.get_world_rank(), ctx.get_world_size()
-    torch.set_num_threads(config["threads"])
-    device = ray.train.torch.get_device()
-    images, labels = ray.get(config["data"])
-    model = ConvNet()
-    model.load_state_dict(ray.get(config["weights"]))
-    result = score(model.to(device), images, labels, device, config["amp"], rank, world_size)
-    shards = [None] * world_size
-    # Shards are contiguous and in rank order, so concatenating restores the test order.
-    dist.all_gather_object(shards, (result["predictions"], result["confidence"]))
-    if rank != 0:
-        return None
-    result["predictions"] = np.concatenate([p for p, _ in shards])
-    result["confidence"] = np.concatenate([c for _, c in shards])
-    return result
 
 
 def _score_on_ray(weights: dict, data, amp: str, run: RunSettings) -> dict[str, Any]:
@@ -244,17 +231,23 @@ def _score_on_ray(weights: dict, data, amp: str, run: RunSettings) -> dict[str, 
 
     from raytrain_mnist.driver import cluster
     from raytrain_mnist.driver.trainer import build_trainer
+    from raytrain_mnist.worker.score import score_per_worker
 
     address = cluster.resolve_address(run.address)
     local = address is None and not ray.is_initialized()
-    threads = run.cpus_per_worker or cluster.default_cpus_per_worker(run.num_workers, local)
+    cpus_per_worker = run.cpus_per_worker or cluster.default_cpus_per_worker(run.num_workers, local)
     storage = tempfile.mkdtemp(prefix="raytrain_mnist-evaluate-")
     try:
-        with cluster.connect(address, cluster.Request.for_run(run, threads)):
-            config = {"weights": ray.put(weights), "amp": amp, "threads": threads,
-                      "data": ray.put((data.test_images, data.test_labels))}
-            trainer = build_trainer(run, _score_per_worker, config, threads, storage,
-                                    "evaluate")
+        with cluster.connect(address, cluster.Request.for_run(run, cpus_per_worker)):
+            config = {
+                "weights": ray.put(weights),
+                "amp": amp,
+                "cpus_per_worker": cpus_per_worker,
+                "data": ray.put((data.test_images, data.test_labels)),
+            }
+            trainer = build_trainer(
+                run, score_per_worker, config, cpus_per_worker, storage, "evaluate"
+            )
             try:
                 return trainer.fit().return_value
             except ray.train.TrainingFailedError as exc:
@@ -266,15 +259,30 @@ def _score_on_ray(weights: dict, data, amp: str, run: RunSettings) -> dict[str, 
 # --------------------------------------------------------------------------- the command
 
 #: Run settings that evaluate's several-worker mode takes, as fit takes them.
-WORKER_SETTINGS = ("num_workers", "use_gpu", "gpus_per_worker", "cpus_per_worker", "backend",
-                   "init_method", "placement_strategy", "socket_ifname", "address")
+WORKER_SETTINGS = (
+    "num_workers",
+    "use_gpu",
+    "gpus_per_worker",
+    "cpus_per_worker",
+    "backend",
+    "init_method",
+    "placement_strategy",
+    "socket_ifname",
+    "address",
+)
 
 
-def evaluate_checkpoint(target: str | os.PathLike, data_dir: str | None = None,
-                        dataset: str | None = None, out: str | os.PathLike | None = None,
-                        num_workers: int = 1, use_gpu: bool = False,
-                        address: str | None = None, overwrite: bool = False,
-                        workers: RunSettings | None = None) -> dict[str, Any]:
+def evaluate_checkpoint(
+    target: str | os.PathLike,
+    data_dir: str | None = None,
+    dataset: str | None = None,
+    out: str | os.PathLike | None = None,
+    num_workers: int = 1,
+    use_gpu: bool = False,
+    address: str | None = None,
+    overwrite: bool = False,
+    workers: RunSettings | None = None,
+) -> dict[str, Any]:
     """Evaluate ``target`` and write the report; returns what ``evaluation.json`` holds,
     plus ``out`` (the folder written) and ``files`` (its paths). ``workers`` (run settings
     as fit takes them) overrides ``num_workers``/``use_gpu``/``address``."""
@@ -283,8 +291,7 @@ def evaluate_checkpoint(target: str | os.PathLike, data_dir: str | None = None,
             raise ConfigError(f"--num-workers must be an integer >= 1, got {num_workers}")
         workers = RunSettings(num_workers=num_workers, use_gpu=use_gpu, address=address)
     if dataset is not None and dataset not in DATASET_CHOICES:
-        raise ConfigError(f"--dataset must be one of {', '.join(DATASET_CHOICES)}; "
-                          f"got {dataset!r}")
+        raise ConfigError(f"--dataset must be one of {', '.join(DATASET_CHOICES)}; got {dataset!r}")
     resolved = resolve_target(target)
     state, model = load_checkpoint(resolved.checkpoint)  # one line when it is not one
     data = load_test_data(resolved.summary, data_dir, dataset)
@@ -293,8 +300,11 @@ def evaluate_checkpoint(target: str | os.PathLike, data_dir: str | None = None,
     if not overwrite:
         existing = [f for f in REPORT_FILES if (out_dir / f).exists()]
         if existing:
-            raise UserError(f"{out_dir} already holds {', '.join(existing)}; pass --overwrite "
-                            "to replace it, or --out DIR", EXIT_USAGE)
+            raise UserError(
+                f"{out_dir} already holds {', '.join(existing)}; pass --overwrite "
+                "to replace it, or --out DIR",
+                EXIT_USAGE,
+            )
     amp = (state.get("config") or {}).get("amp", "off")  # score as training did
 
     if workers.num_workers == 1 and workers.address is None:
@@ -303,6 +313,8 @@ def evaluate_checkpoint(target: str | os.PathLike, data_dir: str | None = None,
         if workers.use_gpu and not torch.cuda.is_available():
             raise UserError("--use-gpu: no GPU is visible to this process", EXIT_USAGE)
         device = torch.device("cuda" if workers.use_gpu else "cpu")
+        from raytrain_mnist.worker.score import score
+
         result = score(model.to(device), data.test_images, data.test_labels, device, amp)
     else:
         result = _score_on_ray(model.state_dict(), data, amp, workers)
@@ -331,10 +343,13 @@ def _check_same_data(resolved: Target, data) -> None:
         return
     found = data_identity(data)
     if found["sha1"] != record["sha1"]:
-        raise UserError(f"{data.source} is not the data run '{resolved.run.name}' trained on "
-                        f"({record['kind']}, {record['train_size']} train / "
-                        f"{record['test_size']} test images); pass the --data-dir it "
-                        "trained with", EXIT_USAGE)
+        raise UserError(
+            f"{data.source} is not the data run '{resolved.run.name}' trained on "
+            f"({record['kind']}, {record['train_size']} train / "
+            f"{record['test_size']} test images); pass the --data-dir it "
+            "trained with",
+            EXIT_USAGE,
+        )
 
 
 def _out_dir(resolved: Target, out: str | os.PathLike | None) -> Path:
@@ -353,8 +368,9 @@ def _out_dir(resolved: Target, out: str | os.PathLike | None) -> Path:
     return Path.cwd() / f"evaluation_{run}_{name}"
 
 
-def _write_report(result, data, state, resolved: Target, out_dir: Path,
-                  num_workers: int) -> dict[str, Any]:
+def _write_report(
+    result, data, state, resolved: Target, out_dir: Path, num_workers: int
+) -> dict[str, Any]:
     import numpy as np
 
     from raytrain_mnist.driver import plots
@@ -365,11 +381,13 @@ def _write_report(result, data, state, resolved: Target, out_dir: Path,
     # The all-reduced count and the gathered predictions must tell the same story.
     assert int(np.trace(counts)) == round(result["val_accuracy"] * result["val_total"])
     totals = counts.sum(1)
-    per_class = {str(c): (float(counts[c, c] / totals[c]) if totals[c] else None)
-                 for c in range(len(counts))}
+    per_class = {
+        str(c): (float(counts[c, c] / totals[c]) if totals[c] else None) for c in range(len(counts))
+    }
     epoch = state.get("epoch")
-    reported = next((h.get("val_accuracy") for h in state.get("history", [])
-                     if h.get("epoch") == epoch), None)
+    reported = next(
+        (h.get("val_accuracy") for h in state.get("history", []) if h.get("epoch") == epoch), None
+    )
     wrong = np.flatnonzero(labels != predictions)
     wrong = wrong[np.argsort(-confidence[wrong], kind="stable")][:_TOP_WRONG]
     summary = resolved.summary or {}
@@ -389,71 +407,111 @@ def _write_report(result, data, state, resolved: Target, out_dir: Path,
         "data_source": data.source,
         "num_workers": num_workers,
         "most_confident_errors": [
-            {"index": int(i), "label": int(labels[i]), "predicted": int(predictions[i]),
-             "confidence": float(confidence[i])} for i in wrong],
+            {
+                "index": int(i),
+                "label": int(labels[i]),
+                "predicted": int(predictions[i]),
+                "confidence": float(confidence[i]),
+            }
+            for i in wrong
+        ],
     }
     name = summary.get("name") or resolved.checkpoint.rstrip("/").rpartition("/")[2]
-    title = (f"{name}, epoch {epoch}: {100 * report['accuracy']:.2f} % of "
-             f"{report['test_size']} test images ({data.kind})")
+    title = (
+        f"{name}, epoch {epoch}: {100 * report['accuracy']:.2f} % of "
+        f"{report['test_size']} test images ({data.kind})"
+    )
     try:
         out_dir.mkdir(parents=True, exist_ok=True)
         files = {
             EVALUATION_FILE: json.dumps(report, indent=2).encode(),
             CONFUSION_FILE: plots.confusion_matrix_png(counts, title),
             MISCLASSIFIED_FILE: plots.misclassified_png(
-                data.test_images.numpy(), labels, predictions, confidence,
-                f"{name}: the most confidently wrong test digits", limit=_TOP_WRONG),
+                data.test_images.numpy(),
+                labels,
+                predictions,
+                confidence,
+                f"{name}: the most confidently wrong test digits",
+                limit=_TOP_WRONG,
+            ),
         }
         for file_name, payload in files.items():
             (out_dir / file_name).write_bytes(payload)
     except OSError as exc:
-        raise UserError(f"cannot write the evaluation into {out_dir} ({exc.strerror or exc}); "
-                        "pass --out DIR", EXIT_USAGE) from exc
+        raise UserError(
+            f"cannot write the evaluation into {out_dir} ({exc.strerror or exc}); pass --out DIR",
+            EXIT_USAGE,
+        ) from exc
     return {**report, "out": str(out_dir), "files": [str(out_dir / f) for f in files]}
 
 
 def format_report(report: dict[str, Any]) -> str:
-    lines = [f"checkpoint: {report['checkpoint']} (epoch {report['epoch']})",
-             f"test set:   {report['test_size']} images, {report['data_source']}",
-             f"accuracy {100 * report['accuracy']:.2f}% ({report['correct']}/"
-             f"{report['test_size']}), loss {report['loss']:.4f}"
-             + ("" if report["reported_val_accuracy"] is None else
-                f"; fit reported {100 * report['reported_val_accuracy']:.2f}% for this epoch"),
-             "", f"{'digit':>5} {'accuracy':>9} {'images':>7}"]
+    lines = [
+        f"checkpoint: {report['checkpoint']} (epoch {report['epoch']})",
+        f"test set:   {report['test_size']} images, {report['data_source']}",
+        f"accuracy {100 * report['accuracy']:.2f}% ({report['correct']}/"
+        f"{report['test_size']}), loss {report['loss']:.4f}"
+        + (
+            ""
+            if report["reported_val_accuracy"] is None
+            else f"; fit reported {100 * report['reported_val_accuracy']:.2f}% for this epoch"
+        ),
+        "",
+        f"{'digit':>5} {'accuracy':>9} {'images':>7}",
+    ]
     for digit, accuracy in report["per_class_accuracy"].items():
         shown = "-" if accuracy is None else f"{100 * accuracy:.2f}%"
         lines.append(f"{digit:>5} {shown:>9} {report['per_class_size'][digit]:>7}")
-    lines += ["", f"wrote {', '.join(Path(f).name for f in report['files'])} into "
-                  f"{report['out']}"]
+    lines += ["", f"wrote {', '.join(Path(f).name for f in report['files'])} into {report['out']}"]
     return "\n".join(lines)
 
 
 def add_target_argument(parser: ArgumentParser) -> None:
     """RUN_DIR_OR_CHECKPOINT, as :func:`resolve_target` takes it (evaluate and serve)."""
-    parser.add_argument("target", metavar="RUN_DIR_OR_CHECKPOINT",
-                        help="a run directory (its best checkpoint), a Tune experiment (its "
-                             "best trial's), a checkpoint directory or a state.pt file; a "
-                             "local path or a URI such as s3://bucket/runs/NAME")
+    parser.add_argument(
+        "target",
+        metavar="RUN_DIR_OR_CHECKPOINT",
+        help="a run directory (its best checkpoint), a Tune experiment (its "
+        "best trial's), a checkpoint directory or a state.pt file; a "
+        "local path or a URI such as s3://bucket/runs/NAME",
+    )
 
 
 def build_parser() -> ArgumentParser:
     parser = ArgumentParser(
         prog="raytrain-mnist evaluate",
         description="Score a checkpoint on the MNIST test set: accuracy per class, a confusion "
-                    "matrix and the most confidently wrong digits.")
+        "matrix and the most confidently wrong digits.",
+    )
     add_target_argument(parser)
-    parser.add_argument("--data-dir", help="MNIST in torchvision's layout; default: the "
-                        "directory the run trained with")
-    parser.add_argument("--dataset", choices=DATASET_CHOICES,
-                        help="default: the data set the run trained on (must match when the "
-                        "run is known), else auto")
-    parser.add_argument("--out", metavar="DIR", help="where to write evaluation.json and the "
-                        "PNGs (default: evaluation_<checkpoint>/ beside the checkpoint)")
-    parser.add_argument("--overwrite", action="store_true",
-                        help="replace an evaluation already in --out (default: refuse)")
-    add_dataclass_args(parser, RunSettings, "workers (Ray Train, when --num-workers > 1 or "
-                       "--address is given; as in fit)", only=WORKER_SETTINGS,
-                       defaults={"num_workers": 1})
+    parser.add_argument(
+        "--data-dir",
+        help="MNIST in torchvision's layout; default: the directory the run trained with",
+    )
+    parser.add_argument(
+        "--dataset",
+        choices=DATASET_CHOICES,
+        help="default: the data set the run trained on (must match when the "
+        "run is known), else auto",
+    )
+    parser.add_argument(
+        "--out",
+        metavar="DIR",
+        help="where to write evaluation.json and the "
+        "PNGs (default: evaluation_<checkpoint>/ beside the checkpoint)",
+    )
+    parser.add_argument(
+        "--overwrite",
+        action="store_true",
+        help="replace an evaluation already in --out (default: refuse)",
+    )
+    add_dataclass_args(
+        parser,
+        RunSettings,
+        "workers (Ray Train, when --num-workers > 1 or --address is given; as in fit)",
+        only=WORKER_SETTINGS,
+        defaults={"num_workers": 1},
+    )
     return parser
 
 
@@ -463,8 +521,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.address is None and args.num_workers > 1:
         args.address = os.environ.get("RAY_ADDRESS") or None
     workers = dataclass_from_args(RunSettings, args, only=WORKER_SETTINGS)
-    report = evaluate_checkpoint(args.target, args.data_dir, args.dataset, args.out,
-                                 overwrite=args.overwrite, workers=workers)
+    report = evaluate_checkpoint(
+        args.target,
+        args.data_dir,
+        args.dataset,
+        args.out,
+        overwrite=args.overwrite,
+        workers=workers,
+    )
     print(format_report(report))
     return 0
 

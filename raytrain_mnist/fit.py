@@ -15,17 +15,31 @@ import logging
 import sys
 import threading
 import time
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
-from raytrain_mnist.driver import cluster, runs
-from raytrain_mnist._cli import (EXIT_FAILURE, ArgumentParser, UserError,
-                                 add_dataclass_args, cause_line, command_line,
-                                 dataclass_from_args, flags_of, invocation, run_cli,
-                                 setup_logging)
-from raytrain_mnist.config import (FitConfig, RunSettings, TrainConfig, check_data_fits,
-                                   epochs_for, parse_workers)
+from raytrain_mnist._cli import (
+    ArgumentParser,
+    add_dataclass_args,
+    command_line,
+    dataclass_from_args,
+    flags_of,
+    invocation,
+    run_cli,
+    setup_logging,
+)
+from raytrain_mnist.config import (
+    FitConfig,
+    RunSettings,
+    TrainConfig,
+    check_data_fits,
+    epochs_for,
+    parse_workers,
+)
 from raytrain_mnist.console import Renderer
+from raytrain_mnist.driver import cluster, runs
 from raytrain_mnist.driver.runs import CURVES_FILE, RUN_FILE, SUMMARY_FILE, Run
+from raytrain_mnist.errors import EXIT_FAILURE, UserError, cause_line
 
 logger = logging.getLogger(__name__)
 
@@ -46,11 +60,15 @@ def parse_config(argv: Sequence[str] | None = None) -> FitConfig:
     auto_epochs = args.epochs is None
     if auto_epochs:
         args.epochs = TrainConfig.__dataclass_fields__["epochs"].default
-    return FitConfig(train=dataclass_from_args(TrainConfig, args),
-                     run=dataclass_from_args(RunSettings, args), auto_epochs=auto_epochs)
+    return FitConfig(
+        train=dataclass_from_args(TrainConfig, args),
+        run=dataclass_from_args(RunSettings, args),
+        auto_epochs=auto_epochs,
+    )
 
 
 # --------------------------------------------------------------------------- progress
+
 
 class _Progress:
     """A tiny actor that carries events from the Train controller to the driver: each
@@ -101,14 +119,22 @@ def _callbacks(actor) -> list:
 
 
 def format_epoch(m: dict, epochs: int) -> str:
-    return (f"epoch {m['epoch']:>3}/{epochs}  train_loss {m['train_loss']:.4f}  "
-            f"val_loss {m['val_loss']:.4f}  val_acc {100 * m['val_accuracy']:6.2f}%  "
-            f"{m['images_per_s']:8.0f} img/s  {m['epoch_time_s']:6.1f} s")
+    return (
+        f"epoch {m['epoch']:>3}/{epochs}  train_loss {m['train_loss']:.4f}  "
+        f"val_loss {m['val_loss']:.4f}  val_acc {100 * m['val_accuracy']:6.2f}%  "
+        f"{m['images_per_s']:8.0f} img/s  {m['epoch_time_s']:6.1f} s"
+    )
 
 
 #: What an epoch's report carries about the run rather than the epoch: not history.
-_RUN_KEYS = ("val_total", "best_val_accuracy", "resumed_from_epoch", "started_at", "workers",
-             "checkpoint")
+_RUN_KEYS = (
+    "val_total",
+    "best_val_accuracy",
+    "resumed_from_epoch",
+    "started_at",
+    "workers",
+    "checkpoint",
+)
 
 
 def _epoch_entry(metrics: dict) -> dict:
@@ -121,8 +147,9 @@ class _Printer:
     epochs as they commit. Builds the run's history (the epochs before a resume, from its
     checkpoint, and those seen now) and its record of worker-group restarts and resizes."""
 
-    def __init__(self, actor, epochs: int, prior: list[dict], on_epoch=None,
-                 renderer: Renderer | None = None) -> None:
+    def __init__(
+        self, actor, epochs: int, prior: list[dict], on_epoch=None, renderer: Renderer | None = None
+    ) -> None:
         self.actor, self.epochs = actor, epochs
         self.on_epoch = on_epoch  # tracking.EpochLog.log: TensorBoard (and MLflow)
         self.renderer = renderer or Renderer("off", epochs, time.perf_counter())
@@ -137,7 +164,7 @@ class _Printer:
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True)
 
-    def __enter__(self) -> "_Printer":
+    def __enter__(self) -> _Printer:
         self._thread.start()
         return self
 
@@ -207,6 +234,7 @@ class _Printer:
 
 # --------------------------------------------------------------------------- the run
 
+
 def _resume_point(run: Run, cfg: FitConfig) -> list[dict]:
     """The history a resume continues from ([] for a new run). Checks, on the driver and
     before any worker starts, that the latest committed checkpoint can resume this run."""
@@ -219,8 +247,10 @@ def _resume_point(run: Run, cfg: FitConfig) -> list[dict]:
         try:
             return list(resumable_state(directory, cfg.train.to_dict())["history"])
         except CheckpointError as exc:
-            raise UserError(f"cannot resume run '{run.name}': {exc}; move {run.dir} away, "
-                            "pick another --name, or add --fresh") from exc
+            raise UserError(
+                f"cannot resume run '{run.name}': {exc}; move {run.dir} away, "
+                "pick another --name, or add --fresh"
+            ) from exc
 
 
 def fit(cfg: FitConfig) -> dict[str, Any]:
@@ -234,38 +264,49 @@ def fit(cfg: FitConfig) -> dict[str, Any]:
     check_data_fits(cfg.train, cfg.run, data.train_size)
     run = Run(cfg.run.storage_path, runs.default_name(cfg))
     renderer = Renderer(cfg.run.progress, cfg.train.epochs, started)
-    renderer.phase(f"data loaded: {data.train_size} train / {data.test_size} test images "
-                   f"({data.kind})")
+    renderer.phase(
+        f"data loaded: {data.train_size} train / {data.test_size} test images ({data.kind})"
+    )
     identity = runs.fit_identity(cfg, data)
     with run.claim(cfg.run.fresh):
         # Inside the claim: no other command can be writing what these read.
         run.check_identity(identity)
         finished = run.finished()
         if finished is not None:
-            print(f"run '{run.name}' already finished: val_accuracy "
-                  f"{100 * finished['val_accuracy']:.2f}% after "
-                  f"{finished['epochs_completed']} epoch(s); see {run.dir}/{SUMMARY_FILE}. "
-                  "Add --fresh to train it again.")
+            print(
+                f"run '{run.name}' already finished: val_accuracy "
+                f"{100 * finished['val_accuracy']:.2f}% after "
+                f"{finished['epochs_completed']} epoch(s); see {run.dir}/{SUMMARY_FILE}. "
+                "Add --fresh to train it again."
+            )
             return finished
         prior = _resume_point(run, cfg)
-        summary, error, tracker, logs = _train(cfg, run, data, identity, prior, started,
-                                               renderer)
+        summary, error, tracker, logs = _train(cfg, run, data, identity, prior, started, renderer)
         # Still claimed: a second command never sees a half-written or stale summary.
         run.write_json(SUMMARY_FILE, summary)
         if summary["history"]:
             from raytrain_mnist.driver.plots import training_curves_png
 
-            run.write_bytes(CURVES_FILE, training_curves_png(
-                summary["history"],
-                f"{run.name}: {cfg.run.num_workers} worker(s), {data.kind}"))
+            run.write_bytes(
+                CURVES_FILE,
+                training_curves_png(
+                    summary["history"], f"{run.name}: {cfg.run.num_workers} worker(s), {data.kind}"
+                ),
+            )
         tracker.close(summary)
     _print_summary(summary)
     if error is not None:
-        raise UserError(f"training failed: {cause_line(error)}; resume with: "
-                        f"{resume_command(cfg, run.name)} (worker logs: {logs})", EXIT_FAILURE)
+        raise UserError(
+            f"training failed: {cause_line(error)}; resume with: "
+            f"{resume_command(cfg, run.name)} (worker logs: {logs})",
+            EXIT_FAILURE,
+        )
     if summary["status"] == "interrupted":
-        print(f"interrupted after {summary['epochs_completed']} epoch(s); resume with: "
-              f"{resume_command(cfg, run.name)}", file=sys.stderr)
+        print(
+            f"interrupted after {summary['epochs_completed']} epoch(s); resume with: "
+            f"{resume_command(cfg, run.name)}",
+            file=sys.stderr,
+        )
         raise KeyboardInterrupt
     return summary
 
@@ -285,31 +326,51 @@ def _workers_text(cfg: FitConfig) -> str:
     r = cfg.run
     if not r.elastic:
         return f"{r.num_workers} worker(s)"
-    return (f"{r.num_workers} worker(s) (elastic: starts once {r.min_workers} fit, checks "
-            f"for room every {r.resize_check_s:g} s)")
+    return (
+        f"{r.num_workers} worker(s) (elastic: starts once {r.min_workers} fit, checks "
+        f"for room every {r.resize_check_s:g} s)"
+    )
 
 
-def _train(cfg: FitConfig, run: Run, data, identity: dict, prior: list[dict],
-           started: float, renderer: Renderer):
+def _train(
+    cfg: FitConfig,
+    run: Run,
+    data,
+    identity: dict,
+    prior: list[dict],
+    started: float,
+    renderer: Renderer,
+):
     """Connect, train, summarize: (summary, error or None, the tracker, worker logs)."""
     address = cluster.resolve_address(cfg.run.address)
     import ray
 
     local = address is None and not ray.is_initialized()
     # Sized for the most workers the run may have; placed once the fewest fit.
-    threads = cfg.run.cpus_per_worker or cluster.default_cpus_per_worker(
-        cfg.run.max_workers, local)
-    request = cluster.Request.for_run(cfg.run, threads)
-    renderer.phase("starting a local Ray" if local else
-                   f"connecting to Ray at {address}" if address else "using the connected Ray")
+    cpus_per_worker = cfg.run.cpus_per_worker or cluster.default_cpus_per_worker(
+        cfg.run.max_workers, local
+    )
+    request = cluster.Request.for_run(cfg.run, cpus_per_worker)
+    renderer.phase(
+        "starting a local Ray"
+        if local
+        else f"connecting to Ray at {address}"
+        if address
+        else "using the connected Ray"
+    )
     with cluster.connect(address, request):
-        sized = (f"; {cfg.train.epochs} epochs, as many steps as "
-                 f"{TrainConfig().epochs} on full MNIST (--epochs sets them)"
-                 if cfg.auto_epochs and cfg.train.epochs != TrainConfig().epochs else "")
-        renderer.line(f"{'resuming' if prior else 'starting'} run '{run.name}': "
-                      f"{_workers_text(cfg)} x {threads} CPU"
-                      f"{_gpu_text(cfg.run)}, {data.train_size} train / "
-                      f"{data.test_size} test images from {data.source}{sized}")
+        sized = (
+            f"; {cfg.train.epochs} epochs, as many steps as "
+            f"{TrainConfig().epochs} on full MNIST (--epochs sets them)"
+            if cfg.auto_epochs and cfg.train.epochs != TrainConfig().epochs
+            else ""
+        )
+        renderer.line(
+            f"{'resuming' if prior else 'starting'} run '{run.name}': "
+            f"{_workers_text(cfg)} x {cpus_per_worker} CPU"
+            f"{_gpu_text(cfg.run)}, {data.train_size} train / "
+            f"{data.test_size} test images from {data.source}{sized}"
+        )
         run.write_json(RUN_FILE, identity)
         from raytrain_mnist.driver.tracking import EpochLog
 
@@ -318,17 +379,34 @@ def _train(cfg: FitConfig, run: Run, data, identity: dict, prior: list[dict],
 
         # On the driver's node, as Ray puts the Train controller: a lost worker node must
         # not take the stream (and the epochs it carries) with it.
-        progress = ray.remote(num_cpus=0)(_Progress).options(
-            scheduling_strategy=NodeAffinitySchedulingStrategy(
-                ray.get_runtime_context().get_node_id(), soft=False)).remote()
-        from raytrain_mnist.worker.loop import train_func_per_worker
+        progress = (
+            ray.remote(num_cpus=0)(_Progress)
+            .options(
+                scheduling_strategy=NodeAffinitySchedulingStrategy(
+                    ray.get_runtime_context().get_node_id(), soft=False
+                )
+            )
+            .remote()
+        )
         from raytrain_mnist.driver.trainer import build_trainer
+        from raytrain_mnist.worker.loop import train_func_per_worker
 
         # --progress off: no stream from rank 0 at all (the epochs still arrive).
-        loop_config = {"train": cfg.train.to_dict(), "data": ray.put(data), "threads": threads,
-                       "progress": None if renderer.mode == "off" else progress}
-        trainer = build_trainer(cfg.run, train_func_per_worker, loop_config, threads,
-                                run.storage, run.name, callbacks=_callbacks(progress))
+        loop_config = {
+            "train": cfg.train.to_dict(),
+            "data": ray.put(data),
+            "cpus_per_worker": cpus_per_worker,
+            "progress": None if renderer.mode == "off" else progress,
+        }
+        trainer = build_trainer(
+            cfg.run,
+            train_func_per_worker,
+            loop_config,
+            cpus_per_worker,
+            run.storage,
+            run.name,
+            callbacks=_callbacks(progress),
+        )
         result = error = logs = None
         renderer.phase("workers starting")
         with _Printer(progress, cfg.train.epochs, prior, tracker.log, renderer) as printer:
@@ -336,10 +414,14 @@ def _train(cfg: FitConfig, run: Run, data, identity: dict, prior: list[dict],
                 result = _fit_interruptibly(trainer, progress)
             except ray.train.TrainingFailedError as exc:
                 error, logs = exc, cluster.worker_logs_dir()
-        metrics = result.metrics if result is not None else (
-            printer.seen[-1] if printer.seen else run.latest_metrics())
-        summary = _summarize(cfg, run, data, threads, metrics, printer,
-                             time.perf_counter() - started, error)
+        metrics = (
+            result.metrics
+            if result is not None
+            else (printer.seen[-1] if printer.seen else run.latest_metrics())
+        )
+        summary = _summarize(
+            cfg, run, data, cpus_per_worker, metrics, printer, time.perf_counter() - started, error
+        )
     return summary, error, tracker, logs
 
 
@@ -374,8 +456,11 @@ def _fit_interruptibly(trainer, progress):
         while thread.is_alive():
             thread.join(0.5)
     except KeyboardInterrupt:
-        print("\nCtrl-C: stopping the workers; the last committed checkpoint is kept",
-              file=sys.stderr, flush=True)
+        print(
+            "\nCtrl-C: stopping the workers; the last committed checkpoint is kept",
+            file=sys.stderr,
+            flush=True,
+        )
         controller = None
         # Interrupted while the controller was starting: it announces itself in a moment.
         for _ in range(60):
@@ -397,13 +482,21 @@ def _fit_interruptibly(trainer, progress):
 
 def resume_command(cfg: FitConfig, name: str) -> str:
     """The command that continues this run, as this process was started (never --fresh)."""
-    return command_line([*invocation("fit"), *flags_of(cfg.train, cfg.run,
-                                                       skip=("fresh", "name")),
-                         "--name", name])
+    return command_line(
+        [*invocation("fit"), *flags_of(cfg.train, cfg.run, skip=("fresh", "name")), "--name", name]
+    )
 
 
-def _summarize(cfg: FitConfig, run: Run, data, threads: int, metrics: dict, printer: _Printer,
-               wall_s: float, error) -> dict:
+def _summarize(
+    cfg: FitConfig,
+    run: Run,
+    data,
+    cpus_per_worker: int,
+    metrics: dict,
+    printer: _Printer,
+    wall_s: float,
+    error,
+) -> dict:
     history = printer.history
     epochs_completed = history[-1]["epoch"] if history else 0
     if error is not None:
@@ -423,7 +516,7 @@ def _summarize(cfg: FitConfig, run: Run, data, threads: int, metrics: dict, prin
         "test_size": data.test_size,
         "num_workers": cfg.run.num_workers,
         "elastic": cfg.run.elastic,
-        "cpus_per_worker": threads,
+        "cpus_per_worker": cpus_per_worker,
         "use_gpu": cfg.run.use_gpu,
         "epochs_completed": epochs_completed,
         "resumed_from_epoch": first.get("resumed_from_epoch"),
@@ -448,16 +541,22 @@ def _summarize(cfg: FitConfig, run: Run, data, threads: int, metrics: dict, prin
 
 def _print_summary(s: dict) -> None:
     if s["history"]:
-        print(f"\n{'epoch':>5} {'train_loss':>10} {'val_loss':>9} {'val_acc':>8} "
-              f"{'img/s':>8} {'time_s':>7}")
+        print(
+            f"\n{'epoch':>5} {'train_loss':>10} {'val_loss':>9} {'val_acc':>8} "
+            f"{'img/s':>8} {'time_s':>7}"
+        )
         for h in s["history"]:
-            print(f"{h['epoch']:>5} {h['train_loss']:>10.4f} {h['val_loss']:>9.4f} "
-                  f"{100 * h['val_accuracy']:>7.2f}% {h['images_per_s']:>8.0f} "
-                  f"{h['epoch_time_s']:>7.1f}")
+            print(
+                f"{h['epoch']:>5} {h['train_loss']:>10.4f} {h['val_loss']:>9.4f} "
+                f"{100 * h['val_accuracy']:>7.2f}% {h['images_per_s']:>8.0f} "
+                f"{h['epoch_time_s']:>7.1f}"
+            )
     if s["val_accuracy"] is not None:
-        print(f"\nval_accuracy {100 * s['val_accuracy']:.2f}% on {s['val_total']} test images "
-              f"({s['dataset']}), best {100 * s['best_val_accuracy']:.2f}%, "
-              f"{s['wall_time_s']:.0f} s wall")
+        print(
+            f"\nval_accuracy {100 * s['val_accuracy']:.2f}% on {s['val_total']} test images "
+            f"({s['dataset']}), best {100 * s['best_val_accuracy']:.2f}%, "
+            f"{s['wall_time_s']:.0f} s wall"
+        )
     print(f"best checkpoint: {s['best_checkpoint']}")
     print(f"run directory:   {s['run_dir']}")
 

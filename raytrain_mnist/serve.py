@@ -33,16 +33,23 @@ import os
 import signal
 import socket
 import sys
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from importlib import resources
 from pathlib import Path
-from typing import Any, Iterator, Optional, Sequence
+from typing import Any, Optional
 
 import numpy as np
 
-from raytrain_mnist._cli import (EXIT_USAGE, ArgumentParser, UserError, add_dataclass_args,
-                                 dataclass_from_args, run_cli, setup_logging)
+from raytrain_mnist._cli import (
+    ArgumentParser,
+    add_dataclass_args,
+    dataclass_from_args,
+    run_cli,
+    setup_logging,
+)
 from raytrain_mnist.config import ConfigError
+from raytrain_mnist.errors import EXIT_USAGE, UserError
 from raytrain_mnist.evaluate import add_target_argument, load_checkpoint, resolve_target
 
 logger = logging.getLogger(__name__)
@@ -67,6 +74,7 @@ _PAGE = ("static", "index.html")
 
 # --------------------------------------------------------------------------- settings
 
+
 def _flag(default: Any, help: str):
     return field(default=default, metadata={"help": help})
 
@@ -76,15 +84,21 @@ class ServeConfig:
     """How the model is served; the one home of the serve command's defaults."""
 
     address: Optional[str] = _flag(
-        None, "Ray cluster address (host:port or auto); default: $RAY_ADDRESS, else start a "
-        "local Ray")
-    host: str = _flag("127.0.0.1", "interface the HTTP proxy listens on; 0.0.0.0 exposes the "
-                      "model and page to every network this machine is on (docs/serve.md)")
+        None,
+        "Ray cluster address (host:port or auto); default: $RAY_ADDRESS, else start a local Ray",
+    )
+    host: str = _flag(
+        "127.0.0.1",
+        "interface the HTTP proxy listens on; 0.0.0.0 exposes the "
+        "model and page to every network this machine is on (docs/serve.md)",
+    )
     port: int = _flag(8000, "HTTP port")
-    replicas: int = _flag(1, f"model replicas, each {CPUS_PER_REPLICA} CPU (plus 1 GPU with "
-                           "--use-gpu)")
-    max_batch_size: int = _flag(64, "most images in one forward pass, gathered across "
-                                "concurrent requests")
+    replicas: int = _flag(
+        1, f"model replicas, each {CPUS_PER_REPLICA} CPU (plus 1 GPU with --use-gpu)"
+    )
+    max_batch_size: int = _flag(
+        64, "most images in one forward pass, gathered across concurrent requests"
+    )
     use_gpu: bool = _flag(False, "one GPU per replica")
 
     def __post_init__(self) -> None:
@@ -116,6 +130,7 @@ def _absolute(checkpoint: str) -> str:
 
 # --------------------------------------------------------------------------- requests
 
+
 class BadRequest(Exception):
     """A request the server refuses: HTTP ``status`` and a one-line reason."""
 
@@ -132,15 +147,22 @@ def parse_images(body: bytes, max_images: int = MAX_IMAGES) -> np.ndarray:
         raise BadRequest(400, 'the body is not JSON; send {"images": [...]}') from None
     images = payload.get("images") if isinstance(payload, dict) else None
     if not isinstance(images, list) or not images:
-        raise BadRequest(422, 'expected {"images": [...]}: a non-empty list of 28x28 '
-                              'integer arrays (0-255) or base64 PNGs')
+        raise BadRequest(
+            422,
+            'expected {"images": [...]}: a non-empty list of 28x28 '
+            "integer arrays (0-255) or base64 PNGs",
+        )
     if len(images) > max_images:
-        raise BadRequest(413, f"{len(images)} images in one request; the limit is "
-                              f"{max_images}: split them over several requests")
+        raise BadRequest(
+            413,
+            f"{len(images)} images in one request; the limit is "
+            f"{max_images}: split them over several requests",
+        )
     batch = np.empty((len(images), SIDE, SIDE), dtype=np.uint8)
     for i, image in enumerate(images):
-        batch[i] = png_to_mnist(_b64decode(image, i), i) if isinstance(image, str) \
-            else _pixels(image, i)
+        batch[i] = (
+            png_to_mnist(_b64decode(image, i), i) if isinstance(image, str) else _pixels(image, i)
+        )
     return batch
 
 
@@ -151,20 +173,24 @@ def _pixels(image: Any, i: int) -> np.ndarray:
         array = None
     if array is None or array.shape != (SIDE, SIDE):
         shape = "x".join(map(str, array.shape)) if array is not None else "ragged"
-        raise BadRequest(422, f"image {i} has shape {shape or 'scalar'}; each image must be "
-                              "28x28 integers 0-255 or a base64 PNG")
+        raise BadRequest(
+            422,
+            f"image {i} has shape {shape or 'scalar'}; each image must be "
+            "28x28 integers 0-255 or a base64 PNG",
+        )
     if array.dtype.kind not in "iu":
-        raise BadRequest(422, f"image {i}: pixels must be integers 0-255, got "
-                              f"{_kind(array.dtype)}")
+        raise BadRequest(422, f"image {i}: pixels must be integers 0-255, got {_kind(array.dtype)}")
     if array.min() < 0 or array.max() > 255:
-        raise BadRequest(422, f"image {i}: pixel values must be in 0-255, got "
-                              f"{array.min()}..{array.max()}")
+        raise BadRequest(
+            422, f"image {i}: pixel values must be in 0-255, got {array.min()}..{array.max()}"
+        )
     return array
 
 
 def _kind(dtype: np.dtype) -> str:
     return {"f": "floats", "b": "booleans", "U": "strings", "O": "mixed or huge values"}.get(
-        dtype.kind, str(dtype))
+        dtype.kind, str(dtype)
+    )
 
 
 def _b64decode(text: str, i: int) -> bytes:
@@ -173,8 +199,9 @@ def _b64decode(text: str, i: int) -> bytes:
     try:
         return base64.b64decode(text, validate=True)
     except (binascii.Error, ValueError):
-        raise BadRequest(422, f"image {i} is a string but not base64 (a PNG, or a data: "
-                              "URL of one)") from None
+        raise BadRequest(
+            422, f"image {i} is a string but not base64 (a PNG, or a data: URL of one)"
+        ) from None
 
 
 def png_to_mnist(data: bytes, i: int = 0) -> np.ndarray:
@@ -185,15 +212,24 @@ def png_to_mnist(data: bytes, i: int = 0) -> np.ndarray:
     try:
         with Image.open(io.BytesIO(data), formats=["PNG"]) as img:
             if img.width * img.height > MAX_PNG_PIXELS:
-                raise BadRequest(413, f"image {i} is {img.width}x{img.height} pixels; the "
-                                      f"limit is {MAX_PNG_PIXELS} pixels")
+                raise BadRequest(
+                    413,
+                    f"image {i} is {img.width}x{img.height} pixels; the "
+                    f"limit is {MAX_PNG_PIXELS} pixels",
+                )
             rgba = img.convert("RGBA")
     except BadRequest:
         raise
-    except (UnidentifiedImageError, OSError, SyntaxError, ValueError,
-            Image.DecompressionBombError) as exc:
-        raise BadRequest(422, f"image {i} is not a readable PNG "
-                              f"({exc.__class__.__name__})") from None
+    except (
+        UnidentifiedImageError,
+        OSError,
+        SyntaxError,
+        ValueError,
+        Image.DecompressionBombError,
+    ) as exc:
+        raise BadRequest(
+            422, f"image {i} is not a readable PNG ({exc.__class__.__name__})"
+        ) from None
     # Transparent pixels count as paper: a digit drawn on a transparent sheet shows on white.
     paper = Image.new("RGBA", rgba.size, (255, 255, 255, 255))
     gray = np.asarray(Image.alpha_composite(paper, rgba).convert("L"), dtype=np.float32)
@@ -211,11 +247,13 @@ def _mnist_like(gray: np.ndarray) -> np.ndarray:
         return np.zeros((SIDE, SIDE), dtype=np.uint8)
     ink *= 255.0 / ink.max()
     rows, cols = np.nonzero(ink > 25)
-    ink = ink[rows.min():rows.max() + 1, cols.min():cols.max() + 1]
+    ink = ink[rows.min() : rows.max() + 1, cols.min() : cols.max() + 1]
     scale = 20.0 / max(ink.shape)
     size = (max(1, round(ink.shape[1] * scale)), max(1, round(ink.shape[0] * scale)))
-    box = np.asarray(Image.fromarray(ink.astype(np.uint8)).resize(
-        size, Image.Resampling.LANCZOS), dtype=np.float32)
+    box = np.asarray(
+        Image.fromarray(ink.astype(np.uint8)).resize(size, Image.Resampling.LANCZOS),
+        dtype=np.float32,
+    )
     # Place the box so that its centre of mass lands on pixel (14, 14), where MNIST's are.
     total = box.sum() or 1.0
     com_y = (box.sum(1) * np.arange(box.shape[0])).sum() / total
@@ -223,7 +261,7 @@ def _mnist_like(gray: np.ndarray) -> np.ndarray:
     top = int(np.clip(round(SIDE / 2 - com_y), 0, SIDE - box.shape[0]))
     left = int(np.clip(round(SIDE / 2 - com_x), 0, SIDE - box.shape[1]))
     out = np.zeros((SIDE, SIDE), dtype=np.float32)
-    out[top:top + box.shape[0], left:left + box.shape[1]] = box
+    out[top : top + box.shape[0], left : left + box.shape[1]] = box
     return np.clip(out, 0, 255).round().astype(np.uint8)
 
 
@@ -237,21 +275,24 @@ def page() -> bytes:
 #: Bodies smaller than this are parsed on the event loop (a thread hop would cost more).
 _PARSE_INLINE_BYTES = 64 * 1024
 #: Only what the page itself holds may load: no CDN, no third-party request.
-_PAGE_CSP = ("default-src 'none'; script-src 'unsafe-inline'; style-src 'unsafe-inline'; "
-             "connect-src 'self'; img-src data:; base-uri 'none'; form-action 'none'")
+_PAGE_CSP = (
+    "default-src 'none'; script-src 'unsafe-inline'; style-src 'unsafe-inline'; "
+    "connect-src 'self'; img-src data:; base-uri 'none'; form-action 'none'"
+)
 
 
 class DigitClassifier:
     """One Serve replica: the ConvNet in eval mode, answering HTTP requests directly (a
     plain ``__call__`` rather than FastAPI, so every error keeps our one-line form)."""
 
-    def __init__(self, weights: dict, amp: str, info: dict, max_batch_size: int,
-                 use_gpu: bool) -> None:
+    def __init__(
+        self, weights: dict, amp: str, info: dict, max_batch_size: int, use_gpu: bool
+    ) -> None:
         import torch
         from ray import serve
 
-        from raytrain_mnist.worker.loop import amp_context
         from raytrain_mnist.model import ConvNet
+        from raytrain_mnist.worker.optim import amp_context
 
         torch.set_num_threads(CPUS_PER_REPLICA)
         self.device = torch.device("cuda" if use_gpu else "cpu")
@@ -268,15 +309,18 @@ class DigitClassifier:
         # module imports neither Ray nor torch until a replica or the CLI needs them).
         # Items are chunks of images; a batch holds at most max_batch_size images.
         self._batched = serve.batch(
-            max_batch_size=max_batch_size, batch_wait_timeout_s=BATCH_WAIT_S,
-            batch_size_fn=lambda chunks: sum(len(c) for c in chunks))(self._run_batch)
+            max_batch_size=max_batch_size,
+            batch_wait_timeout_s=BATCH_WAIT_S,
+            batch_size_fn=lambda chunks: sum(len(c) for c in chunks),
+        )(self._run_batch)
 
     async def _run_batch(self, chunks: list[np.ndarray]) -> list[tuple[np.ndarray, np.ndarray]]:
         # The forward pass leaves the event loop free to gather the next batch meanwhile.
-        predictions, probabilities = await asyncio.to_thread(self._forward,
-                                                             np.concatenate(chunks))
+        predictions, probabilities = await asyncio.to_thread(self._forward, np.concatenate(chunks))
         bounds = np.cumsum([len(c) for c in chunks])[:-1]
-        return list(zip(np.split(predictions, bounds), np.split(probabilities, bounds)))
+        return list(
+            zip(np.split(predictions, bounds), np.split(probabilities, bounds), strict=False)
+        )
 
     def _forward(self, images: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         import torch
@@ -289,34 +333,50 @@ class DigitClassifier:
         return logits.argmax(1).cpu().numpy(), logits.softmax(1).cpu().numpy()
 
     async def predict(self, images: np.ndarray) -> dict[str, list]:
-        chunks = [images[i:i + self.max_batch_size]
-                  for i in range(0, len(images), self.max_batch_size)]
+        chunks = [
+            images[i : i + self.max_batch_size] for i in range(0, len(images), self.max_batch_size)
+        ]
         results = await asyncio.gather(*(self._batched(chunk) for chunk in chunks))
-        return {"predictions": np.concatenate([p for p, _ in results]).tolist(),
-                "probabilities": np.concatenate([q for _, q in results]).round(6).tolist()}
+        return {
+            "predictions": np.concatenate([p for p, _ in results]).tolist(),
+            "probabilities": np.concatenate([q for _, q in results]).round(6).tolist(),
+        }
 
     async def __call__(self, request):
         from starlette.responses import JSONResponse, Response
 
         path, method = request.url.path, request.method
-        routes = {"/": ("GET",), "/index.html": ("GET",), "/health": ("GET",),
-                  "/predict": ("POST",)}
+        routes = {
+            "/": ("GET",),
+            "/index.html": ("GET",),
+            "/health": ("GET",),
+            "/predict": ("POST",),
+        }
         if path not in routes:
             return _error(404, f"no {path[:80]}; try GET /, GET /health or POST /predict")
         if method not in routes[path]:
-            return _error(405, f"{path} answers {' and '.join(routes[path])}",
-                          {"Allow": ", ".join(routes[path])})
+            return _error(
+                405,
+                f"{path} answers {' and '.join(routes[path])}",
+                {"Allow": ", ".join(routes[path])},
+            )
         if path == "/health":
             return JSONResponse({"status": "ok", **self.info})
         if path != "/predict":
-            return Response(self.page, media_type="text/html; charset=utf-8",
-                            headers={"Content-Security-Policy": _PAGE_CSP})
+            return Response(
+                self.page,
+                media_type="text/html; charset=utf-8",
+                headers={"Content-Security-Policy": _PAGE_CSP},
+            )
         try:
             body = await _read_body(request)
             # Parsing a large body (up to ~100 ms) in a thread keeps this replica's event
             # loop, which also gathers the batches, free for other clients meanwhile.
-            images = (parse_images(body) if len(body) < _PARSE_INLINE_BYTES
-                      else await asyncio.to_thread(parse_images, body))
+            images = (
+                parse_images(body)
+                if len(body) < _PARSE_INLINE_BYTES
+                else await asyncio.to_thread(parse_images, body)
+            )
         except BadRequest as exc:
             return _error(exc.status, str(exc))
         return JSONResponse(await self.predict(images))
@@ -360,29 +420,39 @@ def build_app(args: dict):
     info = {"checkpoint": checkpoint, "epoch": state.get("epoch")}
     amp = (state.get("config") or {}).get("amp", "off")
     deployment = serve.deployment(
-        DigitClassifier, name="DigitClassifier", num_replicas=replicas,
+        DigitClassifier,
+        name="DigitClassifier",
+        num_replicas=replicas,
         # Room for a full batch in flight and the next one gathering.
         max_ongoing_requests=max(8, 2 * batch),
         # Requests take milliseconds: a stopping replica need not wait 2 s between checks
         # for its last ones.
         graceful_shutdown_wait_loop_s=0.2,
-        ray_actor_options={"num_cpus": CPUS_PER_REPLICA, "num_gpus": 1 if use_gpu else 0})
+        ray_actor_options={"num_cpus": CPUS_PER_REPLICA, "num_gpus": 1 if use_gpu else 0},
+    )
     return deployment.bind(model.state_dict(), amp, info, batch, use_gpu)
 
 
 # --------------------------------------------------------------------------- config file
 
+
 def deploy_config(cfg: ServeConfig, checkpoint: str) -> dict:
     """A config for Ray's ``serve deploy`` (``ServeDeploySchema``) serving ``checkpoint``."""
     return {
         "http_options": {"host": cfg.host, "port": cfg.port},
-        "applications": [{
-            "name": APP_NAME,
-            "route_prefix": "/",
-            "import_path": "raytrain_mnist.serve:build_app",
-            "args": {"checkpoint": _absolute(checkpoint), "replicas": cfg.replicas,
-                     "max_batch_size": cfg.max_batch_size, "use_gpu": cfg.use_gpu},
-        }],
+        "applications": [
+            {
+                "name": APP_NAME,
+                "route_prefix": "/",
+                "import_path": "raytrain_mnist.serve:build_app",
+                "args": {
+                    "checkpoint": _absolute(checkpoint),
+                    "replicas": cfg.replicas,
+                    "max_batch_size": cfg.max_batch_size,
+                    "use_gpu": cfg.use_gpu,
+                },
+            }
+        ],
     }
 
 
@@ -390,18 +460,20 @@ def write_config(path: str | os.PathLike, cfg: ServeConfig, checkpoint: str) -> 
     import yaml
 
     path = Path(path).expanduser()
-    header = ("# Ray Serve config for `serve deploy` (or `serve run`), written by "
-              "`raytrain-mnist serve --write-config`.\n# The application is built on the "
-              "cluster: it needs raytrain_mnist installed and the checkpoint at this path.\n")
+    header = (
+        "# Ray Serve config for `serve deploy` (or `serve run`), written by "
+        "`raytrain-mnist serve --write-config`.\n# The application is built on the "
+        "cluster: it needs raytrain_mnist installed and the checkpoint at this path.\n"
+    )
     try:
-        path.write_text(header + yaml.safe_dump(deploy_config(cfg, checkpoint),
-                                                sort_keys=False))
+        path.write_text(header + yaml.safe_dump(deploy_config(cfg, checkpoint), sort_keys=False))
     except OSError as exc:
         raise UserError(f"cannot write {path} ({exc.strerror or exc})", EXIT_USAGE) from exc
     return path
 
 
 # --------------------------------------------------------------------------- serving
+
 
 def check_local(cfg: ServeConfig) -> None:
     """What can be refused before a local Ray starts: GPUs, and the HTTP port."""
@@ -410,20 +482,27 @@ def check_local(cfg: ServeConfig) -> None:
 
         found = torch.cuda.device_count()
         if found < cfg.replicas:
-            raise UserError(f"--use-gpu asks for {cfg.replicas} GPU replica(s) but this "
-                            f"machine has {found} GPU(s) visible to PyTorch (no --address or "
-                            "RAY_ADDRESS given); drop --use-gpu to serve on CPUs, or lower "
-                            "--replicas", EXIT_USAGE)
+            raise UserError(
+                f"--use-gpu asks for {cfg.replicas} GPU replica(s) but this "
+                f"machine has {found} GPU(s) visible to PyTorch (no --address or "
+                "RAY_ADDRESS given); drop --use-gpu to serve on CPUs, or lower "
+                "--replicas",
+                EXIT_USAGE,
+            )
     with socket.socket(socket.AF_INET6 if ":" in cfg.host else socket.AF_INET) as sock:
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         try:
             sock.bind((cfg.host, cfg.port))
         except OSError as exc:
-            raise UserError(f"cannot listen on {cfg.host}:{cfg.port} ({exc.strerror or exc}); "
-                            "pass another --port or --host", EXIT_USAGE) from exc
+            raise UserError(
+                f"cannot listen on {cfg.host}:{cfg.port} ({exc.strerror or exc}); "
+                "pass another --port or --host",
+                EXIT_USAGE,
+            ) from exc
         except (socket.gaierror, UnicodeError) as exc:
-            raise UserError(f"--host {cfg.host!r} is not an address of this machine",
-                            EXIT_USAGE) from exc
+            raise UserError(
+                f"--host {cfg.host!r} is not an address of this machine", EXIT_USAGE
+            ) from exc
 
 
 def url_of(cfg: ServeConfig) -> str:
@@ -443,8 +522,14 @@ def serving(cfg: ServeConfig, checkpoint: str) -> Iterator[str]:
 
     address = cluster.resolve_address(cfg.address)
     # Reads the weights: a bad checkpoint is refused here, before any Ray starts.
-    app = build_app({"checkpoint": checkpoint, "replicas": cfg.replicas,
-                     "max_batch_size": cfg.max_batch_size, "use_gpu": cfg.use_gpu})
+    app = build_app(
+        {
+            "checkpoint": checkpoint,
+            "replicas": cfg.replicas,
+            "max_batch_size": cfg.max_batch_size,
+            "use_gpu": cfg.use_gpu,
+        }
+    )
     # Replicas are not training workers: the local Ray is sized for them as extra CPUs,
     # and their placement is checked below, in their own words.
     request = cluster.Request(0, 1, cfg.use_gpu, extra_cpus=cfg.replicas * CPUS_PER_REPLICA)
@@ -452,16 +537,22 @@ def serving(cfg: ServeConfig, checkpoint: str) -> Iterator[str]:
         _check_placeable(cfg, strict=started_ray)
         before = serve.status()
         if APP_NAME in before.applications:
-            raise UserError(f"an application named {APP_NAME!r} already runs on this "
-                            "cluster's Serve (`serve status`): stop the serve that runs it, "
-                            "or remove it (`serve shutdown` stops all of Serve)")
+            raise UserError(
+                f"an application named {APP_NAME!r} already runs on this "
+                "cluster's Serve (`serve status`): stop the serve that runs it, "
+                "or remove it (`serve shutdown` stops all of Serve)"
+            )
         serve_was_running = bool(before.proxies or before.applications)
         serve.start(http_options={"host": cfg.host, "port": cfg.port})
         try:
             if serve_was_running:
                 _check_same_http(cfg)
-            logger.info("deploying %s (%d replica(s), batches of up to %d images)",
-                        checkpoint, cfg.replicas, cfg.max_batch_size)
+            logger.info(
+                "deploying %s (%d replica(s), batches of up to %d images)",
+                checkpoint,
+                cfg.replicas,
+                cfg.max_batch_size,
+            )
             serve.run(app, name=APP_NAME, route_prefix="/")
             yield url_of(cfg)
         finally:
@@ -488,8 +579,10 @@ def _check_placeable(cfg: ServeConfig, strict: bool) -> None:
     if fits >= cfg.replicas:
         return
     what = "GPU" if cfg.use_gpu else "CPU"
-    message = (f"the cluster can place {fits} of {cfg.replicas} replica(s) "
-               f"({CPUS_PER_REPLICA} CPU{' + 1 GPU' if cfg.use_gpu else ''} each)")
+    message = (
+        f"the cluster can place {fits} of {cfg.replicas} replica(s) "
+        f"({CPUS_PER_REPLICA} CPU{' + 1 GPU' if cfg.use_gpu else ''} each)"
+    )
     if strict:
         raise UserError(f"{message}; lower --replicas", EXIT_USAGE)
     logger.warning("%s; Serve waits until nodes with a free %s join", message, what)
@@ -504,9 +597,12 @@ def _check_same_http(cfg: ServeConfig) -> None:
     except Exception:
         return
     if (running.host, running.port) != (cfg.host, cfg.port):
-        raise UserError(f"Serve already runs on this cluster with HTTP on {running.host}:"
-                        f"{running.port}, and keeps it; pass --host {running.host} --port "
-                        f"{running.port}", EXIT_USAGE)
+        raise UserError(
+            f"Serve already runs on this cluster with HTTP on {running.host}:"
+            f"{running.port}, and keeps it; pass --host {running.host} --port "
+            f"{running.port}",
+            EXIT_USAGE,
+        )
 
 
 @contextlib.contextmanager
@@ -529,16 +625,20 @@ def _signals_stop() -> Iterator[None]:
 
 # --------------------------------------------------------------------------- the command
 
+
 def build_parser() -> ArgumentParser:
     parser = ArgumentParser(
         prog="raytrain-mnist serve",
         description="Serve a run's best checkpoint over HTTP with Ray Serve: POST /predict, "
-                    "GET /health, and a page at / to draw a digit on. Ctrl-C stops it.")
+        "GET /health, and a page at / to draw a digit on. Ctrl-C stops it.",
+    )
     add_target_argument(parser)
     add_dataclass_args(parser, ServeConfig, "serving")
-    parser.add_argument("--write-config", metavar="FILE",
-                        help="write a Ray Serve config for `serve deploy` to FILE and exit "
-                             "(starts nothing)")
+    parser.add_argument(
+        "--write-config",
+        metavar="FILE",
+        help="write a Ray Serve config for `serve deploy` to FILE and exit (starts nothing)",
+    )
     return parser
 
 
@@ -566,11 +666,16 @@ def main(argv: Sequence[str] | None = None) -> int:
     # Serve's driver-side INFO lines repeat what this command prints.
     logging.getLogger("ray.serve").setLevel(logging.WARNING)
     with serving(cfg, checkpoint) as url, _signals_stop():
-        print(f"serving {checkpoint} at {url} (POST {url}predict, GET {url}health); "
-              "Ctrl-C stops", flush=True)
+        print(
+            f"serving {checkpoint} at {url} (POST {url}predict, GET {url}health); Ctrl-C stops",
+            flush=True,
+        )
         if cfg.host not in ("127.0.0.1", "localhost", "::1"):
-            print(f"listening on {cfg.host}: anyone who can reach this machine can use the "
-                  "model (see docs/serve.md)", flush=True)
+            print(
+                f"listening on {cfg.host}: anyone who can reach this machine can use the "
+                "model (see docs/serve.md)",
+                flush=True,
+            )
         try:
             while True:
                 signal.pause()

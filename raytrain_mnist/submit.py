@@ -27,20 +27,20 @@ import argparse
 import asyncio
 import contextlib
 import importlib
+import ipaddress
 import logging
 import os
 import re
 import shlex
-import ipaddress
 import socket
 import sys
 import time
+from collections.abc import Iterator, Sequence
 from pathlib import Path
-from typing import Iterator, Sequence
 from urllib.parse import urlsplit
 
-from raytrain_mnist._cli import (EXIT_FAILURE, EXIT_INTERRUPTED, EXIT_USAGE, ArgumentParser,
-                                 UserError, run_cli)
+from raytrain_mnist._cli import ArgumentParser, run_cli
+from raytrain_mnist.errors import EXIT_FAILURE, EXIT_INTERRUPTED, EXIT_USAGE, UserError
 
 DEFAULT_ADDRESS = "http://127.0.0.1:8265"
 #: Never uploaded from the checkout: secrets (environment files, keys, cloud credentials), and
@@ -49,9 +49,23 @@ DEFAULT_ADDRESS = "http://127.0.0.1:8265"
 #: (`ray job submit --working-dir .`) and cluster.yaml's `rsync_exclude` repeat it, and
 #: tests/test_submit.py holds the three equal.
 EXCLUDES = [
-    ".env", ".env.*", "*.pem", "*.key", ".aws/", ".ray/",
-    "data/", "runs/", "checkpoints/", "mlruns/", "*.pt", "evaluation_*/",
-    ".git/", ".venv/", "__pycache__/", "*.egg-info/", ".pytest_cache/",
+    ".env",
+    ".env.*",
+    "*.pem",
+    "*.key",
+    ".aws/",
+    ".ray/",
+    "data/",
+    "runs/",
+    "checkpoints/",
+    "mlruns/",
+    "*.pt",
+    "evaluation_*/",
+    ".git/",
+    ".venv/",
+    "__pycache__/",
+    "*.egg-info/",
+    ".pytest_cache/",
 ]
 ACTIONS = ("status", "logs", "stop", "list")
 _CONNECT_TIMEOUT_S = 5.0
@@ -63,23 +77,34 @@ def build_parser() -> ArgumentParser:
     parser = ArgumentParser(
         prog="raytrain-mnist submit",
         usage="%(prog)s [--address URL] [--no-wait] -- {fit,tune,evaluate,serve} [flags]\n"
-              "       %(prog)s [--address URL] {status,logs,stop} JOB_ID | list",
+        "       %(prog)s [--address URL] {status,logs,stop} JOB_ID | list",
         description="Submit fit, tune, evaluate or serve to a Ray cluster's Jobs API and "
-                    "follow it (serve runs until stopped: use --no-wait), or act on "
-                    "jobs already submitted.",
+        "follow it (serve runs until stopped: use --no-wait), or act on "
+        "jobs already submitted.",
         epilog="example:\n  %(prog)s --address http://127.0.0.1:8265 -- fit --num-workers 4 "
-               "--use-gpu \\\n      --storage-path s3://bucket/runs",
+        "--use-gpu \\\n      --storage-path s3://bucket/runs",
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    parser.add_argument("action", nargs="?", choices=ACTIONS,
-                        help="act on existing jobs instead of submitting one")
+    parser.add_argument(
+        "action", nargs="?", choices=ACTIONS, help="act on existing jobs instead of submitting one"
+    )
     parser.add_argument("job_id", nargs="?", help="the job (submission id) to act on")
-    parser.add_argument("--address", help="Jobs API (dashboard) URL; default: "
-                        "$RAY_API_SERVER_ADDRESS, else $RAY_ADDRESS, else " + DEFAULT_ADDRESS)
-    parser.add_argument("--no-wait", action="store_true",
-                        help="print the job id and return instead of following the job")
-    parser.add_argument("-f", "--follow", action="store_true",
-                        help="with logs: follow the job to its end, exit with its outcome")
+    parser.add_argument(
+        "--address",
+        help="Jobs API (dashboard) URL; default: "
+        "$RAY_API_SERVER_ADDRESS, else $RAY_ADDRESS, else " + DEFAULT_ADDRESS,
+    )
+    parser.add_argument(
+        "--no-wait",
+        action="store_true",
+        help="print the job id and return instead of following the job",
+    )
+    parser.add_argument(
+        "-f",
+        "--follow",
+        action="store_true",
+        help="with logs: follow the job to its end, exit with its outcome",
+    )
     return parser
 
 
@@ -91,10 +116,15 @@ def _commands() -> dict[str, str]:
 
 # --------------------------------------------------------------------------- connection
 
+
 def resolve_address(address: str | None) -> str:
     """``--address``, else Ray's environment variables, else the forwarded dashboard."""
-    address = (address or os.environ.get("RAY_API_SERVER_ADDRESS")
-               or os.environ.get("RAY_ADDRESS") or DEFAULT_ADDRESS)
+    address = (
+        address
+        or os.environ.get("RAY_API_SERVER_ADDRESS")
+        or os.environ.get("RAY_ADDRESS")
+        or DEFAULT_ADDRESS
+    )
     return address.rstrip("/")
 
 
@@ -133,25 +163,35 @@ def use_token_if_given(url: str = DEFAULT_ADDRESS) -> None:
     """
     path = os.environ.get("RAY_AUTH_TOKEN_PATH")
     if path and not Path(path).expanduser().is_file():
-        raise UserError(f"RAY_AUTH_TOKEN_PATH={path} is not a file; point it at the cluster's "
-                        "token, or unset it", EXIT_USAGE)
-    have_token = bool(os.environ.get("RAY_AUTH_TOKEN") or path
-                      or (Path.home() / ".ray" / "auth_token").is_file())
+        raise UserError(
+            f"RAY_AUTH_TOKEN_PATH={path} is not a file; point it at the cluster's "
+            "token, or unset it",
+            EXIT_USAGE,
+        )
+    have_token = bool(
+        os.environ.get("RAY_AUTH_TOKEN") or path or (Path.home() / ".ray" / "auth_token").is_file()
+    )
     mode = os.environ.get("RAY_AUTH_MODE")
     if mode is None and have_token:
         if private_channel(url):
             os.environ["RAY_AUTH_MODE"] = "token"
         else:
-            _warn_once(f"not sending the Ray token to {url}: plain http to another host can "
-                       "be read on the way; use https or `ray dashboard cluster.yaml` "
-                       f"({DEFAULT_ADDRESS}), or set RAY_AUTH_MODE=token to send it anyway")
+            _warn_once(
+                f"not sending the Ray token to {url}: plain http to another host can "
+                "be read on the way; use https or `ray dashboard cluster.yaml` "
+                f"({DEFAULT_ADDRESS}), or set RAY_AUTH_MODE=token to send it anyway"
+            )
     elif mode == "token" and not have_token:
-        raise UserError("RAY_AUTH_MODE=token but no token: put the cluster's token in "
-                        "~/.ray/auth_token, or set RAY_AUTH_TOKEN_PATH or RAY_AUTH_TOKEN",
-                        EXIT_USAGE)
+        raise UserError(
+            "RAY_AUTH_MODE=token but no token: put the cluster's token in "
+            "~/.ray/auth_token, or set RAY_AUTH_TOKEN_PATH or RAY_AUTH_TOKEN",
+            EXIT_USAGE,
+        )
     elif mode == "token" and not private_channel(url):
-        _warn_once(f"sending the Ray token to {url} over plain http (RAY_AUTH_MODE=token): "
-                   "anyone on the way can read it; prefer https or `ray dashboard`")
+        _warn_once(
+            f"sending the Ray token to {url} over plain http (RAY_AUTH_MODE=token): "
+            "anyone on the way can read it; prefer https or `ray dashboard`"
+        )
 
 
 def _check_reachable(url: str) -> None:
@@ -167,7 +207,8 @@ def _check_reachable(url: str) -> None:
         raise UserError(
             f"no Ray dashboard answers at {url} ({getattr(exc, 'strerror', None) or exc}); "
             "is the cluster up? `ray dashboard cluster.yaml` forwards it to "
-            f"{DEFAULT_ADDRESS}") from None
+            f"{DEFAULT_ADDRESS}"
+        ) from None
 
 
 def check_address(url: str) -> None:
@@ -180,30 +221,41 @@ def check_address(url: str) -> None:
     if scheme in ("http", "https"):
         try:
             parts = urlsplit(url)
-            ok = bool(parts.hostname) and parts.port != 0 and not parts.username \
+            ok = (
+                bool(parts.hostname)
+                and parts.port != 0
+                and not parts.username
                 and not parts.password
+            )
         except ValueError:  # a port that is no number or beyond 65535
             ok = False
         if not ok:
-            shown = "with credentials" if "@" in url.split("://", 1)[1].split("/", 1)[0] \
-                else repr(url)  # a password is not echoed to the terminal
-            raise UserError(f"--address {shown} is not a dashboard URL "
-                            "(http(s)://HOST:PORT, no credentials, e.g. "
-                            f"{DEFAULT_ADDRESS})", EXIT_USAGE)
+            shown = (
+                "with credentials" if "@" in url.split("://", 1)[1].split("/", 1)[0] else repr(url)
+            )  # a password is not echoed to the terminal
+            raise UserError(
+                f"--address {shown} is not a dashboard URL "
+                "(http(s)://HOST:PORT, no credentials, e.g. "
+                f"{DEFAULT_ADDRESS})",
+                EXIT_USAGE,
+            )
         return
     try:
         check_ray_address(url)
     except ConfigError:
-        raise UserError(f"--address {url!r} is neither a dashboard URL (e.g. {DEFAULT_ADDRESS})"
-                        " nor a Ray cluster address (HOST:PORT, ray://HOST:PORT, auto)",
-                        EXIT_USAGE) from None
+        raise UserError(
+            f"--address {url!r} is neither a dashboard URL (e.g. {DEFAULT_ADDRESS})"
+            " nor a Ray cluster address (HOST:PORT, ray://HOST:PORT, auto)",
+            EXIT_USAGE,
+        ) from None
 
 
 @contextlib.contextmanager
 def _address_from_argument_only() -> Iterator[None]:
     """Ray's client lets RAY_ADDRESS override its argument; our argument already folded it in."""
-    saved = {k: os.environ.pop(k) for k in ("RAY_API_SERVER_ADDRESS", "RAY_ADDRESS")
-             if k in os.environ}
+    saved = {
+        k: os.environ.pop(k) for k in ("RAY_API_SERVER_ADDRESS", "RAY_ADDRESS") if k in os.environ
+    }
     try:
         yield
     finally:
@@ -224,17 +276,20 @@ def _one_line_errors(url: str, job_id: str | None = None) -> Iterator[None]:
     except aiohttp.WSServerHandshakeError as exc:
         if exc.status in (401, 403):
             raise _auth_error(url, exc.status) from None
-        raise UserError(f"cannot follow the logs at {url}: HTTP {exc.status} {exc.message}") \
-            from None
-    except (ConnectionError, requests.exceptions.RequestException,
-            aiohttp.ClientError) as exc:
-        raise UserError(f"lost the connection to the Ray dashboard at {url} "
-                        f"({_first_line(exc)})") from None
+        raise UserError(
+            f"cannot follow the logs at {url}: HTTP {exc.status} {exc.message}"
+        ) from None
+    except (ConnectionError, requests.exceptions.RequestException, aiohttp.ClientError) as exc:
+        raise UserError(
+            f"lost the connection to the Ray dashboard at {url} ({_first_line(exc)})"
+        ) from None
     except RuntimeError as exc:
         text = str(exc)
         if job_id and ("404" in text or "does not exist" in text):
-            raise UserError(f"no job {job_id!r} on the cluster at {url}; "
-                            "`raytrain-mnist submit list` shows its jobs") from None
+            raise UserError(
+                f"no job {job_id!r} on the cluster at {url}; "
+                "`raytrain-mnist submit list` shows its jobs"
+            ) from None
         raise UserError(f"the Jobs API at {url} said: {_first_line(exc)}") from None
 
 
@@ -242,11 +297,13 @@ def _auth_error(url: str, status: int) -> UserError:
     if status == 401:
         return UserError(
             f"the cluster at {url} requires a token (HTTP 401): put it in ~/.ray/auth_token, "
-            "or set RAY_AUTH_TOKEN_PATH or RAY_AUTH_TOKEN (and not RAY_AUTH_MODE=disabled)")
+            "or set RAY_AUTH_TOKEN_PATH or RAY_AUTH_TOKEN (and not RAY_AUTH_MODE=disabled)"
+        )
     return UserError(
         f"the cluster at {url} refused the token (HTTP 403): this client's token "
         "(RAY_AUTH_TOKEN, else RAY_AUTH_TOKEN_PATH, else ~/.ray/auth_token) is not the "
-        "cluster's; `ray get-auth-token` on the head prints the right one")
+        "cluster's; `ray get-auth-token` on the head prints the right one"
+    )
 
 
 def _first_line(exc: BaseException) -> str:
@@ -269,8 +326,11 @@ def connect(address: str | None):
     from ray.job_submission import JobSubmissionClient
 
     # The SDK logs an INFO line per request and per closed log stream; ours are enough.
-    for name in ("ray.dashboard.modules.job.sdk", "ray.dashboard.modules.dashboard_sdk",
-                 "ray._private.runtime_env.packaging"):
+    for name in (
+        "ray.dashboard.modules.job.sdk",
+        "ray.dashboard.modules.dashboard_sdk",
+        "ray._private.runtime_env.packaging",
+    ):
         logging.getLogger(name).setLevel(logging.WARNING)  # the SDK's set INFO on import
     # "Directory '.git' is now ignored by default": we exclude it (and .venv) anyway.
     logging.getLogger("ray._private.runtime_env.working_dir").setLevel(logging.ERROR)
@@ -281,17 +341,21 @@ def connect(address: str | None):
 
 # --------------------------------------------------------------------------- submitting
 
+
 def entrypoint(command: Sequence[str]) -> str:
     """The shell command the job runs on the cluster, checked here first."""
     commands = _commands()
     if not command:
-        raise UserError(f"nothing after --: name a command ({', '.join(commands)}) and its "
-                        "flags", EXIT_USAGE)
+        raise UserError(
+            f"nothing after --: name a command ({', '.join(commands)}) and its flags", EXIT_USAGE
+        )
     name, args = command[0], list(command[1:])
     if name not in commands:
-        raise UserError(f"{name!r} is not a command to submit; use one of "
-                        f"{', '.join(commands)}, e.g. -- fit --num-workers 4 --use-gpu",
-                        EXIT_USAGE)
+        raise UserError(
+            f"{name!r} is not a command to submit; use one of "
+            f"{', '.join(commands)}, e.g. -- fit --num-workers 4 --use-gpu",
+            EXIT_USAGE,
+        )
     module = importlib.import_module(f"raytrain_mnist.{name}")
     # Flag errors surface here, as the command itself reports them (exit status 2): fit's
     # parse_config, tune's parse_command only parse and validate. Paths in the flags
@@ -315,8 +379,10 @@ def submit(client, url: str, entry: str, wait: bool) -> int:
         job_id = client.submit_job(entrypoint=entry, runtime_env=runtime_env())
     if not wait:
         print(job_id)
-        print(f"submitted {job_id} to {url}; follow it with: {_self(url)} logs --follow "
-              f"{job_id}", file=sys.stderr)
+        print(
+            f"submitted {job_id} to {url}; follow it with: {_self(url)} logs --follow {job_id}",
+            file=sys.stderr,
+        )
         return 0
     print(f"submitted {job_id} to {url}: {entry}", file=sys.stderr, flush=True)
     return follow(client, url, job_id)
@@ -327,6 +393,7 @@ def _self(url: str) -> str:
 
 
 # --------------------------------------------------------------------------- following
+
 
 def follow(client, url: str, job_id: str) -> int:
     """Stream the job's logs until it ends; return its outcome as an exit status."""
@@ -375,19 +442,22 @@ def outcome(client, url: str, job_id: str, status) -> int:
             message = client.get_job_info(job_id).message or "no message"
         code = re.search(r"exit code (-?\d+)", message)
         cause = _last_line(message).removeprefix("raytrain-mnist: error: ")
-        raise UserError(f"job {job_id} failed{f' (exit code {code[1]})' if code else ''}: "
-                        f"{cause}")
+        raise UserError(f"job {job_id} failed{f' (exit code {code[1]})' if code else ''}: {cause}")
     if name == "STOPPED":
         raise UserError(f"job {job_id} was stopped")
-    raise UserError(f"job {job_id} is still {name}, but its log stream ended; follow it "
-                    f"again with: {_self(url)} logs --follow {job_id}")
+    raise UserError(
+        f"job {job_id} is still {name}, but its log stream ended; follow it "
+        f"again with: {_self(url)} logs --follow {job_id}"
+    )
 
 
 def interrupted(client, url: str, job_id: str, stdin=None) -> int:
     """Ctrl-C while following: stop the job, or leave it running (the default)."""
     stdin = stdin or sys.stdin
-    how = (f"follow it with: {_self(url)} logs --follow {job_id}; stop it with: "
-           f"{_self(url)} stop {job_id}")
+    how = (
+        f"follow it with: {_self(url)} logs --follow {job_id}; stop it with: "
+        f"{_self(url)} stop {job_id}"
+    )
     answer = ""
     if stdin is not None and stdin.isatty():
         try:
@@ -403,6 +473,7 @@ def interrupted(client, url: str, job_id: str, stdin=None) -> int:
 
 
 # --------------------------------------------------------------------------- actions
+
 
 def status(client, url: str, job_id: str) -> int:
     with _one_line_errors(url, job_id):
@@ -434,10 +505,15 @@ def list_jobs(client, url: str) -> int:
     jobs.sort(key=lambda j: j.start_time or 0)
     print(f"{'job':<32} {'status':<10} {'started':<19}  entrypoint")
     for job in jobs:
-        started = time.strftime("%Y-%m-%d %H:%M:%S",
-                                time.localtime(job.start_time / 1000)) if job.start_time else "-"
-        print(f"{job.submission_id or job.job_id or '-':<32} {str(job.status):<10} "
-              f"{started:<19}  {job.entrypoint}")
+        started = (
+            time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(job.start_time / 1000))
+            if job.start_time
+            else "-"
+        )
+        print(
+            f"{job.submission_id or job.job_id or '-':<32} {str(job.status):<10} "
+            f"{started:<19}  {job.entrypoint}"
+        )
     return 0
 
 
@@ -446,14 +522,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     command: list[str] = []
     if "--" in argv:
         at = argv.index("--")
-        argv, command = argv[:at], argv[at + 1:]
+        argv, command = argv[:at], argv[at + 1 :]
     parser = build_parser()
     args = parser.parse_intermixed_args(argv)  # `logs --follow ID` and `logs ID -f`
     if args.action and command:
         parser.error(f"give either `{args.action}` or a command after --, not both")
     if not args.action and not command:
-        parser.error("nothing to do: submit with `-- fit [flags]`, or use status, logs, "
-                     "stop or list")
+        parser.error(
+            "nothing to do: submit with `-- fit [flags]`, or use status, logs, stop or list"
+        )
     if args.action in ("status", "logs", "stop") and not args.job_id:
         parser.error(f"{args.action} needs a JOB_ID (`list` shows them)")
     if args.action == "list" and args.job_id:

@@ -23,18 +23,38 @@ import os
 import sys
 import threading
 import time
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any
 
-from raytrain_mnist.driver import cluster
-from raytrain_mnist._cli import (EXIT_USAGE, ArgumentParser, UserError,
-                                 add_dataclass_args, cause_line, command_line,
-                                 dataclass_from_args, flags_of, invocation, run_cli,
-                                 setup_logging)
+from raytrain_mnist._cli import (
+    ArgumentParser,
+    add_dataclass_args,
+    command_line,
+    dataclass_from_args,
+    flags_of,
+    invocation,
+    run_cli,
+    setup_logging,
+)
 from raytrain_mnist.config import FitConfig, RunSettings, TrainConfig
-from raytrain_mnist.driver.runs import BEST_FILE, RUNS_DIR, SEARCH_FILE, Run, data_identity
-from raytrain_mnist.driver.search_space import (SearchSpace, TuneSettings, check_budget,
-                                         experiment_identity, experiment_name, searchable)
+from raytrain_mnist.driver import cluster
+from raytrain_mnist.driver.runs import (
+    BEST_FILE,
+    RUNS_DIR,
+    SEARCH_FILE,
+    Run,
+    data_identity,
+)
+from raytrain_mnist.driver.search_space import (
+    SearchSpace,
+    TuneSettings,
+    check_budget,
+    experiment_identity,
+    experiment_name,
+    searchable,
+)
+from raytrain_mnist.errors import EXIT_USAGE, UserError, cause_line
 
 RESULTS_FILE = "results.csv"
 PLOT_FILE = "val_accuracy.png"
@@ -58,27 +78,41 @@ class TuneCommand:
 
 # --------------------------------------------------------------------------- command line
 
+
 def build_parser() -> ArgumentParser:
     parser = ArgumentParser(
         prog="raytrain-mnist tune",
         description="Search hyperparameters with Ray Tune; every trial is a data-parallel "
-                    "TorchTrainer run of fit's loop. Unsearched flags mean what they mean "
-                    "in fit.",
+        "TorchTrainer run of fit's loop. Unsearched flags mean what they mean "
+        "in fit.",
     )
     search = parser.add_argument_group("search space")
     search.add_argument(
-        "--set", action="append", default=[], metavar="NAME=VALUE",
-        help="fix a parameter for every trial, e.g. --set lr=0.05 (the same as --lr 0.05)")
+        "--set",
+        action="append",
+        default=[],
+        metavar="NAME=VALUE",
+        help="fix a parameter for every trial, e.g. --set lr=0.05 (the same as --lr 0.05)",
+    )
     search.add_argument(
-        "--range", action="append", default=[], metavar="NAME=SPEC",
+        "--range",
+        action="append",
+        default=[],
+        metavar="NAME=SPEC",
         help="search a parameter over LOW:HIGH (floats; log-uniform for lr and weight_decay, "
-             "uniform otherwise) or a list A,B,C, e.g. --range lr=1e-3:0.3 "
-             "--range batch_size=64,128 --range schedule=onecycle,constant. Default space: "
-             + _default_space_text())
+        "uniform otherwise) or a list A,B,C, e.g. --range lr=1e-3:0.3 "
+        "--range batch_size=64,128 --range schedule=onecycle,constant. Default space: "
+        + _default_space_text(),
+    )
     add_dataclass_args(parser, TuneSettings, "search")
     parser.add_argument_group("per trial").add_argument(
-        "--max-epochs", dest="epochs", type=int, default=argparse.SUPPRESS, metavar="EPOCHS",
-        help="epochs of every trial that is not stopped early (the same as --epochs)")
+        "--max-epochs",
+        dest="epochs",
+        type=int,
+        default=argparse.SUPPRESS,
+        metavar="EPOCHS",
+        help="epochs of every trial that is not stopped early (the same as --epochs)",
+    )
     add_dataclass_args(parser, TrainConfig, "training (every trial, unless searched)")
     add_dataclass_args(parser, RunSettings, "run (as in fit; --name names the search)")
     return parser
@@ -108,28 +142,39 @@ def parse_command(argv: Sequence[str] | None = None) -> TuneCommand:
     space.check(train, run)
     check_budget(settings, train)
     if settings.resume and run.fresh:
-        raise UserError("--resume continues a search and --fresh starts it again: keep one",
-                        EXIT_USAGE)
-    return TuneCommand(space, settings, train, run,
-                       tuple(sys.argv[1:] if argv is None else argv))
+        raise UserError(
+            "--resume continues a search and --fresh starts it again: keep one", EXIT_USAGE
+        )
+    return TuneCommand(space, settings, train, run, tuple(sys.argv[1:] if argv is None else argv))
 
 
 # --------------------------------------------------------------------------- the trial
+
 
 def _trial(config: dict, setup: dict, data: list) -> None:
     """One Tune trial: fit's TorchTrainer with the sampled values, named by the trial id."""
     from ray import tune
     from ray.tune.integration.ray_train import TuneReportCallback
 
-    from raytrain_mnist.worker.loop import train_func_per_worker
     from raytrain_mnist.driver.trainer import build_trainer
+    from raytrain_mnist.worker.loop import train_func_per_worker
 
     train = TrainConfig.from_dict({**setup["train"], **config["train_loop_config"]})
     cfg = FitConfig(train, RunSettings(**setup["run"]))
-    loop_config = {"train": cfg.train.to_dict(), "data": data[0], "threads": setup["threads"]}
-    trainer = build_trainer(cfg.run, train_func_per_worker, loop_config, setup["threads"],
-                            setup["runs_root"], tune.get_context().get_trial_id(),
-                            callbacks=[TuneReportCallback()])
+    loop_config = {
+        "train": cfg.train.to_dict(),
+        "data": data[0],
+        "cpus_per_worker": setup["cpus_per_worker"],
+    }
+    trainer = build_trainer(
+        cfg.run,
+        train_func_per_worker,
+        loop_config,
+        setup["cpus_per_worker"],
+        setup["runs_root"],
+        tune.get_context().get_trial_id(),
+        callbacks=[TuneReportCallback()],
+    )
     trainer.fit()  # raises when the run fails: Tune records the error and may retry
 
 
@@ -152,7 +197,7 @@ class PlacementGroupReaper:
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True)
 
-    def __enter__(self) -> "PlacementGroupReaper":
+    def __enter__(self) -> PlacementGroupReaper:
         self._thread.start()
         return self
 
@@ -174,20 +219,25 @@ class PlacementGroupReaper:
         from ray.util.state import list_actors
 
         context = ray.get_runtime_context()
-        actors = list_actors(address=context.gcs_address, detail=True, limit=10_000,
-                             filters=[("class_name", "=", "RayTrainWorker"),
-                                      ("job_id", "=", context.get_job_id())],
-                             raise_on_missing_output=False)
+        actors = list_actors(
+            address=context.gcs_address,
+            detail=True,
+            limit=10_000,
+            filters=[("class_name", "=", "RayTrainWorker"), ("job_id", "=", context.get_job_id())],
+            raise_on_missing_output=False,
+        )
         dead: dict[str, bool] = {}
         for actor in actors:
             if actor.placement_group_id:
-                dead[actor.placement_group_id] = (dead.get(actor.placement_group_id, True)
-                                                  and actor.state == "DEAD")
+                dead[actor.placement_group_id] = (
+                    dead.get(actor.placement_group_id, True) and actor.state == "DEAD"
+                )
         removed = []
         for pg_id, info in ray.util.placement_group_table().items():
             if info.get("state") == "CREATED" and dead.get(pg_id):
                 ray.util.remove_placement_group(
-                    PlacementGroup(ray.PlacementGroupID(bytes.fromhex(pg_id))))
+                    PlacementGroup(ray.PlacementGroupID(bytes.fromhex(pg_id)))
+                )
                 removed.append(pg_id)
         return removed
 
@@ -209,8 +259,12 @@ def _printer(searched: list[str], epochs: int, metric: str, progress: str = "aut
     class Printer(tune.Callback):
         def on_trial_start(self, iteration, trials, trial, **info):
             values = trial.config.get("train_loop_config", {})
-            table.start(trial.trial_id, values, f"trial {trial.trial_id} started: "
-                        + ", ".join(f"{n}={_fmt(values.get(n))}" for n in searched))
+            table.start(
+                trial.trial_id,
+                values,
+                f"trial {trial.trial_id} started: "
+                + ", ".join(f"{n}={_fmt(values.get(n))}" for n in searched),
+            )
 
         def on_trial_result(self, iteration, trials, trial, result, **info):
             if "epoch" in result:
@@ -220,13 +274,19 @@ def _printer(searched: list[str], epochs: int, metric: str, progress: str = "aut
             last = trial.last_result or {}
             epoch = last.get("epoch", 0)
             how = "finished" if epoch >= epochs else f"stopped early after epoch {epoch}"
-            score = (f": {metric} {_fmt(last[metric])}"
-                     if isinstance(last.get(metric), (int, float)) else "")
+            score = (
+                f": {metric} {_fmt(last[metric])}"
+                if isinstance(last.get(metric), (int, float))
+                else ""
+            )
             table.end(trial.trial_id, how, f"trial {trial.trial_id} {how}{score}")
 
         def on_trial_error(self, iteration, trials, trial, **info):
-            table.end(trial.trial_id, "failed",
-                      f"trial {trial.trial_id} failed: see {trial.path}/error.txt")
+            table.end(
+                trial.trial_id,
+                "failed",
+                f"trial {trial.trial_id} failed: see {trial.path}/error.txt",
+            )
 
         def on_experiment_end(self, trials, **info):
             table.close()
@@ -235,6 +295,7 @@ def _printer(searched: list[str], epochs: int, metric: str, progress: str = "aut
 
 
 # --------------------------------------------------------------------------- the search
+
 
 def _check_experiment(experiment: Run, identity: dict, resume: bool) -> bool:
     """True when ``experiment`` holds a search to continue; refuses a conflicting one.
@@ -248,26 +309,37 @@ def _check_experiment(experiment: Run, identity: dict, resume: bool) -> bool:
     experiment.check_identity(identity, "search")
     restorable = tune.Tuner.can_restore(experiment.dir)
     if restorable and experiment.identity() is None:
-        raise UserError(f"{experiment.dir} holds a Tune experiment that this command did not "
-                        f"start (no {SEARCH_FILE}); it is never restored. Pick another --name",
-                        EXIT_USAGE)
+        raise UserError(
+            f"{experiment.dir} holds a Tune experiment that this command did not "
+            f"start (no {SEARCH_FILE}); it is never restored. Pick another --name",
+            EXIT_USAGE,
+        )
     if restorable and experiment.local:
         _check_owned(Path(experiment.dir))
     if resume and not restorable:
-        raise UserError(f"--resume: no search to continue in {experiment.dir}; drop --resume "
-                        "to start it", EXIT_USAGE)
+        raise UserError(
+            f"--resume: no search to continue in {experiment.dir}; drop --resume to start it",
+            EXIT_USAGE,
+        )
     return restorable
 
 
 def _check_owned(exp_dir: Path) -> None:
     """Tune state someone else could have written is not ours to unpickle."""
     me = os.getuid()
-    for path in [exp_dir, *exp_dir.glob("*.pkl"), *exp_dir.glob("*.json"),
-                 *exp_dir.glob("*/*.pkl")]:
+    for path in [
+        exp_dir,
+        *exp_dir.glob("*.pkl"),
+        *exp_dir.glob("*.json"),
+        *exp_dir.glob("*/*.pkl"),
+    ]:
         stat = path.lstat()
         if stat.st_uid != me or (stat.st_mode & 0o002 and not path.is_dir()):
-            raise UserError(f"{path} is not owned by you (or others may write it): the search "
-                            "in it is not restored. Pick another --name", EXIT_USAGE)
+            raise UserError(
+                f"{path} is not owned by you (or others may write it): the search "
+                "in it is not restored. Pick another --name",
+                EXIT_USAGE,
+            )
 
 
 def _plan(settings: TuneSettings, run: RunSettings, local: bool) -> tuple[int, int]:
@@ -278,21 +350,20 @@ def _plan(settings: TuneSettings, run: RunSettings, local: bool) -> tuple[int, i
         return wanted or settings.num_samples, run.cpus_per_worker or 1
     if run.cpus_per_worker:
         per_trial = run.num_workers * run.cpus_per_worker
-        return wanted or max(1, min(settings.num_samples, cores // per_trial)), \
-            run.cpus_per_worker
+        return wanted or max(1, min(settings.num_samples, cores // per_trial)), run.cpus_per_worker
     # Share the machine's cores between the trials that run at once.
     concurrent = wanted or max(1, min(settings.num_samples, cores // run.num_workers))
     return concurrent, max(1, cores // (run.num_workers * concurrent))
 
 
-def trials_the_cluster_holds(run: RunSettings, threads: int) -> int:
+def trials_the_cluster_holds(run: RunSettings, cpus_per_worker: int) -> int:
     """Trials that run at once without starving each other: each needs its trial actor
     (a sliver of a CPU), its workers (their own placement group, outside Tune's
     accounting) and a Train controller (no CPU)."""
     import ray
 
     total = ray.cluster_resources()
-    per_trial = run.num_workers * threads + TRIAL_CPU
+    per_trial = run.num_workers * cpus_per_worker + TRIAL_CPU
     holds = int(total.get("CPU", 0) // per_trial)
     if run.use_gpu:
         holds = min(holds, int(total.get("GPU", 0) // run.num_workers))
@@ -304,8 +375,7 @@ def search(cmd: TuneCommand) -> dict[str, Any]:
     started = time.perf_counter()
     space, settings, train, run = cmd.space, cmd.settings, cmd.train, cmd.run
     settings_identity = experiment_identity(space, settings, train, run)
-    experiment = Run(run.storage_path, experiment_name(settings_identity, run),
-                     record=SEARCH_FILE)
+    experiment = Run(run.storage_path, experiment_name(settings_identity, run), record=SEARCH_FILE)
 
     from raytrain_mnist.data import load_mnist
 
@@ -316,72 +386,96 @@ def search(cmd: TuneCommand) -> dict[str, Any]:
         restoring = _check_experiment(experiment, identity, settings.resume)
         best, trials = _search(cmd, experiment, identity, data, restoring, started)
         # Still claimed: a second command never reads a half-written result.
-        experiment.write_bytes(RESULTS_FILE, results_csv(trials, space.searched,
-                                                         settings.metric))
+        experiment.write_bytes(RESULTS_FILE, results_csv(trials, space.searched, settings.metric))
         from raytrain_mnist.driver.tune_plots import trials_png
 
-        experiment.write_bytes(PLOT_FILE, trials_png(
-            trials, f"{experiment.name}: validation accuracy per trial ({run.num_workers} "
-                    f"worker(s), {data.kind})"))
+        experiment.write_bytes(
+            PLOT_FILE,
+            trials_png(
+                trials,
+                f"{experiment.name}: validation accuracy per trial ({run.num_workers} "
+                f"worker(s), {data.kind})",
+            ),
+        )
         experiment.write_json(BEST_FILE, best)
     print_report(best, trials, space.searched, settings.metric)
     if best["num_unfinished"]:
-        print(f"search interrupted with {best['num_unfinished']} trial(s) unfinished; "
-              f"resume with: {resume_command(cmd, experiment.name)}", file=sys.stderr)
+        print(
+            f"search interrupted with {best['num_unfinished']} trial(s) unfinished; "
+            f"resume with: {resume_command(cmd, experiment.name)}",
+            file=sys.stderr,
+        )
         raise KeyboardInterrupt
     if best["num_errors"]:
-        raise UserError(f"{best['num_errors']} trial(s) failed (see the table); rerun the "
-                        f"same command to retry them: {resume_command(cmd, experiment.name)}")
+        raise UserError(
+            f"{best['num_errors']} trial(s) failed (see the table); rerun the "
+            f"same command to retry them: {resume_command(cmd, experiment.name)}"
+        )
     return best
 
 
-def _search(cmd: TuneCommand, experiment: Run, identity: dict, data, restoring: bool,
-            started: float) -> tuple[dict, list[dict]]:
+def _search(
+    cmd: TuneCommand, experiment: Run, identity: dict, data, restoring: bool, started: float
+) -> tuple[dict, list[dict]]:
     space, settings, train, run = cmd.space, cmd.settings, cmd.train, cmd.run
     address = cluster.resolve_address(run.address)
     import ray
     from ray import tune
 
     local = address is None and not ray.is_initialized()
-    concurrent, threads = _plan(settings, run, local)
+    concurrent, cpus_per_worker = _plan(settings, run, local)
     sized_for = concurrent if local else 1
-    request = dataclasses.replace(cluster.Request.for_run(run, threads),
-                                  num_workers=run.num_workers * sized_for,
-                                  extra_cpus=sized_for * TRIAL_CPU)
+    request = dataclasses.replace(
+        cluster.Request.for_run(run, cpus_per_worker),
+        num_workers=run.num_workers * sized_for,
+        extra_cpus=sized_for * TRIAL_CPU,
+    )
     with cluster.connect(address, request):
-        holds = trials_the_cluster_holds(run, threads)
+        holds = trials_the_cluster_holds(run, cpus_per_worker)
         if settings.max_concurrent_trials and settings.max_concurrent_trials > holds:
             raise UserError(
                 f"--max-concurrent-trials {settings.max_concurrent_trials}: the cluster holds "
-                f"{holds} trial(s) of {run.num_workers} worker(s) x {threads} CPU at once; "
-                "lower it, or --num-workers / --cpus-per-worker", EXIT_USAGE)
+                f"{holds} trial(s) of {run.num_workers} worker(s) x {cpus_per_worker} CPU at once; "
+                "lower it, or --num-workers / --cpus-per-worker",
+                EXIT_USAGE,
+            )
         concurrent = max(1, min(concurrent, holds, settings.num_samples))
         mode = settings.resolved_mode
-        print(f"{'resuming' if restoring else 'starting'} search '{experiment.name}': "
-              f"{settings.num_samples} trial(s), {settings.scheduler} on {settings.metric} "
-              f"({mode}), {concurrent} at a time, each {run.num_workers} worker(s) x "
-              f"{threads} CPU{f', {run.gpus:g} GPU' if run.use_gpu else ''} for up to "
-              f"{train.epochs} "
-              f"epoch(s); {data.train_size} train / {data.test_size} test images from "
-              f"{data.source}", flush=True)
+        print(
+            f"{'resuming' if restoring else 'starting'} search '{experiment.name}': "
+            f"{settings.num_samples} trial(s), {settings.scheduler} on {settings.metric} "
+            f"({mode}), {concurrent} at a time, each {run.num_workers} worker(s) x "
+            f"{cpus_per_worker} CPU{f', {run.gpus:g} GPU' if run.use_gpu else ''} for up to "
+            f"{train.epochs} "
+            f"epoch(s); {data.train_size} train / {data.test_size} test images from "
+            f"{data.source}",
+            flush=True,
+        )
         print(f"search space: {space.describe()}", flush=True)
         experiment.write_json(SEARCH_FILE, identity)
 
         runs_root = f"{experiment.dir}/{RUNS_DIR}"
-        setup = {"train": train.to_dict(), "run": dataclasses.asdict(run), "threads": threads,
-                 "runs_root": runs_root}
+        setup = {
+            "train": train.to_dict(),
+            "run": dataclasses.asdict(run),
+            "cpus_per_worker": cpus_per_worker,
+            "runs_root": runs_root,
+        }
         trainable = tune.with_resources(
-            tune.with_parameters(_trial, setup=setup, data=[ray.put(data)]),
-            {"CPU": TRIAL_CPU})
+            tune.with_parameters(_trial, setup=setup, data=[ray.put(data)]), {"CPU": TRIAL_CPU}
+        )
         if restoring:
-            tuner = tune.Tuner.restore(experiment.dir, trainable, resume_errored=True,
-                                       param_space=space.param_space())
+            tuner = tune.Tuner.restore(
+                experiment.dir, trainable, resume_errored=True, param_space=space.param_space()
+            )
         else:
             tuner = tune.Tuner(
                 trainable,
                 param_space=space.param_space(),
                 tune_config=tune.TuneConfig(
-                    metric=settings.metric, mode=mode, num_samples=settings.num_samples,
+                    metric=settings.metric,
+                    mode=mode,
+                    num_samples=settings.num_samples,
                     scheduler=_scheduler(settings, train.epochs),
                     # The limit goes to the searcher: Tune ignores max_concurrent_trials
                     # next to a BasicVariantGenerator instance.
@@ -389,10 +483,12 @@ def _search(cmd: TuneCommand, experiment: Run, identity: dict, data, restoring: 
                     trial_dirname_creator=_trial_dirname,
                 ),
                 run_config=tune.RunConfig(
-                    name=experiment.name, storage_path=experiment.storage,
+                    name=experiment.name,
+                    storage_path=experiment.storage,
                     failure_config=tune.FailureConfig(max_failures=TRIAL_RETRIES),
-                    callbacks=[_printer(space.searched, train.epochs, settings.metric,
-                                        run.progress)],
+                    callbacks=[
+                        _printer(space.searched, train.epochs, settings.metric, run.progress)
+                    ],
                     verbose=0,
                 ),
             )
@@ -410,8 +506,12 @@ def _scheduler(settings: TuneSettings, epochs: int):
         return FIFOScheduler()
     # Rungs count epochs (reported by the loop), not Tune iterations: a resumed trial
     # restarts Tune's iteration counter but not its epochs.
-    return ASHAScheduler(time_attr="epoch", max_t=epochs, grace_period=settings.grace_period,
-                         reduction_factor=settings.reduction_factor)
+    return ASHAScheduler(
+        time_attr="epoch",
+        max_t=epochs,
+        grace_period=settings.grace_period,
+        reduction_factor=settings.reduction_factor,
+    )
 
 
 def _searcher(seed: int, concurrent: int):
@@ -421,6 +521,7 @@ def _searcher(seed: int, concurrent: int):
 
 
 # --------------------------------------------------------------------------- results
+
 
 def collect_trials(grid, metric: str, mode: str, epochs: int, runs_root: str) -> list[dict]:
     """One dict per trial, ranked best first by the best ``metric`` over its epochs."""
@@ -433,10 +534,16 @@ def collect_trials(grid, metric: str, mode: str, epochs: int, runs_root: str) ->
             for row in frame.to_dict("records"):
                 if _number(row.get("epoch")) is not None:
                     by_epoch[int(row["epoch"])] = row  # a resumed trial may repeat an epoch
-        history = [{"epoch": e, "val_accuracy": r["val_accuracy"], "val_loss": r["val_loss"],
-                    metric: r[metric]} for e, r in sorted(by_epoch.items())]
-        trial_id = result.metrics.get("trial_id") or Path(result.path).name.removeprefix(
-            "trial_")
+        history = [
+            {
+                "epoch": e,
+                "val_accuracy": r["val_accuracy"],
+                "val_loss": r["val_loss"],
+                metric: r[metric],
+            }
+            for e, r in sorted(by_epoch.items())
+        ]
+        trial_id = result.metrics.get("trial_id") or Path(result.path).name.removeprefix("trial_")
         status = statuses.get(trial_id)
         epochs_run = history[-1]["epoch"] if history else 0
         if result.error is not None:
@@ -451,23 +558,30 @@ def collect_trials(grid, metric: str, mode: str, epochs: int, runs_root: str) ->
         if history:
             pick = max if mode == "max" else min
             best_row = pick(history, key=lambda h: h[metric])
-        trials.append({
-            "trial_id": trial_id,
-            "config": dict(result.config.get("train_loop_config", {})),
-            "status": state,
-            "stopped_early": state == "stopped early",
-            "epochs_run": epochs_run,
-            "best_epoch": best_row["epoch"] if best_row else None,
-            f"best_{metric}": best_row[metric] if best_row else None,
-            "best_val_accuracy": max((h["val_accuracy"] for h in history), default=None),
-            # The trial's Train run knows what it kept: the best of those by the metric.
-            "best_checkpoint": Run(runs_root, trial_id).best_checkpoint(metric, mode),
-            "history": history,
-            "error": None if result.error is None else cause_line(result.error),
-        })
+        trials.append(
+            {
+                "trial_id": trial_id,
+                "config": dict(result.config.get("train_loop_config", {})),
+                "status": state,
+                "stopped_early": state == "stopped early",
+                "epochs_run": epochs_run,
+                "best_epoch": best_row["epoch"] if best_row else None,
+                f"best_{metric}": best_row[metric] if best_row else None,
+                "best_val_accuracy": max((h["val_accuracy"] for h in history), default=None),
+                # The trial's Train run knows what it kept: the best of those by the metric.
+                "best_checkpoint": Run(runs_root, trial_id).best_checkpoint(metric, mode),
+                "history": history,
+                "error": None if result.error is None else cause_line(result.error),
+            }
+        )
     sign = -1 if mode == "max" else 1
-    trials.sort(key=lambda t: (t[f"best_{metric}"] is None,
-                               sign * (t[f"best_{metric}"] or 0), t["trial_id"]))
+    trials.sort(
+        key=lambda t: (
+            t[f"best_{metric}"] is None,
+            sign * (t[f"best_{metric}"] or 0),
+            t["trial_id"],
+        )
+    )
     for rank, trial in enumerate(trials, 1):
         trial["rank"] = rank
     return trials
@@ -496,8 +610,7 @@ def _number(value) -> float | None:
 def fit_command(cmd: TuneCommand, config: dict) -> str:
     """The ``fit`` command that trains the best trial's configuration again."""
     train = dataclasses.replace(cmd.train, **config)
-    return command_line([*invocation("fit"), *flags_of(train, cmd.run,
-                                                       skip=("name", "fresh"))])
+    return command_line([*invocation("fit"), *flags_of(train, cmd.run, skip=("name", "fresh"))])
 
 
 def resume_command(cmd: TuneCommand, name: str) -> str:
@@ -508,8 +621,9 @@ def resume_command(cmd: TuneCommand, name: str) -> str:
     return command_line([*invocation("tune"), *args])
 
 
-def summarize(cmd: TuneCommand, experiment: Run, trials: list[dict],
-              wall_s: float) -> dict[str, Any]:
+def summarize(
+    cmd: TuneCommand, experiment: Run, trials: list[dict], wall_s: float
+) -> dict[str, Any]:
     metric = cmd.settings.metric
     ranked = [t for t in trials if t[f"best_{metric}"] is not None]
     best = ranked[0] if ranked else None
@@ -546,28 +660,46 @@ def results_csv(trials: list[dict], searched: list[str], metric: str) -> bytes:
     columns = ["rank", "trial_id", *searched, "best_val_accuracy"]
     if metric != "val_accuracy":
         columns.append(f"best_{metric}")
-    columns += ["best_epoch", "epochs_run", "stopped_early", "status", "best_checkpoint",
-                "val_accuracy_per_epoch"]
+    columns += [
+        "best_epoch",
+        "epochs_run",
+        "stopped_early",
+        "status",
+        "best_checkpoint",
+        "val_accuracy_per_epoch",
+    ]
     out = io.StringIO()
     writer = csv.DictWriter(out, columns, extrasaction="ignore", lineterminator="\n")
     writer.writeheader()
     for t in trials:
-        writer.writerow({**t, **{n: t["config"].get(n) for n in searched},
-                         "val_accuracy_per_epoch": " ".join(
-                             f"{h['val_accuracy']:.6f}" for h in t["history"])})
+        writer.writerow(
+            {
+                **t,
+                **{n: t["config"].get(n) for n in searched},
+                "val_accuracy_per_epoch": " ".join(
+                    f"{h['val_accuracy']:.6f}" for h in t["history"]
+                ),
+            }
+        )
     return out.getvalue().encode()
 
 
 def print_report(best: dict, trials: list[dict], searched: list[str], metric: str) -> None:
-    header = (f"\n{'rank':>4}  {'trial':<11}" + "".join(f" {n:>12}" for n in searched)
-              + f" {'best_acc':>9}" + (f" {'best_' + metric:>16}" if metric != "val_accuracy"
-                                       else "") + f" {'epochs':>6}  status")
+    header = (
+        f"\n{'rank':>4}  {'trial':<11}"
+        + "".join(f" {n:>12}" for n in searched)
+        + f" {'best_acc':>9}"
+        + (f" {'best_' + metric:>16}" if metric != "val_accuracy" else "")
+        + f" {'epochs':>6}  status"
+    )
     print(header)
     for t in trials:
         acc = t["best_val_accuracy"]
-        line = (f"{t['rank']:>4}  {t['trial_id']:<11}"
-                + "".join(f" {_fmt(t['config'].get(n)):>12}" for n in searched)
-                + (f" {100 * acc:>8.2f}%" if acc is not None else f" {'-':>9}"))
+        line = (
+            f"{t['rank']:>4}  {t['trial_id']:<11}"
+            + "".join(f" {_fmt(t['config'].get(n)):>12}" for n in searched)
+            + (f" {100 * acc:>8.2f}%" if acc is not None else f" {'-':>9}")
+        )
         if metric != "val_accuracy":
             value = t[f"best_{metric}"]
             line += f" {value:>16.4f}" if value is not None else f" {'-':>16}"
@@ -575,15 +707,18 @@ def print_report(best: dict, trials: list[dict], searched: list[str], metric: st
     if best["best_trial"] is None:
         print("\nno trial reported a result")
     else:
-        print(f"\nbest trial {best['best_trial']}: {metric} {best[f'best_{metric}']:.4f} "
-              f"at epoch {best['best_epoch']}; {best['num_trials']} trial(s), "
-              f"{best['num_stopped_early']} stopped early, {best['wall_time_s']:.0f} s wall")
-        print("best config:     " + ", ".join(f"{k}={_fmt(v)}"
-                                               for k, v in best["best_config"].items()))
+        print(
+            f"\nbest trial {best['best_trial']}: {metric} {best[f'best_{metric}']:.4f} "
+            f"at epoch {best['best_epoch']}; {best['num_trials']} trial(s), "
+            f"{best['num_stopped_early']} stopped early, {best['wall_time_s']:.0f} s wall"
+        )
+        print(
+            "best config:     "
+            + ", ".join(f"{k}={_fmt(v)}" for k, v in best["best_config"].items())
+        )
         print(f"best checkpoint: {best['best_checkpoint']}")
         print(f"reproduce with:  {best['fit_command']}")
-    print(f"experiment:      {best['experiment_dir']}  ({RESULTS_FILE}, {PLOT_FILE}, "
-          f"{BEST_FILE})")
+    print(f"experiment:      {best['experiment_dir']}  ({RESULTS_FILE}, {PLOT_FILE}, {BEST_FILE})")
 
 
 def _fmt(value: Any) -> str:

@@ -101,16 +101,22 @@ def sample_digits():
     return data.train_images.numpy()[order], data.train_labels.numpy()[order]
 
 
-def write_tiny_mnist(root: Path, digits, n_train: int = 512, n_test: int = 203,
-                     compress: bool = False) -> Path:
+def write_tiny_mnist(
+    root: Path, digits, n_train: int = 512, n_test: int = 203, compress: bool = False
+) -> Path:
     """A small, learnable MNIST in torchvision's layout; odd test size on purpose."""
     from raytrain_mnist.data import write_idx
 
     images, labels = digits
     raw = root / "MNIST" / "raw"
     write_idx(raw, images[:n_train], labels[:n_train], "train", compress)
-    write_idx(raw, images[n_train:n_train + n_test], labels[n_train:n_train + n_test], "test",
-              compress)
+    write_idx(
+        raw,
+        images[n_train : n_train + n_test],
+        labels[n_train : n_train + n_test],
+        "test",
+        compress,
+    )
     return root
 
 
@@ -136,8 +142,9 @@ def _shared_by(item) -> int:
     """Sort key: tests without a shared Ray first, then those of each shared Ray in turn.
     A test that needs several goes with the last of them and finds the others' fixtures
     already made (``fitted`` for the failure scenario): it must not need those Rays live."""
-    return max((rank for rank, name in enumerate(_SHARED, start=1)
-                if name in item.fixturenames), default=0)
+    return max(
+        (rank for rank, name in enumerate(_SHARED, start=1) if name in item.fixturenames), default=0
+    )
 
 
 def pytest_collection_modifyitems(items):
@@ -179,9 +186,16 @@ def ray_local():
     from raytrain_mnist.driver.cluster import LOOPBACK, local_runtime_env, loopback_node
 
     with loopback_node():  # on loopback, as fit starts its own
-        ray.init(address="local", num_cpus=3, num_gpus=0, include_dashboard=False,
-                 _node_ip_address=LOOPBACK, runtime_env=local_runtime_env(),
-                 logging_level="WARNING", log_to_driver=False)  # fit prints what matters
+        ray.init(
+            address="local",
+            num_cpus=3,
+            num_gpus=0,
+            include_dashboard=False,
+            _node_ip_address=LOOPBACK,
+            runtime_env=local_runtime_env(),
+            logging_level="WARNING",
+            log_to_driver=False,
+        )  # fit prints what matters
     stop = _stopping("ray_local", ray.shutdown)
     yield ray
     stop()
@@ -197,8 +211,9 @@ def two_nodes():
     from raytrain_mnist.driver.cluster import loopback_node
 
     with loopback_node():  # every node on 127.0.0.1, listening on nothing else
-        cluster = Cluster(initialize_head=True,
-                          head_node_args={"num_cpus": 0, "include_dashboard": False})
+        cluster = Cluster(
+            initialize_head=True, head_node_args={"num_cpus": 0, "include_dashboard": False}
+        )
         nodes = [cluster.add_node(num_cpus=1) for _ in range(2)]
     cluster.wait_for_nodes()
     stop = _stopping("two_nodes", cluster.shutdown)
@@ -217,11 +232,18 @@ def fitted(ray_local, tiny_mnist, tmp_path_factory) -> dict:
     from raytrain_mnist.config import FitConfig, RunSettings, TrainConfig
     from raytrain_mnist.fit import fit
 
-    cfg = FitConfig(TrainConfig(epochs=8, batch_size=32, lr=0.05),
-                    RunSettings(num_workers=2, cpus_per_worker=1, data_dir=str(tiny_mnist),
-                                dataset="mnist", keep_checkpoints=2,
-                                storage_path=str(tmp_path_factory.mktemp("runs")),
-                                name="fitted"))
+    cfg = FitConfig(
+        TrainConfig(epochs=8, batch_size=32, lr=0.05),
+        RunSettings(
+            num_workers=2,
+            cpus_per_worker=1,
+            data_dir=str(tiny_mnist),
+            dataset="mnist",
+            keep_checkpoints=2,
+            storage_path=str(tmp_path_factory.mktemp("runs")),
+            name="fitted",
+        ),
+    )
     out = io.StringIO()
     with contextlib.redirect_stdout(out):
         summary = fit(cfg)
@@ -248,14 +270,18 @@ def run_cli_here(*args: str):
             code = main(list(args))
         except SystemExit as exc:  # argparse's usage errors
             code = exc.code if isinstance(exc.code, int) else 1
-    return subprocess.CompletedProcess(["raytrain-mnist", *args], code, out.getvalue(),
-                                       err.getvalue())
+    return subprocess.CompletedProcess(
+        ["raytrain-mnist", *args], code, out.getvalue(), err.getvalue()
+    )
 
 
 def run_cli(*args: str, env: dict | None = None, timeout: float = 300, cwd=None):
     """Run ``python -m raytrain_mnist ...`` as a user would; returns CompletedProcess."""
     return subprocess.run(
         [sys.executable, "-m", "raytrain_mnist", *args],
-        capture_output=True, text=True, timeout=timeout, cwd=cwd or REPO,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        cwd=cwd or REPO,
         env={**os.environ, **(env or {})},
     )

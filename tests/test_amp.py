@@ -7,11 +7,11 @@ import pytest
 import torch
 from torch import nn
 
-from raytrain_mnist.worker import checkpoint as ckpt
 from raytrain_mnist.config import ConfigError, FitConfig, RunSettings, TrainConfig
-from raytrain_mnist.worker.loop import (amp_context, build_model, build_optimizer, grad_scaler,
-                                 make_train_loader, train_one_epoch, train_step)
 from raytrain_mnist.model import ConvNet
+from raytrain_mnist.worker import checkpoint as ckpt
+from raytrain_mnist.worker.loop import build_model, make_train_loader, train_one_epoch, train_step
+from raytrain_mnist.worker.optim import amp_context, build_optimizer, grad_scaler
 
 CPU = torch.device("cpu")
 BATCH = 16  # fp16 on CPU is emulated and slow: small batches keep these tests quick
@@ -26,12 +26,13 @@ def batch(sample_digits):
 def _fp16_setup(seed: int = 0):
     torch.manual_seed(seed)
     model = build_model(sync_bn=False)
-    optimizer, scheduler = build_optimizer(model, TrainConfig(amp="off", schedule="constant",
-                                                              lr=0.01), 100)
+    optimizer, scheduler = build_optimizer(
+        model, TrainConfig(amp="off", schedule="constant", lr=0.01), 100
+    )
     scaler = grad_scaler("fp16", CPU)
     # The default first scale (2**16) overflows on the first steps and calibrates itself
     # down; start where no clean step overflows, so the only overflow is the injected one.
-    scaler.load_state_dict({**scaler.state_dict(), "scale": 2.0 ** 8})
+    scaler.load_state_dict({**scaler.state_dict(), "scale": 2.0**8})
     return model, optimizer, scheduler, scaler, amp_context("fp16", CPU)
 
 
@@ -40,7 +41,8 @@ def _params(model: nn.Module) -> list[torch.Tensor]:
 
 
 def test_fp16_overflow_skips_the_step_backs_off_and_the_scaler_state_survives_a_checkpoint(
-        batch, tmp_path):
+    batch, tmp_path
+):
     model, optimizer, scheduler, scaler, autocast = _fp16_setup()
     assert scaler.is_enabled()
     images, labels = batch
@@ -48,7 +50,9 @@ def test_fp16_overflow_skips_the_step_backs_off_and_the_scaler_state_survives_a_
     before = _params(model)
     loss, logits = train_step(model, images, labels, optimizer, scheduler, scaler, autocast)
     assert logits.dtype == torch.float16 and torch.isfinite(loss)
-    assert any(not torch.equal(a, b) for a, b in zip(before, _params(model))), "no step taken"
+    assert any(not torch.equal(a, b) for a, b in zip(before, _params(model), strict=False)), (
+        "no step taken"
+    )
     scale = scaler.get_scale()
     momentum = [optimizer.state[p]["momentum_buffer"].clone() for p in model.parameters()]
 
@@ -57,9 +61,13 @@ def test_fp16_overflow_skips_the_step_backs_off_and_the_scaler_state_survives_a_
     before = _params(model)
     train_step(model, images, labels, optimizer, scheduler, scaler, autocast)
     hook.remove()
-    assert all(torch.equal(a, b) for a, b in zip(before, _params(model))), "step not skipped"
-    assert all(torch.equal(m, optimizer.state[p]["momentum_buffer"])
-               for m, p in zip(momentum, model.parameters())), "momentum moved on a skip"
+    assert all(torch.equal(a, b) for a, b in zip(before, _params(model), strict=False)), (
+        "step not skipped"
+    )
+    assert all(
+        torch.equal(m, optimizer.state[p]["momentum_buffer"])
+        for m, p in zip(momentum, model.parameters(), strict=False)
+    ), "momentum moved on a skip"
     assert scaler.get_scale() == scale * scaler.get_backoff_factor()
 
     ckpt.save(tmp_path, {"model": model.state_dict(), "scaler": scaler.state_dict()})
@@ -71,7 +79,7 @@ def test_fp16_overflow_skips_the_step_backs_off_and_the_scaler_state_survives_a_
     # Training goes on at the lower scale.
     before = _params(model)
     train_step(model, images, labels, optimizer, scheduler, restored, autocast)
-    assert any(not torch.equal(a, b) for a, b in zip(before, _params(model)))
+    assert any(not torch.equal(a, b) for a, b in zip(before, _params(model), strict=False))
     assert restored.get_scale() == scaler.get_scale()  # growth only after a long clean run
 
 
@@ -92,8 +100,7 @@ def test_bf16_logits_really_are_bf16(batch):
     optimizer, scheduler = build_optimizer(model, TrainConfig(amp="bf16"), 10)
     scaler = grad_scaler("bf16", CPU)
     assert not scaler.is_enabled()  # bf16 has fp32's range: nothing to scale
-    loss, logits = train_step(model, *batch, optimizer, scheduler, scaler,
-                              amp_context("bf16", CPU))
+    loss, logits = train_step(model, *batch, optimizer, scheduler, scaler, amp_context("bf16", CPU))
     assert logits.dtype == torch.bfloat16
     assert loss.dtype == torch.float32  # autocast computes cross-entropy in fp32
     assert all(p.dtype == torch.float32 for p in model.parameters())  # fp32 master weights

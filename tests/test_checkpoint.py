@@ -7,14 +7,19 @@ import re
 import pytest
 import torch
 
-from raytrain_mnist.worker import checkpoint as ckpt
 from raytrain_mnist.config import TrainConfig
 from raytrain_mnist.model import ConvNet
+from raytrain_mnist.worker import checkpoint as ckpt
 
 
 def _state(model, optimizer):
-    return {"model": model.state_dict(), "optimizer": optimizer.state_dict(), "epoch": 3,
-            "history": [{"epoch": 1, "val_accuracy": 0.9}], "rng": ckpt.rng_state()}
+    return {
+        "model": model.state_dict(),
+        "optimizer": optimizer.state_dict(),
+        "epoch": 3,
+        "history": [{"epoch": 1, "val_accuracy": 0.9}],
+        "rng": ckpt.rng_state(),
+    }
 
 
 def test_save_then_mutate_then_load_restores_exactly(tmp_path):
@@ -36,8 +41,10 @@ def test_save_then_mutate_then_load_restores_exactly(tmp_path):
         assert torch.equal(value, expected[key]), key
     fresh = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
     fresh.load_state_dict(state["optimizer"])
-    assert torch.equal(fresh.state_dict()["state"][0]["momentum_buffer"],
-                       optimizer.state_dict()["state"][0]["momentum_buffer"])
+    assert torch.equal(
+        fresh.state_dict()["state"][0]["momentum_buffer"],
+        optimizer.state_dict()["state"][0]["momentum_buffer"],
+    )
     assert state["epoch"] == 3 and state["history"][0]["val_accuracy"] == 0.9
     ckpt.set_rng_state(state["rng"])
     assert torch.equal(torch.rand(3), draws)
@@ -79,12 +86,16 @@ def test_corrupt_foreign_and_missing_checkpoints(tmp_path):
 
 # --------------------------------------------------------------------------- the torch floor
 
+
 @pytest.mark.parametrize("version", ["2.9.1+cu121", "2.5.0", "1.13.1"])
 def test_a_torch_below_the_floor_is_refused_in_one_line(tmp_path, monkeypatch, version):
     ckpt.save(tmp_path, {"model": ConvNet().state_dict()})
     monkeypatch.setattr(torch, "__version__", version)
-    with pytest.raises(ckpt.CheckpointError, match=f"torch {re.escape(version)} cannot load "
-                       r"checkpoints safely.*torch>=2\.10") as info:
+    with pytest.raises(
+        ckpt.CheckpointError,
+        match=f"torch {re.escape(version)} cannot load "
+        r"checkpoints safely.*torch>=2\.10",
+    ) as info:
         ckpt.load(tmp_path)
     assert "\n" not in str(info.value)
 
@@ -112,7 +123,7 @@ CFG = TrainConfig(epochs=3, batch_size=32, lr=0.05)
 
 def _resume_state(cfg: TrainConfig = CFG) -> dict:
     """What the worker saves after its first epoch, built with the worker's own optimizer."""
-    from raytrain_mnist.worker.loop import build_optimizer
+    from raytrain_mnist.worker.optim import build_optimizer
 
     torch.manual_seed(0)
     model = ConvNet()
@@ -121,41 +132,52 @@ def _resume_state(cfg: TrainConfig = CFG) -> dict:
     optimizer.step()
     scheduler.step()
     scaler = torch.amp.GradScaler("cpu", enabled=cfg.amp == "fp16")
-    return {"model": model.state_dict(), "optimizer": optimizer.state_dict(),
-            "scheduler": scheduler.state_dict(), "scaler": scaler.state_dict(), "epoch": 1,
-            "best_val_accuracy": 0.5, "history": [{"epoch": 1, "val_accuracy": 0.5}],
-            "rng": ckpt.rng_state(), "config": cfg.to_dict()}
+    return {
+        "model": model.state_dict(),
+        "optimizer": optimizer.state_dict(),
+        "scheduler": scheduler.state_dict(),
+        "scaler": scaler.state_dict(),
+        "epoch": 1,
+        "best_val_accuracy": 0.5,
+        "history": [{"epoch": 1, "val_accuracy": 0.5}],
+        "rng": ckpt.rng_state(),
+        "config": cfg.to_dict(),
+    }
 
 
 def _momentum_of_wrong_shape(state):
     state["optimizer"]["state"][0]["momentum_buffer"] = torch.zeros(3)
 
 
-@pytest.mark.parametrize("cfg", [CFG, TrainConfig(schedule="constant", momentum=0.0),
-                                 TrainConfig(amp="fp16")])
+@pytest.mark.parametrize(
+    "cfg", [CFG, TrainConfig(schedule="constant", momentum=0.0), TrainConfig(amp="fp16")]
+)
 def test_a_checkpoint_the_worker_wrote_is_resumable(tmp_path, cfg):
     ckpt.save(tmp_path, _resume_state(cfg))
     assert ckpt.check_resumable(tmp_path, cfg.to_dict()) == 1
 
 
-@pytest.mark.parametrize("mutate, fragment", [
-    (lambda s: s.update(model=[1, 2]), "holds no model weights"),
-    (lambda s: s["model"].update({"conv1.weight": "w"}), "holds no model weights"),
-    (lambda s: s.update(optimizer="sgd"), "its optimizer state does not fit"),
-    (lambda s: s["optimizer"].update(param_groups=[]), "its optimizer state does not fit"),
-    (_momentum_of_wrong_shape, "its optimizer state does not fit"),
-    (lambda s: s.update(scheduler=[0]), "its scheduler state does not fit"),
-    (lambda s: s["scheduler"].update(total_steps="many"), "its scheduler state does not fit"),
-    (lambda s: s.update(scaler=3), "its scaler state does not fit"),
-    (lambda s: s.update(epoch="1"), "its epoch '1' is not a completed epoch"),
-    (lambda s: s.update(epoch=7), "its epoch 7 is not a completed epoch of a 3-epoch run"),
-    (lambda s: s.update(best_val_accuracy="high"), "is not an accuracy"),
-    (lambda s: s.update(history={"epoch": 1}), "its history is not a list"),
-    (lambda s: s.update(rng={"torch": torch.zeros(3)}), "its RNG state is unusable"),
-    (lambda s: s.update(rng=None), "its RNG state is unusable"),
-    (lambda s: s.update(config={**CFG.to_dict(), "lr": 0.1}), "other training settings"),
-    (lambda s: s.pop("best_val_accuracy"), "lacks best_val_accuracy"),
-])
+@pytest.mark.parametrize(
+    "mutate, fragment",
+    [
+        (lambda s: s.update(model=[1, 2]), "holds no model weights"),
+        (lambda s: s["model"].update({"conv1.weight": "w"}), "holds no model weights"),
+        (lambda s: s.update(optimizer="sgd"), "its optimizer state does not fit"),
+        (lambda s: s["optimizer"].update(param_groups=[]), "its optimizer state does not fit"),
+        (_momentum_of_wrong_shape, "its optimizer state does not fit"),
+        (lambda s: s.update(scheduler=[0]), "its scheduler state does not fit"),
+        (lambda s: s["scheduler"].update(total_steps="many"), "its scheduler state does not fit"),
+        (lambda s: s.update(scaler=3), "its scaler state does not fit"),
+        (lambda s: s.update(epoch="1"), "its epoch '1' is not a completed epoch"),
+        (lambda s: s.update(epoch=7), "its epoch 7 is not a completed epoch of a 3-epoch run"),
+        (lambda s: s.update(best_val_accuracy="high"), "is not an accuracy"),
+        (lambda s: s.update(history={"epoch": 1}), "its history is not a list"),
+        (lambda s: s.update(rng={"torch": torch.zeros(3)}), "its RNG state is unusable"),
+        (lambda s: s.update(rng=None), "its RNG state is unusable"),
+        (lambda s: s.update(config={**CFG.to_dict(), "lr": 0.1}), "other training settings"),
+        (lambda s: s.pop("best_val_accuracy"), "lacks best_val_accuracy"),
+    ],
+)
 def test_any_mistyped_content_is_one_checkpoint_error(tmp_path, mutate, fragment):
     state = _resume_state()
     mutate(state)
@@ -174,15 +196,18 @@ def test_a_bad_scaler_state_is_caught_for_fp16(tmp_path):
         ckpt.check_resumable(tmp_path, cfg.to_dict())
 
 
-@pytest.mark.parametrize("payload", [
-    b"\x80\x02}q\x00(X\x05\x00\x00\x00modelq\x01",  # a pickle stream cut short
-    b"\x80\x02cbuiltins\nlen\n",  # a global, then nothing
-    b"\x80\x05\x95\xff\xff\xff\xff\xff\xff\xff\x7f",  # a frame that claims 2**63 bytes
-    b"PK\x03\x04" + bytes(60),  # the start of a zip and zeros
-    # An allowed global called with the wrong arguments: torch raises TypeError.
-    b"\x80\x02ctorch._utils\n_rebuild_tensor_v2\nq\x00(X\x01\x00\x00\x00aX\x01\x00\x00\x00btR.",
-    b"",
-])
+@pytest.mark.parametrize(
+    "payload",
+    [
+        b"\x80\x02}q\x00(X\x05\x00\x00\x00modelq\x01",  # a pickle stream cut short
+        b"\x80\x02cbuiltins\nlen\n",  # a global, then nothing
+        b"\x80\x05\x95\xff\xff\xff\xff\xff\xff\xff\x7f",  # a frame that claims 2**63 bytes
+        b"PK\x03\x04" + bytes(60),  # the start of a zip and zeros
+        # An allowed global called with the wrong arguments: torch raises TypeError.
+        b"\x80\x02ctorch._utils\n_rebuild_tensor_v2\nq\x00(X\x01\x00\x00\x00aX\x01\x00\x00\x00btR.",
+        b"",
+    ],
+)
 def test_malformed_streams_are_one_checkpoint_error(tmp_path, payload):
     (tmp_path / ckpt.STATE_FILE).write_bytes(payload)
     with pytest.raises(ckpt.CheckpointError) as info:

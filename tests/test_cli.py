@@ -10,7 +10,7 @@ import time
 
 import pytest
 
-from tests.conftest import run_cli, run_cli_here
+from tests.conftest import run_cli_here
 
 
 def _unused_port() -> int:
@@ -27,34 +27,41 @@ def _assert_one_line_error(result, code: int, fragment: str) -> None:
     assert fragment in lines[0], lines[0]
 
 
-@pytest.mark.parametrize("args, code, fragment", [
-    (["--epochs", "0"], 2, "--epochs must be an integer >= 1"),
-    (["--epochs", "two"], 2, "argument --epochs: invalid int value"),
-    (["--lr", "nan"], 2, "--lr must be a positive number"),
-    (["--lr", "-1"], 2, "--lr must be a positive number"),
-    (["--num-workers", "0"], 2, "--num-workers must be a count >= 1"),
-    (["--num-workers", "4", "--batch-size", "3"], 2, "smaller than --num-workers"),
-    (["--batch-size", "100", "--num-workers", "3"], 2, "multiple of 3"),
-    (["--amp", "fp8"], 2, "argument --amp: invalid choice"),
-    (["--amp", "fp16"], 2, "--amp fp16 needs --use-gpu"),
-    (["--sync-bn", "on"], 2, "SyncBatchNorm runs only on GPUs"),
-    (["--backend", "nccl"], 2, "--backend nccl needs --use-gpu"),
-    (["--init-method", "file"], 2, "argument --init-method: invalid choice"),
-    (["--dataset", "cifar"], 2, "argument --dataset: invalid choice"),
-    (["--momentum", "1.5"], 2, "--momentum must be in [0, 1)"),
-    (["--name", "a/b"], 2, "is not a valid run name"),
-    (["--keep-checkpoints", "0"], 2, "--keep-checkpoints must be an integer >= 1"),
-    (["--frobnicate"], 2, "unrecognized arguments: --frobnicate"),
-    (["--data-dir", "/nonexistent/mnist"], 2, "--data-dir /nonexistent/mnist is not a directory"),
-    (["--dataset", "mnist"], 1, "full MNIST not found; tried"),
-    (["--seed", str(2**64)], 2, "--seed must be at most"),
-    (["--seed", "-1"], 2, "--seed must be an integer >= 0"),
-    (["--address", "http://127.0.0.1:8265"], 2, "submit jobs to a dashboard URL"),
-    (["--address", "127.0.0.1:99999"], 2, "is not HOST:PORT with a port from 1 to 65535"),
-    (["--address", ""], 2, "--address is empty"),
-    (["--mlflow-uri", "http://me:hunter2@mlflow.example"], 2, "MLFLOW_TRACKING_USERNAME"),
-    (["--name", "a\nb"], 2, "is not a valid run name"),
-])
+@pytest.mark.parametrize(
+    "args, code, fragment",
+    [
+        (["--epochs", "0"], 2, "--epochs must be an integer >= 1"),
+        (["--epochs", "two"], 2, "argument --epochs: invalid int value"),
+        (["--lr", "nan"], 2, "--lr must be a positive number"),
+        (["--lr", "-1"], 2, "--lr must be a positive number"),
+        (["--num-workers", "0"], 2, "--num-workers must be a count >= 1"),
+        (["--num-workers", "4", "--batch-size", "3"], 2, "smaller than --num-workers"),
+        (["--batch-size", "100", "--num-workers", "3"], 2, "multiple of 3"),
+        (["--amp", "fp8"], 2, "argument --amp: invalid choice"),
+        (["--amp", "fp16"], 2, "--amp fp16 needs --use-gpu"),
+        (["--sync-bn", "on"], 2, "SyncBatchNorm runs only on GPUs"),
+        (["--backend", "nccl"], 2, "--backend nccl needs --use-gpu"),
+        (["--init-method", "file"], 2, "argument --init-method: invalid choice"),
+        (["--dataset", "cifar"], 2, "argument --dataset: invalid choice"),
+        (["--momentum", "1.5"], 2, "--momentum must be in [0, 1)"),
+        (["--name", "a/b"], 2, "is not a valid run name"),
+        (["--keep-checkpoints", "0"], 2, "--keep-checkpoints must be an integer >= 1"),
+        (["--frobnicate"], 2, "unrecognized arguments: --frobnicate"),
+        (
+            ["--data-dir", "/nonexistent/mnist"],
+            2,
+            "--data-dir /nonexistent/mnist is not a directory",
+        ),
+        (["--dataset", "mnist"], 1, "full MNIST not found; tried"),
+        (["--seed", str(2**64)], 2, "--seed must be at most"),
+        (["--seed", "-1"], 2, "--seed must be an integer >= 0"),
+        (["--address", "http://127.0.0.1:8265"], 2, "submit jobs to a dashboard URL"),
+        (["--address", "127.0.0.1:99999"], 2, "is not HOST:PORT with a port from 1 to 65535"),
+        (["--address", ""], 2, "--address is empty"),
+        (["--mlflow-uri", "http://me:hunter2@mlflow.example"], 2, "MLFLOW_TRACKING_USERNAME"),
+        (["--name", "a\nb"], 2, "is not a valid run name"),
+    ],
+)
 def test_bad_flags(args, code, fragment, tmp_path):
     result = run_cli_here("fit", "--storage-path", str(tmp_path / "runs"), *args)
     _assert_one_line_error(result, code, fragment)
@@ -63,8 +70,15 @@ def test_bad_flags(args, code, fragment, tmp_path):
 
 def test_unreachable_cluster_address_fails_fast(tmp_path):
     started = time.monotonic()
-    result = run_cli_here("fit", "--dataset", "sample", "--storage-path", str(tmp_path),
-                          "--address", f"127.0.0.1:{_unused_port()}")
+    result = run_cli_here(
+        "fit",
+        "--dataset",
+        "sample",
+        "--storage-path",
+        str(tmp_path),
+        "--address",
+        f"127.0.0.1:{_unused_port()}",
+    )
     _assert_one_line_error(result, 1, "no Ray cluster answers at 127.0.0.1:")
     assert time.monotonic() - started < 30
 
@@ -83,11 +97,21 @@ def test_use_gpu_without_enough_gpus_is_one_clear_error_within_30_s(tmp_path):
     gpus = torch.cuda.device_count()
     workers = gpus + 1
     started = time.monotonic()
-    result = run_cli_here("fit", "--use-gpu", "--num-workers", str(workers), "--batch-size",
-                          str(32 * workers), "--dataset", "sample", "--storage-path",
-                          str(tmp_path))
-    _assert_one_line_error(result, 1, f"--use-gpu asks for {workers} GPU worker(s) but the "
-                                      f"cluster has {gpus} GPU(s)")
+    result = run_cli_here(
+        "fit",
+        "--use-gpu",
+        "--num-workers",
+        str(workers),
+        "--batch-size",
+        str(32 * workers),
+        "--dataset",
+        "sample",
+        "--storage-path",
+        str(tmp_path),
+    )
+    _assert_one_line_error(
+        result, 1, f"--use-gpu asks for {workers} GPU worker(s) but the cluster has {gpus} GPU(s)"
+    )
     assert time.monotonic() - started < 30
 
 
@@ -106,13 +130,19 @@ def _command_flags() -> dict[str, set[str]]:
     from raytrain_mnist.config import RunSettings, TrainConfig
     from raytrain_mnist.driver.search_space import TuneSettings
 
-    from_config = {"fit": _flags_of_config(TrainConfig, RunSettings),
-                   "tune": _flags_of_config(TrainConfig, RunSettings, TuneSettings)}
+    from_config = {
+        "fit": _flags_of_config(TrainConfig, RunSettings),
+        "tune": _flags_of_config(TrainConfig, RunSettings, TuneSettings),
+    }
     flags = {}
     for command in COMMANDS:
         parser = importlib.import_module(f"raytrain_mnist.{command}").build_parser()
-        defined = {option for action in parser._actions for option in action.option_strings
-                   if option not in ("-h", "--help")}
+        defined = {
+            option
+            for action in parser._actions
+            for option in action.option_strings
+            if option not in ("-h", "--help")
+        }
         assert from_config.get(command, set()) <= defined, (command, from_config[command] - defined)
         flags[command] = defined
     return flags
@@ -137,8 +167,9 @@ def test_console_script_dispatches(tmp_path):
     script = Path(sys.executable).parent / "raytrain-mnist"
     if not script.exists():
         pytest.skip("package not installed as a console script in this environment")
-    result = subprocess.run([str(script), "fit", "--epochs", "0"], capture_output=True,
-                            text=True, timeout=60)
+    result = subprocess.run(
+        [str(script), "fit", "--epochs", "0"], capture_output=True, text=True, timeout=60
+    )
     _assert_one_line_error(result, 2, "--epochs must be")
     result = subprocess.run([str(script), "nonsense"], capture_output=True, text=True)
     assert result.returncode == 2 and "unknown command 'nonsense'" in result.stderr
@@ -149,8 +180,9 @@ def _tree(root) -> dict:
     from pathlib import Path
 
     root = Path(root)
-    return {str(p.relative_to(root)): p.read_bytes() for p in sorted(root.rglob("*"))
-            if p.is_file()}
+    return {
+        str(p.relative_to(root)): p.read_bytes() for p in sorted(root.rglob("*")) if p.is_file()
+    }
 
 
 def _broken_data(tmp_path, sample_digits, name, mutate):
@@ -162,11 +194,14 @@ def _broken_data(tmp_path, sample_digits, name, mutate):
     return root
 
 
-@pytest.mark.parametrize("name, mutate, fragment", [
-    ("train-images-idx3-ubyte", lambda b: b[:-7], "is truncated"),
-    ("train-labels-idx1-ubyte", lambda b: b"\x00\x00\x08\x99" + b[4:], "magic number"),
-    ("t10k-labels-idx1-ubyte", lambda b: b[:-1] + b"\x0b", "label 11"),
-])
+@pytest.mark.parametrize(
+    "name, mutate, fragment",
+    [
+        ("train-images-idx3-ubyte", lambda b: b[:-7], "is truncated"),
+        ("train-labels-idx1-ubyte", lambda b: b"\x00\x00\x08\x99" + b[4:], "magic number"),
+        ("t10k-labels-idx1-ubyte", lambda b: b[:-1] + b"\x0b", "label 11"),
+    ],
+)
 def test_broken_data_files(tmp_path, sample_digits, name, mutate, fragment):
     data = _broken_data(tmp_path, sample_digits, name, mutate)
     result = run_cli_here("fit", "--data-dir", str(data), "--storage-path", str(tmp_path / "runs"))
@@ -190,8 +225,12 @@ def _run_dir_with_checkpoint(tmp_path, payload: bytes | None = None, state: dict
         (checkpoint / "state.pt").write_bytes(payload)
     else:
         torch.save(state, checkpoint / "state.pt")
-    snapshot = {"latest_checkpoint_result": {"checkpoint_dir_name": checkpoint.name,
-                                             "metrics": {"epoch": 1}}}
+    snapshot = {
+        "latest_checkpoint_result": {
+            "checkpoint_dir_name": checkpoint.name,
+            "metrics": {"epoch": 1},
+        }
+    }
     (run_dir / "checkpoint_manager_snapshot.json").write_text(json.dumps(snapshot))
     cfg = FitConfig(TrainConfig(), RunSettings(dataset="sample", name="r"))
     (run_dir / RUN_FILE).write_text(json.dumps(fit_identity(cfg, load_sample())))
@@ -216,17 +255,29 @@ def _exploit_bytes() -> bytes:
 def _foreign_model_state() -> dict:
     import torch
 
-    return {"format": "raytrain_mnist/1", "model": {"linear.weight": torch.zeros(2, 2)},
-            "optimizer": {}, "scheduler": {}, "scaler": {}, "epoch": 1, "best_val_accuracy": 0.0,
-            "history": [], "rng": {}, "config": {}}
+    return {
+        "format": "raytrain_mnist/1",
+        "model": {"linear.weight": torch.zeros(2, 2)},
+        "optimizer": {},
+        "scheduler": {},
+        "scaler": {},
+        "epoch": 1,
+        "best_val_accuracy": 0.0,
+        "history": [],
+        "rng": {},
+        "config": {},
+    }
 
 
-@pytest.mark.parametrize("shape, fragment", [
-    ({"payload": b"PK\x03\x04 not really a zip"}, "is corrupt or truncated"),
-    ({"payload": None, "state": {"weights": 1}}, "is not a raytrain_mnist checkpoint"),
-    ({"payload": None, "state": "foreign"}, "holds weights of a different model"),
-    ({"payload": "exploit"}, "refusing to load"),
-])
+@pytest.mark.parametrize(
+    "shape, fragment",
+    [
+        ({"payload": b"PK\x03\x04 not really a zip"}, "is corrupt or truncated"),
+        ({"payload": None, "state": {"weights": 1}}, "is not a raytrain_mnist checkpoint"),
+        ({"payload": None, "state": "foreign"}, "holds weights of a different model"),
+        ({"payload": "exploit"}, "refusing to load"),
+    ],
+)
 def test_checkpoints_that_cannot_resume(tmp_path, shape, fragment):
     payload, state = shape.get("payload"), shape.get("state")
     if payload == "exploit":
@@ -235,8 +286,9 @@ def test_checkpoints_that_cannot_resume(tmp_path, shape, fragment):
         state = _foreign_model_state()
     storage = _run_dir_with_checkpoint(tmp_path, payload, state)
     before = _tree(storage)
-    result = run_cli_here("fit", "--dataset", "sample", "--epochs", "2", "--storage-path",
-                          str(storage), "--name", "r")
+    result = run_cli_here(
+        "fit", "--dataset", "sample", "--epochs", "2", "--storage-path", str(storage), "--name", "r"
+    )
     _assert_one_line_error(result, 1, fragment)
     assert "cannot resume run 'r'" in result.stderr
     assert _tree(storage) == before
@@ -248,8 +300,19 @@ def test_resuming_with_other_settings_is_refused(tmp_path):
 
     storage = _run_dir_with_checkpoint(tmp_path, state={"model": ConvNet().state_dict()})
     before = _tree(storage)
-    result = run_cli_here("fit", "--dataset", "sample", "--epochs", "2", "--storage-path",
-                          str(storage), "--name", "r", "--lr", "0.01")
+    result = run_cli_here(
+        "fit",
+        "--dataset",
+        "sample",
+        "--epochs",
+        "2",
+        "--storage-path",
+        str(storage),
+        "--name",
+        "r",
+        "--lr",
+        "0.01",
+    )
     _assert_one_line_error(result, 2, "was started with other settings (lr: 0.1 then, 0.01 now)")
     assert _tree(storage) == before
 
@@ -262,24 +325,31 @@ def test_unwritable_storage_path(tmp_path):
 def test_corrupt_run_file(tmp_path):
     (tmp_path / "runs" / "r").mkdir(parents=True)
     (tmp_path / "runs" / "r" / "run.json").write_text("{not json")
-    result = run_cli_here("fit", "--dataset", "sample", "--storage-path", str(tmp_path / "runs"),
-                     "--name", "r")
+    result = run_cli_here(
+        "fit", "--dataset", "sample", "--storage-path", str(tmp_path / "runs"), "--name", "r"
+    )
     _assert_one_line_error(result, 1, "run.json is unreadable")
 
 
-@pytest.mark.parametrize("args, fragment", [
-    (["tune", "--search-seed", str(2**32)], "--search-seed must be at most 4294967295"),
-    (["tune", "--seed", str(2**64)], "--seed must be at most"),
-    (["tune", "--range", "seed=0,18446744073709551616"], "--seed must be at most"),
-    (["tune", "--range", "momentum=0.5:1"], "--momentum must be in [0, 1)"),
-    (["evaluate", "nowhere", "--num-workers", "0"], "--num-workers must be a count >= 1"),
-])
+@pytest.mark.parametrize(
+    "args, fragment",
+    [
+        (["tune", "--search-seed", str(2**32)], "--search-seed must be at most 4294967295"),
+        (["tune", "--seed", str(2**64)], "--seed must be at most"),
+        (["tune", "--range", "seed=0,18446744073709551616"], "--seed must be at most"),
+        (["tune", "--range", "momentum=0.5:1"], "--momentum must be in [0, 1)"),
+        (["evaluate", "nowhere", "--num-workers", "0"], "--num-workers must be a count >= 1"),
+    ],
+)
 def test_bad_flags_of_the_other_commands_before_ray_starts(tmp_path, args, fragment):
     import sys
 
     started = time.monotonic()
-    result = run_cli_here(*args, "--storage-path", str(tmp_path / "runs")) \
-        if args[0] == "tune" else run_cli_here(*args)
+    result = (
+        run_cli_here(*args, "--storage-path", str(tmp_path / "runs"))
+        if args[0] == "tune"
+        else run_cli_here(*args)
+    )
     _assert_one_line_error(result, 2, fragment)
     assert time.monotonic() - started < 5
     assert not (tmp_path / "runs").exists()

@@ -34,8 +34,11 @@ def _commands(config: dict, key: str) -> str:
 
 def test_gpu_workers_scale_from_zero_to_four(config):
     types = config["available_node_types"]
-    gpu_types = {name: t for name, t in types.items()
-                 if name != config["head_node_type"] and t["resources"].get("GPU", 0) >= 1}
+    gpu_types = {
+        name: t
+        for name, t in types.items()
+        if name != config["head_node_type"] and t["resources"].get("GPU", 0) >= 1
+    }
     assert gpu_types, "no GPU worker type"
     assert all(t["min_workers"] == 0 for t in gpu_types.values())
     gpus = sum(t["max_workers"] * t["resources"]["GPU"] for t in gpu_types.values())
@@ -77,8 +80,15 @@ def test_checkpoints_go_to_shared_storage_and_the_package_is_installed(config):
     assert "~/raytrain_mnist" in config["file_mounts"]
     assert re.search(r"pip install .*-e ~/raytrain_mnist", setup)
     # Every dependency of the package is pinned to an exact version.
-    for requirement in ("ray[default,train,tune]", "torch", "torchvision", "numpy",
-                        "filelock", "matplotlib", "mlxtend"):
+    for requirement in (
+        "ray[default,train,tune]",
+        "torch",
+        "torchvision",
+        "numpy",
+        "filelock",
+        "matplotlib",
+        "mlxtend",
+    ):
         assert re.search(rf'"{re.escape(requirement)}==[\d.]+"', setup), requirement
     for excluded in ("data/", "runs/", "checkpoints/", ".git/", ".venv/"):
         assert excluded in config["rsync_exclude"]
@@ -121,8 +131,10 @@ def _statements(name: str) -> list[dict]:
 
 def _runs_location(config: dict) -> tuple[str, str]:
     """The bucket and prefix the nodes store runs in (RAYTRAIN_MNIST_STORAGE_PATH)."""
-    found = re.search(r"RAYTRAIN_MNIST_STORAGE_PATH=s3://([^/\s']+)/([^\s']+)",
-                      _commands(config, "setup_commands"))
+    found = re.search(
+        r"RAYTRAIN_MNIST_STORAGE_PATH=s3://([^/\s']+)/([^\s']+)",
+        _commands(config, "setup_commands"),
+    )
     assert found, "no s3:// storage path in setup_commands"
     return found[1], found[2].rstrip("/")
 
@@ -131,19 +143,26 @@ def test_gpu_workers_have_their_own_least_privilege_profile(config):
     head_type = config["head_node_type"]
     head = config["available_node_types"][head_type]["node_config"]
     # The head keeps what Ray gives it (ray-autoscaler-v1): it launches the workers.
-    assert head.get("IamInstanceProfile", {}).get("Name", "ray-autoscaler-v1") == \
-        "ray-autoscaler-v1"
+    assert (
+        head.get("IamInstanceProfile", {}).get("Name", "ray-autoscaler-v1") == "ray-autoscaler-v1"
+    )
     for name, node_type in config["available_node_types"].items():
         if name == head_type:
             continue
-        assert node_type["node_config"]["IamInstanceProfile"] == \
-            {"Name": "raytrain-mnist-worker"}, name
+        assert node_type["node_config"]["IamInstanceProfile"] == {
+            "Name": "raytrain-mnist-worker"
+        }, name
 
 
 def test_the_worker_policy_grants_objects_under_the_runs_prefix_only(config):
     bucket, prefix = _runs_location(config)
-    allowed_object_actions = {"s3:GetObject", "s3:PutObject", "s3:DeleteObject",
-                              "s3:AbortMultipartUpload", "s3:ListMultipartUploadParts"}
+    allowed_object_actions = {
+        "s3:GetObject",
+        "s3:PutObject",
+        "s3:DeleteObject",
+        "s3:AbortMultipartUpload",
+        "s3:ListMultipartUploadParts",
+    }
     granted = set()
     for statement in _statements("worker-policy.json"):
         assert statement["Effect"] == "Allow"

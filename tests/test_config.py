@@ -7,46 +7,61 @@ from types import SimpleNamespace
 
 import pytest
 
-from raytrain_mnist.config import (ConfigError, FitConfig, RunSettings, TrainConfig,
-                                   check_data_fits, steps_per_epoch)
+from raytrain_mnist.config import (
+    ConfigError,
+    FitConfig,
+    RunSettings,
+    TrainConfig,
+    check_data_fits,
+    steps_per_epoch,
+)
 
 
-@pytest.mark.parametrize("kwargs, flag", [
-    ({"epochs": 0}, "--epochs"),
-    ({"batch_size": -1}, "--batch-size"),
-    ({"lr": 0.0}, "--lr"),
-    ({"lr": math.nan}, "--lr"),
-    ({"lr": -0.1}, "--lr"),
-    ({"momentum": 1.0}, "--momentum"),
-    ({"weight_decay": math.inf}, "--weight-decay"),
-    ({"amp": "fp8"}, "--amp"),
-    ({"sync_bn": "maybe"}, "--sync-bn"),
-])
+@pytest.mark.parametrize(
+    "kwargs, flag",
+    [
+        ({"epochs": 0}, "--epochs"),
+        ({"batch_size": -1}, "--batch-size"),
+        ({"lr": 0.0}, "--lr"),
+        ({"lr": math.nan}, "--lr"),
+        ({"lr": -0.1}, "--lr"),
+        ({"momentum": 1.0}, "--momentum"),
+        ({"weight_decay": math.inf}, "--weight-decay"),
+        ({"amp": "fp8"}, "--amp"),
+        ({"sync_bn": "maybe"}, "--sync-bn"),
+    ],
+)
 def test_bad_training_values_name_the_flag(kwargs, flag):
     with pytest.raises(ConfigError, match=flag):
         TrainConfig(**kwargs)
 
 
-@pytest.mark.parametrize("kwargs, flag", [
-    ({"num_workers": 0}, "--num-workers"),
-    ({"cpus_per_worker": 0}, "--cpus-per-worker"),
-    ({"max_failures": -2}, "--max-failures"),
-    ({"keep_checkpoints": 0}, "--keep-checkpoints"),
-    ({"name": "../escape"}, "--name"),
-    ({"backend": "mpi"}, "--backend"),
-])
+@pytest.mark.parametrize(
+    "kwargs, flag",
+    [
+        ({"num_workers": 0}, "--num-workers"),
+        ({"cpus_per_worker": 0}, "--cpus-per-worker"),
+        ({"max_failures": -2}, "--max-failures"),
+        ({"keep_checkpoints": 0}, "--keep-checkpoints"),
+        ({"name": "../escape"}, "--name"),
+        ({"backend": "mpi"}, "--backend"),
+    ],
+)
 def test_bad_run_values_name_the_flag(kwargs, flag):
     with pytest.raises(ConfigError, match=flag):
         RunSettings(**kwargs)
 
 
-@pytest.mark.parametrize("train, run, message", [
-    ({"batch_size": 2}, {"num_workers": 3}, "smaller than --num-workers"),
-    ({"batch_size": 100}, {"num_workers": 3}, "multiple of 3, e.g. 99 or 102"),
-    ({"amp": "fp16"}, {}, "--amp fp16 needs --use-gpu"),
-    ({"sync_bn": "on"}, {}, "SyncBatchNorm runs only on GPUs"),
-    ({}, {"backend": "nccl"}, "--backend nccl needs --use-gpu"),
-])
+@pytest.mark.parametrize(
+    "train, run, message",
+    [
+        ({"batch_size": 2}, {"num_workers": 3}, "smaller than --num-workers"),
+        ({"batch_size": 100}, {"num_workers": 3}, "multiple of 3, e.g. 99 or 102"),
+        ({"amp": "fp16"}, {}, "--amp fp16 needs --use-gpu"),
+        ({"sync_bn": "on"}, {}, "SyncBatchNorm runs only on GPUs"),
+        ({}, {"backend": "nccl"}, "--backend nccl needs --use-gpu"),
+    ],
+)
 def test_rules_that_span_both_halves(train, run, message):
     with pytest.raises(ConfigError, match=message):
         FitConfig(TrainConfig(**train), RunSettings(**run))
@@ -61,10 +76,14 @@ def test_train_config_round_trips_through_a_dict():
 
 # --------------------------------------------------------------------------- refused up front
 
-@pytest.mark.parametrize("kwargs, message", [
-    ({"seed": 2**64}, "--seed must be at most"),
-    ({"seed": 2**64 - 1, "epochs": 2}, f"--seed must be at most {2**64 - 2}"),
-])
+
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        ({"seed": 2**64}, "--seed must be at most"),
+        ({"seed": 2**64 - 1, "epochs": 2}, f"--seed must be at most {2**64 - 2}"),
+    ],
+)
 def test_seeds_torch_cannot_take_are_refused(kwargs, message):
     with pytest.raises(ConfigError, match=re.escape(message)):
         TrainConfig(**kwargs)
@@ -80,31 +99,52 @@ def test_the_largest_seed_torch_takes_is_accepted_and_works():
         torch.Generator().manual_seed(cfg.seed + cfg.epochs)
 
 
-@pytest.mark.parametrize("address", ["", " ", "http://10.0.0.1:8265", "10.0.0.1", "10.0.0.1:",
-                                     "10.0.0.1:0", "10.0.0.1:65536", "10.0.0.1:99999999999",
-                                     ":6379", "::1:6379", "ray://10.0.0.1", "ray://:10001",
-                                     "host name:6379", "user@host:6379"])
+@pytest.mark.parametrize(
+    "address",
+    [
+        "",
+        " ",
+        "http://10.0.0.1:8265",
+        "10.0.0.1",
+        "10.0.0.1:",
+        "10.0.0.1:0",
+        "10.0.0.1:65536",
+        "10.0.0.1:99999999999",
+        ":6379",
+        "::1:6379",
+        "ray://10.0.0.1",
+        "ray://:10001",
+        "host name:6379",
+        "user@host:6379",
+    ],
+)
 def test_malformed_addresses_are_refused(address):
     with pytest.raises(ConfigError, match="--address"):
         RunSettings(address=address)
 
 
-@pytest.mark.parametrize("address", ["auto", "10.0.0.1:6379", "head.example:6379",
-                                     "[::1]:6379", "ray://10.0.0.1:10001"])
+@pytest.mark.parametrize(
+    "address", ["auto", "10.0.0.1:6379", "head.example:6379", "[::1]:6379", "ray://10.0.0.1:10001"]
+)
 def test_well_formed_addresses_pass(address):
     RunSettings(address=address)
 
 
-@pytest.mark.parametrize("uri", ["http://user:secret@mlflow.example:5000",
-                                 "https://token@mlflow.example", "postgresql://u:p@db/mlflow"])
+@pytest.mark.parametrize(
+    "uri",
+    [
+        "http://user:secret@mlflow.example:5000",
+        "https://token@mlflow.example",
+        "postgresql://u:p@db/mlflow",
+    ],
+)
 def test_an_mlflow_uri_with_credentials_is_refused(uri):
     with pytest.raises(ConfigError, match="MLFLOW_TRACKING_USERNAME") as info:
         RunSettings(mlflow_uri=uri)
     assert "secret" not in str(info.value) and "token@" not in str(info.value)
 
 
-@pytest.mark.parametrize("uri", ["http://mlflow.example:5000", "file:/tmp/mlruns",
-                                 "databricks"])
+@pytest.mark.parametrize("uri", ["http://mlflow.example:5000", "file:/tmp/mlruns", "databricks"])
 def test_an_mlflow_uri_without_credentials_passes(uri):
     RunSettings(mlflow_uri=uri)
 
@@ -115,12 +155,20 @@ def test_names_that_are_no_file_name_are_refused(name):
         RunSettings(name=name)
 
 
-@pytest.mark.parametrize("batch, workers, size, message", [
-    (128, 1, 100, "--batch-size 128 is larger than the 100 training images can fill: an "
-                  "epoch would have no step; use --batch-size 100 or less"),
-    (128, 2, 100, "use --batch-size 100 or less"),
-    (96, 3, 64, "use --batch-size 66 or less"),  # shares of 22 (padded), 32 per worker
-])
+@pytest.mark.parametrize(
+    "batch, workers, size, message",
+    [
+        (
+            128,
+            1,
+            100,
+            "--batch-size 128 is larger than the 100 training images can fill: an "
+            "epoch would have no step; use --batch-size 100 or less",
+        ),
+        (128, 2, 100, "use --batch-size 100 or less"),
+        (96, 3, 64, "use --batch-size 66 or less"),  # shares of 22 (padded), 32 per worker
+    ],
+)
 def test_a_batch_larger_than_the_data_is_refused(batch, workers, size, message):
     train, run = TrainConfig(batch_size=batch), RunSettings(num_workers=workers)
     with pytest.raises(ConfigError, match=re.escape(message)):
@@ -129,8 +177,7 @@ def test_a_batch_larger_than_the_data_is_refused(batch, workers, size, message):
 
 @pytest.mark.parametrize("batch, workers, size", [(100, 1, 100), (100, 2, 100), (66, 3, 64)])
 def test_the_largest_batch_the_data_fills_passes(batch, workers, size):
-    check_data_fits(TrainConfig(batch_size=batch, epochs=2), RunSettings(num_workers=workers),
-                    size)
+    check_data_fits(TrainConfig(batch_size=batch, epochs=2), RunSettings(num_workers=workers), size)
     assert steps_per_epoch(size, batch, workers) == 1
 
 
@@ -140,14 +187,13 @@ def test_steps_per_epoch_is_what_the_loader_yields():
     import torch
     from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
-    for size, batch, workers in [(100, 10, 1), (101, 20, 2), (203, 24, 3), (64, 66, 3),
-                                 (7, 8, 8)]:
+    for size, batch, workers in [(100, 10, 1), (101, 20, 2), (203, 24, 3), (64, 66, 3), (7, 8, 8)]:
         data = TensorDataset(torch.arange(size))
         for rank in range(workers):
-            sampler = DistributedSampler(data, num_replicas=workers, rank=rank) \
-                if workers > 1 else None
-            loader = DataLoader(data, batch_size=batch // workers, drop_last=True,
-                                sampler=sampler)
+            sampler = (
+                DistributedSampler(data, num_replicas=workers, rank=rank) if workers > 1 else None
+            )
+            loader = DataLoader(data, batch_size=batch // workers, drop_last=True, sampler=sampler)
             assert len(loader) == steps_per_epoch(size, batch, workers), (size, batch, workers)
 
 
@@ -182,9 +228,12 @@ def test_a_search_space_is_checked_against_the_data_size():
     space = SearchSpace.from_cli(ranges=["batch_size=64,4096"])
     space.check(base, run)  # valid settings, whatever the data
     space.check_data(base, run, 5000)
-    with pytest.raises(ConfigError, match=r"search space batch_size=choice\(64, 4096\): a trial "
-                       r"with batch_size=4096, schedule=onecycle fails: --batch-size 4096 is "
-                       r"larger than the 4000 training images"):
+    with pytest.raises(
+        ConfigError,
+        match=r"search space batch_size=choice\(64, 4096\): a trial "
+        r"with batch_size=4096, schedule=onecycle fails: --batch-size 4096 is "
+        r"larger than the 4000 training images",
+    ):
         space.check_data(base, run, 4000)
     # A schedule choice that meets a step count OneCycleLR cannot split (1 x 4 steps).
     space = SearchSpace.from_cli(sets=["batch_size=32"], ranges=["schedule=constant,onecycle"])

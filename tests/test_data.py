@@ -59,14 +59,20 @@ def _corrupt(tmp_path, sample_digits, name, mutate):
     return tmp_path
 
 
-@pytest.mark.parametrize("name, mutate, message", [
-    ("train-images-idx3-ubyte", lambda b: b[:-100], "is truncated"),
-    ("train-images-idx3-ubyte", lambda b: b[:10], "not even an IDX header"),
-    ("t10k-labels-idx1-ubyte", lambda b: struct.pack(">I", 0x803) + b[4:], "magic number"),
-    ("t10k-labels-idx1-ubyte", lambda b: b[:-1] + bytes([42]), "label 42"),
-    ("train-labels-idx1-ubyte", lambda b: struct.pack(">II", 0x801, 63) + b[8:-1],
-     "64 images but 63 labels"),
-])
+@pytest.mark.parametrize(
+    "name, mutate, message",
+    [
+        ("train-images-idx3-ubyte", lambda b: b[:-100], "is truncated"),
+        ("train-images-idx3-ubyte", lambda b: b[:10], "not even an IDX header"),
+        ("t10k-labels-idx1-ubyte", lambda b: struct.pack(">I", 0x803) + b[4:], "magic number"),
+        ("t10k-labels-idx1-ubyte", lambda b: b[:-1] + bytes([42]), "label 42"),
+        (
+            "train-labels-idx1-ubyte",
+            lambda b: struct.pack(">II", 0x801, 63) + b[8:-1],
+            "64 images but 63 labels",
+        ),
+    ],
+)
 def test_broken_files_are_clear_errors(tmp_path, sample_digits, name, mutate, message):
     root = _corrupt(tmp_path, sample_digits, name, mutate)
     with pytest.raises(DataError, match=message):

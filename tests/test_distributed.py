@@ -12,9 +12,15 @@ import torch.nn.functional as F
 from torch.utils.data import DistributedSampler
 
 from raytrain_mnist.config import TrainConfig
-from raytrain_mnist.worker.loop import (BatchedTensorDataset, build_optimizer, evaluate,
-                                 make_train_loader, set_epoch, shard, train_one_epoch)
 from raytrain_mnist.model import ConvNet, normalize
+from raytrain_mnist.worker.loop import (
+    BatchedTensorDataset,
+    make_train_loader,
+    set_epoch,
+    train_one_epoch,
+)
+from raytrain_mnist.worker.optim import build_optimizer
+from raytrain_mnist.worker.score import evaluate, shard
 
 WORLD, GLOBAL_BATCH, SEED = 3, 24, 7
 TEST_SIZE = 203  # not a multiple of 3: a DistributedSampler would pad the last shard
@@ -35,19 +41,27 @@ def _on_each_worker(config):
     torch.manual_seed(SEED)
     model = ray.train.torch.prepare_model(ConvNet())
     loader = ray.train.torch.prepare_data_loader(
-        make_train_loader(config["images"], config["labels"], GLOBAL_BATCH // world, SEED))
+        make_train_loader(config["images"], config["labels"], GLOBAL_BATCH // world, SEED)
+    )
     set_epoch(loader, 0, SEED)  # the product's own epoch seeding
     optimizer, scheduler = build_optimizer(model, CFG, len(loader))
     scaler = torch.amp.GradScaler("cpu", enabled=False)
-    train_one_epoch(model, loader, optimizer, scheduler, scaler, contextlib.nullcontext(),
-                    torch.device("cpu"))
+    train_one_epoch(
+        model, loader, optimizer, scheduler, scaler, contextlib.nullcontext(), torch.device("cpu")
+    )
     params = [p.detach().numpy().copy() for p in model.module.parameters()]  # no tensors back
     everyone = [None] * world
     dist.all_gather_object(everyone, params)
 
     torch.manual_seed(0)
-    metrics = evaluate(ConvNet(), config["test_images"], config["test_labels"],
-                       torch.device("cpu"), rank=ctx.get_world_rank(), world_size=world)
+    metrics = evaluate(
+        ConvNet(),
+        config["test_images"],
+        config["test_labels"],
+        torch.device("cpu"),
+        rank=ctx.get_world_rank(),
+        world_size=world,
+    )
     return {"params": everyone, "eval": metrics}
 
 
@@ -59,11 +73,18 @@ def on_three_workers(ray_local, tmp_path_factory, sample_digits) -> dict:
     from ray.train.torch import TorchTrainer
 
     images, labels = (torch.from_numpy(a.copy()) for a in sample_digits)
-    data = {"images": images[:GLOBAL_BATCH], "labels": labels[:GLOBAL_BATCH],
-            "test_images": images[-TEST_SIZE:], "test_labels": labels[-TEST_SIZE:]}
-    trainer = TorchTrainer(_on_each_worker, train_loop_config=data,
-                           scaling_config=ScalingConfig(num_workers=WORLD),
-                           run_config=RunConfig(storage_path=str(tmp_path_factory.mktemp("ddp"))))
+    data = {
+        "images": images[:GLOBAL_BATCH],
+        "labels": labels[:GLOBAL_BATCH],
+        "test_images": images[-TEST_SIZE:],
+        "test_labels": labels[-TEST_SIZE:],
+    }
+    trainer = TorchTrainer(
+        _on_each_worker,
+        train_loop_config=data,
+        scaling_config=ScalingConfig(num_workers=WORLD),
+        run_config=RunConfig(storage_path=str(tmp_path_factory.mktemp("ddp"))),
+    )
     return {**data, **trainer.fit().return_value}
 
 
@@ -78,8 +99,9 @@ def test_one_ddp_step_on_three_workers_matches_one_single_process_step(on_three_
     dataset = BatchedTensorDataset(on_three_workers["images"], on_three_workers["labels"])
     optimizer.zero_grad()
     for rank in range(WORLD):
-        sampler = DistributedSampler(dataset, num_replicas=WORLD, rank=rank, shuffle=True,
-                                     seed=SEED)
+        sampler = DistributedSampler(
+            dataset, num_replicas=WORLD, rank=rank, shuffle=True, seed=SEED
+        )
         sampler.set_epoch(0)
         x, y = dataset.__getitems__(list(sampler))
         (F.cross_entropy(model(normalize(x)), y) / WORLD).backward()
@@ -87,17 +109,22 @@ def test_one_ddp_step_on_three_workers_matches_one_single_process_step(on_three_
 
     torch.manual_seed(SEED)
     initial = list(ConvNet().parameters())
-    replicas = [[torch.from_numpy(p.copy()) for p in params]
-                for params in on_three_workers["params"]]
+    replicas = [
+        [torch.from_numpy(p.copy()) for p in params] for params in on_three_workers["params"]
+    ]
     for params in replicas[1:]:
-        assert all(torch.equal(a, b) for a, b in zip(replicas[0], params)), "replicas diverged"
+        assert all(torch.equal(a, b) for a, b in zip(replicas[0], params, strict=False)), (
+            "replicas diverged"
+        )
     # The step DDP took is the single-process step up to float rounding: sums in another
     # order (the all-reduce, conv kernels split over threads) move a few weights by ~1e-5,
     # while a wrong step (a summed instead of averaged gradient, say) is off by its own size.
-    step = torch.cat([(p - s.detach()).flatten() for p, s in zip(replicas[0], initial,
-                                                                   strict=True)])
-    expected = torch.cat([(p - s).detach().flatten() for p, s in zip(model.parameters(),
-                                                                      initial, strict=True)])
+    step = torch.cat(
+        [(p - s.detach()).flatten() for p, s in zip(replicas[0], initial, strict=True)]
+    )
+    expected = torch.cat(
+        [(p - s).detach().flatten() for p, s in zip(model.parameters(), initial, strict=True)]
+    )
     assert expected.norm() > 0, "the step did not move the weights"
     assert (step - expected).norm() <= 1e-4 * expected.norm()
 
@@ -105,8 +132,12 @@ def test_one_ddp_step_on_three_workers_matches_one_single_process_step(on_three_
 def test_distributed_evaluation_counts_every_test_image_exactly_once(on_three_workers):
     # Shards of 68, 68 and 67 images. (Two workers and 203 images: every test of fit.)
     torch.manual_seed(0)
-    single = evaluate(ConvNet(), on_three_workers["test_images"],
-                      on_three_workers["test_labels"], torch.device("cpu"))
+    single = evaluate(
+        ConvNet(),
+        on_three_workers["test_images"],
+        on_three_workers["test_labels"],
+        torch.device("cpu"),
+    )
     sharded = on_three_workers["eval"]
     assert sharded["val_total"] == single["val_total"] == TEST_SIZE
     assert sharded["val_accuracy"] == pytest.approx(single["val_accuracy"], abs=0)
@@ -145,8 +176,9 @@ thread.join()
 
 @pytest.mark.skipif(platform.libc_ver()[0] != "glibc", reason="tunes glibc's malloc only")
 def test_keep_freed_memory_stops_each_step_from_faulting_its_activations_back_in():
-    out = subprocess.run([sys.executable, "-c", _FAULTS_PER_STEP], capture_output=True,
-                         text=True, check=True).stdout
+    out = subprocess.run(
+        [sys.executable, "-c", _FAULTS_PER_STEP], capture_output=True, text=True, check=True
+    ).stdout
     default, kept, applied = out.split()
     assert applied == "True", f"mallopt refused a setting: {out}"
     default, kept = float(default), float(kept)
@@ -167,13 +199,19 @@ def _as_prepared(loader, rank: int, world: int):
 
     if world == 1:
         return loader
-    return DataLoader(dataset=loader.dataset, batch_size=loader.batch_size, shuffle=False,
-                      num_workers=loader.num_workers, collate_fn=loader.collate_fn,
-                      pin_memory=loader.pin_memory, drop_last=loader.drop_last,
-                      timeout=loader.timeout, worker_init_fn=loader.worker_init_fn,
-                      generator=loader.generator,
-                      sampler=DistributedSampler(loader.dataset, num_replicas=world, rank=rank,
-                                                 shuffle=True))
+    return DataLoader(
+        dataset=loader.dataset,
+        batch_size=loader.batch_size,
+        shuffle=False,
+        num_workers=loader.num_workers,
+        collate_fn=loader.collate_fn,
+        pin_memory=loader.pin_memory,
+        drop_last=loader.drop_last,
+        timeout=loader.timeout,
+        worker_init_fn=loader.worker_init_fn,
+        generator=loader.generator,
+        sampler=DistributedSampler(loader.dataset, num_replicas=world, rank=rank, shuffle=True),
+    )
 
 
 def _worker_loader(rank: int, world: int):
@@ -194,12 +232,12 @@ def test_every_epoch_has_a_new_order_and_a_resumed_run_sees_the_same_orders(worl
     """Forgetting set_epoch (the tutorials' classic bug) repeats one order every epoch, and a
     run resumed from a checkpoint replays the first epoch's order: both are caught here."""
     loaders = [_worker_loader(rank, world) for rank in range(world)]
-    uninterrupted = [[_epoch_order(loader, epoch) for loader in loaders]
-                     for epoch in range(EPOCHS)]
+    uninterrupted = [[_epoch_order(loader, epoch) for loader in loaders] for epoch in range(EPOCHS)]
     for epoch in range(1, EPOCHS):
         for rank in range(world):
-            assert uninterrupted[epoch][rank] != uninterrupted[epoch - 1][rank], \
+            assert uninterrupted[epoch][rank] != uninterrupted[epoch - 1][rank], (
                 f"rank {rank} sees epoch {epoch}'s order again in epoch {epoch + 1}"
+            )
     for epoch in range(EPOCHS):  # the ranks split each epoch: every index at most once
         seen = [i for rank in range(world) for i in uninterrupted[epoch][rank]]
         assert len(seen) == len(set(seen)) == ORDER_SIZE // ORDER_BATCH * ORDER_BATCH
@@ -207,6 +245,8 @@ def test_every_epoch_has_a_new_order_and_a_resumed_run_sees_the_same_orders(worl
     # A run that stopped after epoch 2 and resumes: new processes, new loaders.
     resumed_from = 2
     restarted = [_worker_loader(rank, world) for rank in range(world)]
-    resumed = [[_epoch_order(loader, epoch) for loader in restarted]
-               for epoch in range(resumed_from, EPOCHS)]
+    resumed = [
+        [_epoch_order(loader, epoch) for loader in restarted]
+        for epoch in range(resumed_from, EPOCHS)
+    ]
     assert resumed == uninterrupted[resumed_from:]

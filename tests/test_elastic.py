@@ -14,7 +14,6 @@ import os
 import subprocess
 import sys
 import threading
-from pathlib import Path
 
 import pytest
 
@@ -30,8 +29,11 @@ def one_node():
     from raytrain_mnist.driver.cluster import loopback_node
 
     with loopback_node():
-        cluster = Cluster(initialize_head=True, connect=False,
-                          head_node_args={"num_cpus": 0, "include_dashboard": False})
+        cluster = Cluster(
+            initialize_head=True,
+            connect=False,
+            head_node_args={"num_cpus": 0, "include_dashboard": False},
+        )
         cluster.add_node(num_cpus=1)
     cluster.wait_for_nodes()
     yield cluster
@@ -44,11 +46,15 @@ class _Fit:
 
     def __init__(self, *args: str) -> None:
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "raytrain_mnist", "fit", *args], cwd=REPO,
-            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+            [sys.executable, "-m", "raytrain_mnist", "fit", *args],
+            cwd=REPO,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
             # Single-node mode, as the cluster's nodes run (loopback_node): else Ray turns the
             # loopback address into this machine's outward one, where nothing listens.
-            env={**os.environ, "PYTHONUNBUFFERED": "1", "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0"})
+            env={**os.environ, "PYTHONUNBUFFERED": "1", "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0"},
+        )
         self.lines: list[str] = []
         self.first_epoch = threading.Event()
         self._reader = threading.Thread(target=self._read, daemon=True)
@@ -69,14 +75,37 @@ class _Fit:
 
 def _args(cluster, tiny_mnist, storage, name: str, epochs: int) -> list[str]:
     # The training settings of the shared fixed-size run (conftest `fitted`).
-    return ["--num-workers", "1-2", "--resize-check-s", "2", "--cpus-per-worker", "1",
-            "--epochs", str(epochs), "--batch-size", "32", "--lr", "0.05",
-            "--data-dir", str(tiny_mnist), "--dataset", "mnist", "--address", cluster.address,
-            "--storage-path", str(storage), "--name", name, "--keep-checkpoints", "2"]
+    return [
+        "--num-workers",
+        "1-2",
+        "--resize-check-s",
+        "2",
+        "--cpus-per-worker",
+        "1",
+        "--epochs",
+        str(epochs),
+        "--batch-size",
+        "32",
+        "--lr",
+        "0.05",
+        "--data-dir",
+        str(tiny_mnist),
+        "--dataset",
+        "mnist",
+        "--address",
+        cluster.address,
+        "--storage-path",
+        str(storage),
+        "--name",
+        name,
+        "--keep-checkpoints",
+        "2",
+    ]
 
 
 def test_elastic_run_grows_when_a_node_joins_and_matches_a_fixed_run(
-        one_node, tiny_mnist, tmp_path, fitted):
+    one_node, tiny_mnist, tmp_path, fitted
+):
     # 30 epochs: the run is still training when the node has joined and a resize check
     # (every 2 s) has seen it, however slow this machine is (its epochs slow down alike).
     run = _Fit(*_args(one_node, tiny_mnist, tmp_path, "grow", epochs=EPOCHS))
@@ -111,12 +140,12 @@ def _schedule(epochs: int) -> list[float]:
     import torch
 
     from raytrain_mnist.config import TrainConfig
-    from raytrain_mnist.worker.loop import build_optimizer
+    from raytrain_mnist.worker.optim import build_optimizer
 
     steps = 2048 // 32  # tiny_mnist's training digits over the global batch
-    optimizer, scheduler = build_optimizer(torch.nn.Linear(1, 1),
-                                           TrainConfig(epochs=epochs, batch_size=32, lr=0.05),
-                                           steps)
+    optimizer, scheduler = build_optimizer(
+        torch.nn.Linear(1, 1), TrainConfig(epochs=epochs, batch_size=32, lr=0.05), steps
+    )
     rates = []
     for _ in range(epochs):
         for _ in range(steps):
@@ -147,13 +176,19 @@ def test_elastic_run_shrinks_when_a_node_is_lost_and_finishes(one_node, tiny_mni
     assert summary["status"] == "finished" and summary["epochs_completed"] == 5
 
 
-@pytest.mark.parametrize("workers, message", [
-    ("4-2", "--num-workers 4-2: a range needs 1 <= MIN <= MAX"),
-    ("0-2", "--num-workers 0-2: a range needs 1 <= MIN <= MAX"),
-    ("2-x", "--num-workers must be a count >= 1 (e.g. 2) or a range MIN-MAX"),
-    ("2-5", "--batch-size 128 does not split evenly over 3, 5 worker(s), which "
-            "--num-workers 2-5 may run on; sizes that work: 2, 4"),
-])
+@pytest.mark.parametrize(
+    "workers, message",
+    [
+        ("4-2", "--num-workers 4-2: a range needs 1 <= MIN <= MAX"),
+        ("0-2", "--num-workers 0-2: a range needs 1 <= MIN <= MAX"),
+        ("2-x", "--num-workers must be a count >= 1 (e.g. 2) or a range MIN-MAX"),
+        (
+            "2-5",
+            "--batch-size 128 does not split evenly over 3, 5 worker(s), which "
+            "--num-workers 2-5 may run on; sizes that work: 2, 4",
+        ),
+    ],
+)
 def test_a_bad_worker_range_is_one_line_before_ray_starts(workers, message):
     done = run_cli_here("fit", "--num-workers", workers, "--dataset", "sample")
     assert done.returncode == EXIT_USAGE
@@ -161,9 +196,9 @@ def test_a_bad_worker_range_is_one_line_before_ray_starts(workers, message):
 
 
 def test_a_range_is_a_range_in_names_flags_and_the_trainer():
-    from raytrain_mnist.driver import runs
     from raytrain_mnist._cli import flags_of
     from raytrain_mnist.config import FitConfig, RunSettings, TrainConfig, parse_workers
+    from raytrain_mnist.driver import runs
     from raytrain_mnist.driver.trainer import build_trainer
 
     run = RunSettings(num_workers=parse_workers("1-3"), resize_check_s=5.0)

@@ -62,8 +62,7 @@ def test_cli_on_a_run_dir_reproduces_the_accuracy_fit_reported(trained_run, tiny
     again = run_cli_here("evaluate", str(run_dir), "--data-dir", str(tiny_mnist))
     _assert_one_line_error(again.returncode, again.stderr, 2, "pass --overwrite")
     assert {p.name: p.read_bytes() for p in out.iterdir()} == before
-    forced = run_cli_here("evaluate", str(run_dir), "--data-dir", str(tiny_mnist),
-                          "--overwrite")
+    forced = run_cli_here("evaluate", str(run_dir), "--data-dir", str(tiny_mnist), "--overwrite")
     assert forced.returncode == 0, forced.stderr
     assert json.loads((out / "evaluation.json").read_text())["accuracy"] == report["accuracy"]
 
@@ -87,8 +86,9 @@ def test_several_workers_score_like_one_process(trained_run, tmp_path):
     assert one["epoch"] == two["epoch"] == trained_run["epochs_completed"]
     assert two["test_size"] == 203 and two["num_workers"] == 2
     assert two["confusion_matrix"] == one["confusion_matrix"]
-    assert two["accuracy"] == one["accuracy"] == pytest.approx(trained_run["val_accuracy"],
-                                                              abs=1e-12)
+    assert (
+        two["accuracy"] == one["accuracy"] == pytest.approx(trained_run["val_accuracy"], abs=1e-12)
+    )
     assert two["loss"] == pytest.approx(one["loss"], rel=1e-5)
     for name in ("evaluation.json", "confusion_matrix.png", "misclassified.png"):
         assert (tmp_path / "two" / name).is_file()
@@ -100,14 +100,14 @@ def test_a_bare_checkpoint_dir_uses_the_flags(trained_run, tiny_mnist, tmp_path)
     shutil.copytree(trained_run["best_checkpoint"], bare)
     code = evaluate.cli([str(bare), "--data-dir", str(tiny_mnist), "--dataset", "mnist"])
     assert code == 0
-    report = json.loads((tmp_path / "somewhere" / "evaluation_best" / "evaluation.json")
-                        .read_text())
+    report = json.loads(
+        (tmp_path / "somewhere" / "evaluation_best" / "evaluation.json").read_text()
+    )
     assert report["test_size"] == 203 and report["run"] is None
     assert report["accuracy"] == report["reported_val_accuracy"]
 
 
-def test_a_tune_experiment_dir_resolves_to_its_best_checkpoint(trained_run, tiny_mnist,
-                                                               tmp_path):
+def test_a_tune_experiment_dir_resolves_to_its_best_checkpoint(trained_run, tiny_mnist, tmp_path):
     """tune's layout: <experiment>/search.json, best.json, runs/<trial id>/ (a Train run);
     the best trial's best kept checkpoint is taken, by Ray's record of what it committed."""
     experiment = tmp_path / "tune-2w-x"
@@ -115,11 +115,20 @@ def test_a_tune_experiment_dir_resolves_to_its_best_checkpoint(trained_run, tiny
     shutil.copytree(trained_run["run_dir"], trial_run)
     checkpoint = trial_run / Path(trained_run["best_checkpoint"]).name
     (experiment / "search.json").write_text(json.dumps({"dataset": "mnist"}))
-    (experiment / "best.json").write_text(json.dumps({
-        "experiment_dir": "/elsewhere/tune-2w-x", "best_trial": "t0", "metric": "val_accuracy",
-        "mode": "max", "best_checkpoint": "/elsewhere/tune-2w-x/runs/t0/checkpoint_000"}))
-    report = evaluate.evaluate_checkpoint(experiment, data_dir=str(tiny_mnist),
-                                          out=tmp_path / "out")
+    (experiment / "best.json").write_text(
+        json.dumps(
+            {
+                "experiment_dir": "/elsewhere/tune-2w-x",
+                "best_trial": "t0",
+                "metric": "val_accuracy",
+                "mode": "max",
+                "best_checkpoint": "/elsewhere/tune-2w-x/runs/t0/checkpoint_000",
+            }
+        )
+    )
+    report = evaluate.evaluate_checkpoint(
+        experiment, data_dir=str(tiny_mnist), out=tmp_path / "out"
+    )
     assert report["checkpoint"] == str(checkpoint.resolve()) and report["dataset"] == "mnist"
     assert report["accuracy"] == report["reported_val_accuracy"]
     with pytest.raises(evaluate.UserError, match="trained and scored on the 'mnist'"):
@@ -147,23 +156,26 @@ def _empty(tmp_path: Path) -> Path:
     return tmp_path / "empty"
 
 
-@pytest.mark.parametrize("make, code, fragment", [
-    (lambda tmp: tmp / "missing", 2, "does not exist"),
-    (_empty, 2, "is neither a run directory"),
-    (_corrupt, 1, "is corrupt or truncated"),
-    (_foreign, 1, "is not a raytrain_mnist checkpoint"),
-    (_text, 2, "is not a checkpoint"),
-])
+@pytest.mark.parametrize(
+    "make, code, fragment",
+    [
+        (lambda tmp: tmp / "missing", 2, "does not exist"),
+        (_empty, 2, "is neither a run directory"),
+        (_corrupt, 1, "is corrupt or truncated"),
+        (_foreign, 1, "is not a raytrain_mnist checkpoint"),
+        (_text, 2, "is not a checkpoint"),
+    ],
+)
 def test_bad_targets_are_one_line(make, code, fragment, tmp_path, capsys):
     target = make(tmp_path)
-    _assert_one_line_error(evaluate.cli([str(target)]), capsys.readouterr().err, code,
-                           fragment)
+    _assert_one_line_error(evaluate.cli([str(target)]), capsys.readouterr().err, code, fragment)
 
 
 def test_a_different_dataset_than_training_is_refused(trained_run, capsys):
     code = evaluate.cli([trained_run["run_dir"], "--dataset", "sample"])
-    _assert_one_line_error(code, capsys.readouterr().err, 2,
-                           "trained and scored on the 'mnist' data set")
+    _assert_one_line_error(
+        code, capsys.readouterr().err, 2, "trained and scored on the 'mnist' data set"
+    )
 
 
 def test_bad_input_through_the_real_cli(tmp_path):

@@ -11,30 +11,47 @@ from pathlib import Path
 import pytest
 from PIL import Image
 
-from raytrain_mnist.worker import checkpoint as ckpt
 from raytrain_mnist._cli import UserError
-from raytrain_mnist.fit import fit
 from raytrain_mnist.driver.runs import Run
+from raytrain_mnist.fit import fit
+from raytrain_mnist.worker import checkpoint as ckpt
 
-SUMMARY_KEYS = {"name", "run_dir", "status", "data_source", "train_size", "test_size",
-                "num_workers", "use_gpu", "epochs_completed", "resumed_from_epoch",
-                "val_accuracy", "val_total", "best_val_accuracy", "wall_time_s",
-                "best_checkpoint", "latest_checkpoint", "config", "history"}
+SUMMARY_KEYS = {
+    "name",
+    "run_dir",
+    "status",
+    "data_source",
+    "train_size",
+    "test_size",
+    "num_workers",
+    "use_gpu",
+    "epochs_completed",
+    "resumed_from_epoch",
+    "val_accuracy",
+    "val_total",
+    "best_val_accuracy",
+    "wall_time_s",
+    "best_checkpoint",
+    "latest_checkpoint",
+    "config",
+    "history",
+}
 HISTORY_KEYS = {"epoch", "train_loss", "val_loss", "val_accuracy", "images_per_s", "epoch_time_s"}
 
 
 def test_two_workers_train_report_every_epoch_and_write_results(fitted, capsys):
     cfg, summary, out = fitted["cfg"], fitted["summary"], fitted["out"]
-    assert [line.split()[1] for line in out.splitlines() if line.startswith("epoch  ")] == \
-        [f"{epoch}/8" for epoch in range(1, 9)]
-    assert SUMMARY_KEYS <= summary.keys()
+    assert [line.split()[1] for line in out.splitlines() if line.startswith("epoch  ")] == [
+        f"{epoch}/8" for epoch in range(1, 9)
+    ]
+    assert summary.keys() >= SUMMARY_KEYS
     assert summary["status"] == "finished" and summary["epochs_completed"] == 8
     assert summary["resumed_from_epoch"] is None
     assert summary["val_total"] == summary["test_size"] == 203
     losses = [h["train_loss"] for h in summary["history"]]
     assert losses[-1] < 0.6 * losses[0], f"the loss did not fall: {losses}"
     assert summary["val_accuracy"] > 0.6
-    assert all(HISTORY_KEYS <= h.keys() for h in summary["history"])
+    assert all(h.keys() >= HISTORY_KEYS for h in summary["history"])
     assert {w["rank"] for w in summary["workers"]} == {0, 1}
 
     run_dir = Path(summary["run_dir"])
@@ -49,8 +66,9 @@ def test_two_workers_train_report_every_epoch_and_write_results(fitted, capsys):
     kept = Run.at(run_dir).checkpoints()
     assert len(kept) == cfg.run.keep_checkpoints == 2
     # On disk: those, and the latest (what a resume needs) when it is not among them.
-    assert {str(p) for p in run_dir.glob("checkpoint_*") if p.is_dir()} == \
-        {path for path, _ in kept} | {summary["latest_checkpoint"]}
+    assert {str(p) for p in run_dir.glob("checkpoint_*") if p.is_dir()} == {
+        path for path, _ in kept
+    } | {summary["latest_checkpoint"]}
     scores = sorted((h["val_accuracy"] for h in summary["history"]), reverse=True)
     assert sorted((m["val_accuracy"] for _, m in kept), reverse=True) == scores[:2]
     assert summary["best_checkpoint"] in {path for path, _ in kept}

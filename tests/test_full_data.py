@@ -12,11 +12,25 @@ DATA = full_data_dir()
 
 
 @pytest.mark.full_data
-@pytest.mark.skipif(DATA is None, reason="full MNIST absent: set RAYTRAIN_MNIST_DATA or "
-                                         "provide ../shared/data/mnist")
+@pytest.mark.skipif(
+    DATA is None,
+    reason="full MNIST absent: set RAYTRAIN_MNIST_DATA or provide ../shared/data/mnist",
+)
 def test_defaults_reach_99_percent_on_two_workers(tmp_path):
-    result = run_cli("fit", "--num-workers", "2", "--data-dir", str(DATA), "--dataset", "mnist",
-                     "--storage-path", str(tmp_path), "--name", "full", timeout=600)
+    result = run_cli(
+        "fit",
+        "--num-workers",
+        "2",
+        "--data-dir",
+        str(DATA),
+        "--dataset",
+        "mnist",
+        "--storage-path",
+        str(tmp_path),
+        "--name",
+        "full",
+        timeout=600,
+    )
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-2000:]
     summary = json.loads((tmp_path / "full" / "summary.json").read_text())
     assert summary["val_total"] == 10000 and summary["train_size"] == 60000

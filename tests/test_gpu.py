@@ -15,22 +15,27 @@ from pathlib import Path
 import pytest
 import torch
 
-from raytrain_mnist.driver import cluster
 from raytrain_mnist.config import RunSettings
+from raytrain_mnist.driver import cluster
 from tests.conftest import REPO, run_cli, run_cli_here
 
 # --------------------------------------------------------------------------- everywhere
 
 
-@pytest.mark.parametrize("flags, message", [
-    (["--gpus-per-worker", "0.5"], "--gpus-per-worker needs --use-gpu"),
-    (["--use-gpu", "--gpus-per-worker", "1.5"], "--gpus-per-worker must be in (0, 1]"),
-    (["--use-gpu", "--gpus-per-worker", "0"], "--gpus-per-worker must be in (0, 1]"),
-    (["--use-gpu", "--gpus-per-worker", "nan"], "--gpus-per-worker must be in (0, 1]"),
-    (["--use-gpu", "--gpus-per-worker", "0.00001"], "at most 4 decimals"),
-    (["--use-gpu", "--num-workers", "2", "--gpus-per-worker", "0.5", "--backend", "nccl"],
-     "--backend nccl cannot run workers that share a GPU"),
-])
+@pytest.mark.parametrize(
+    "flags, message",
+    [
+        (["--gpus-per-worker", "0.5"], "--gpus-per-worker needs --use-gpu"),
+        (["--use-gpu", "--gpus-per-worker", "1.5"], "--gpus-per-worker must be in (0, 1]"),
+        (["--use-gpu", "--gpus-per-worker", "0"], "--gpus-per-worker must be in (0, 1]"),
+        (["--use-gpu", "--gpus-per-worker", "nan"], "--gpus-per-worker must be in (0, 1]"),
+        (["--use-gpu", "--gpus-per-worker", "0.00001"], "at most 4 decimals"),
+        (
+            ["--use-gpu", "--num-workers", "2", "--gpus-per-worker", "0.5", "--backend", "nccl"],
+            "--backend nccl cannot run workers that share a GPU",
+        ),
+    ],
+)
 def test_gpus_per_worker_is_validated_in_one_line(flags, message):
     result = run_cli_here("fit", *flags)
     assert result.returncode == 2, result
@@ -38,13 +43,16 @@ def test_gpus_per_worker_is_validated_in_one_line(flags, message):
     assert "Traceback" not in result.stderr
 
 
-@pytest.mark.parametrize("settings, backend", [
-    ({}, "gloo"),
-    ({"use_gpu": True}, "nccl"),
-    ({"use_gpu": True, "gpus_per_worker": 2}, "nccl"),
-    ({"use_gpu": True, "num_workers": 4, "gpus_per_worker": 0.25}, "gloo"),
-    ({"use_gpu": True, "backend": "gloo"}, "gloo"),
-])
+@pytest.mark.parametrize(
+    "settings, backend",
+    [
+        ({}, "gloo"),
+        ({"use_gpu": True}, "nccl"),
+        ({"use_gpu": True, "gpus_per_worker": 2}, "nccl"),
+        ({"use_gpu": True, "num_workers": 4, "gpus_per_worker": 0.25}, "gloo"),
+        ({"use_gpu": True, "backend": "gloo"}, "gloo"),
+    ],
+)
 def test_auto_backend_is_gloo_when_workers_share_a_gpu(settings, backend):
     run = RunSettings(**settings)
     assert run.resolved_backend == backend
@@ -78,16 +86,28 @@ def test_the_trainer_asks_for_fractional_gpus_and_gloo(tmp_path):
     assert scaling.use_gpu and scaling.num_workers == 4
     assert scaling._resources_per_worker_not_none == {"CPU": 2, "GPU": 0.25}
     assert trainer.backend_config.backend == "gloo"
-    cpu = build_trainer(RunSettings(num_workers=2), lambda config: None, {}, 1,
-                        str(tmp_path), "cpu-request")
+    cpu = build_trainer(
+        RunSettings(num_workers=2), lambda config: None, {}, 1, str(tmp_path), "cpu-request"
+    )
     assert cpu.scaling_config._resources_per_worker_not_none == {"CPU": 1}
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal without GPUs")
 def test_shared_gpu_workers_are_refused_within_seconds_without_gpus(tmp_path):
     started = time.monotonic()
-    result = run_cli("fit", "--use-gpu", "--num-workers", "4", "--gpus-per-worker", "0.25",
-                     "--dataset", "sample", "--storage-path", str(tmp_path), timeout=60)
+    result = run_cli(
+        "fit",
+        "--use-gpu",
+        "--num-workers",
+        "4",
+        "--gpus-per-worker",
+        "0.25",
+        "--dataset",
+        "sample",
+        "--storage-path",
+        str(tmp_path),
+        timeout=60,
+    )
     assert time.monotonic() - started < 30
     assert result.returncode != 0 and "Traceback" not in result.stderr, result
     assert "--use-gpu asks for 4 GPU worker(s)" in result.stderr
@@ -102,8 +122,11 @@ def _mnist_dir() -> Path | None:
     ../shared/data/mnist."""
     from raytrain_mnist.data import find_raw_dir
 
-    for candidate in (os.environ.get("RAYTRAIN_MNIST_DATA"), REPO / "data" / "mnist-gz",
-                      REPO.parent / "shared" / "data" / "mnist"):
+    for candidate in (
+        os.environ.get("RAYTRAIN_MNIST_DATA"),
+        REPO / "data" / "mnist-gz",
+        REPO.parent / "shared" / "data" / "mnist",
+    ):
         if candidate and Path(candidate).is_dir() and find_raw_dir(Path(candidate)):
             return Path(candidate)
     return None
@@ -113,7 +136,8 @@ MNIST = _mnist_dir()
 needs_gpu = pytest.mark.skipif(
     not torch.cuda.is_available() or MNIST is None,
     reason="needs a CUDA device and full MNIST: run `bash benchmarks/gpu_check.sh` on a GPU "
-           "machine (docs/gpu.md)")
+    "machine (docs/gpu.md)",
+)
 
 
 @pytest.fixture(scope="module")
@@ -121,8 +145,7 @@ def gpu_ray():
     """One local Ray for every fit below (each would otherwise start its own)."""
     import ray
 
-    ray.init(address="local", include_dashboard=False, logging_level="WARNING",
-             log_to_driver=False)
+    ray.init(address="local", include_dashboard=False, logging_level="WARNING", log_to_driver=False)
     yield ray
     ray.shutdown()
 
@@ -132,14 +155,23 @@ def _fit(tmp_path_factory, name: str, epochs: int = 2, **settings) -> dict:
     from raytrain_mnist.fit import fit
 
     train = {k: settings.pop(k) for k in ("amp", "sync_bn") if k in settings}
-    cfg = FitConfig(TrainConfig(epochs=epochs, **train),
-                    RunSettings(use_gpu=True, dataset="mnist", data_dir=str(MNIST),
-                                storage_path=str(tmp_path_factory.mktemp("gpu-runs")),
-                                name=name, **settings))
+    cfg = FitConfig(
+        TrainConfig(epochs=epochs, **train),
+        RunSettings(
+            use_gpu=True,
+            dataset="mnist",
+            data_dir=str(MNIST),
+            storage_path=str(tmp_path_factory.mktemp("gpu-runs")),
+            name=name,
+            **settings,
+        ),
+    )
     started = time.monotonic()
     summary = fit(cfg)
-    print(f"{name}: {100 * summary['val_accuracy']:.2f} % in {time.monotonic() - started:.1f} s",
-          file=sys.stderr)
+    print(
+        f"{name}: {100 * summary['val_accuracy']:.2f} % in {time.monotonic() - started:.1f} s",
+        file=sys.stderr,
+    )
     return summary
 
 
@@ -156,11 +188,12 @@ def test_cpu_and_gpu_loaders_give_the_same_batches():
     data = load_mnist(MNIST, "mnist")
     on_gpu = to_device(data, torch.device("cuda"))
     assert on_gpu.train_images.is_cuda and on_gpu.test_labels.is_cuda
-    loaders = [make_train_loader(d.train_images, d.train_labels, 128, seed=3)
-               for d in (data, on_gpu)]
+    loaders = [
+        make_train_loader(d.train_images, d.train_labels, 128, seed=3) for d in (data, on_gpu)
+    ]
     for loader in loaders:
         set_epoch(loader, 1, 3)
-    for step, ((x, y), (gx, gy)) in enumerate(zip(*loaders)):
+    for step, ((x, y), (gx, gy)) in enumerate(zip(*loaders, strict=False)):
         assert gx.is_cuda and gx.dtype == torch.uint8
         assert torch.equal(x, gx.cpu()) and torch.equal(y, gy.cpu())
         if step == 20:
@@ -179,14 +212,16 @@ def test_one_worker_with_nccl_reaches_99_percent_in_two_epochs(one_worker_nccl):
 
 @needs_gpu
 def test_two_workers_share_the_gpu_with_sync_batchnorm(gpu_ray, tmp_path_factory):
-    summary = _fit(tmp_path_factory, "gpu-2w-shared", num_workers=2, gpus_per_worker=0.5,
-                   sync_bn="on")
+    summary = _fit(
+        tmp_path_factory, "gpu-2w-shared", num_workers=2, gpus_per_worker=0.5, sync_bn="on"
+    )
     assert summary["val_accuracy"] >= 0.990, summary["history"]
     assert summary["val_total"] == 10000
     workers = summary["workers"]
     assert len(workers) == 2
     assert {(w["node_id"], w["device"], w["backend"]) for w in workers} == {
-        (workers[0]["node_id"], "cuda:0", "gloo")}, workers
+        (workers[0]["node_id"], "cuda:0", "gloo")
+    }, workers
 
 
 @needs_gpu
@@ -201,7 +236,7 @@ def test_mixed_precision_trains_on_the_gpu(gpu_ray, tmp_path_factory, amp):
     state = ckpt.load(summary["latest_checkpoint"])
     assert state["config"]["amp"] == amp
     if amp == "fp16":  # the scaler was on, and its state is in the checkpoint
-        assert 0 < state["scaler"]["scale"] <= 2.0 ** 16
+        assert 0 < state["scaler"]["scale"] <= 2.0**16
     else:
         assert state["scaler"] == {}  # bf16 needs no loss scaling
 
@@ -210,8 +245,9 @@ def test_mixed_precision_trains_on_the_gpu(gpu_ray, tmp_path_factory, amp):
 def test_evaluate_on_the_gpu_reproduces_fits_accuracy(one_worker_nccl, tmp_path):
     from raytrain_mnist.evaluate import evaluate_checkpoint
 
-    report = evaluate_checkpoint(one_worker_nccl["run_dir"], out=tmp_path / "evaluation",
-                                 use_gpu=True)
+    report = evaluate_checkpoint(
+        one_worker_nccl["run_dir"], out=tmp_path / "evaluation", use_gpu=True
+    )
     assert report["test_size"] == 10000
     # cuDNN may pick other kernels in another process: allow one image of difference.
     assert abs(report["accuracy"] - report["reported_val_accuracy"]) <= 1e-4, report

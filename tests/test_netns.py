@@ -66,7 +66,7 @@ def two_hosts():
         for ns in names:
             _ip("netns", "add", ns)
         _ip("link", "add", ends[0], "type", "veth", "peer", "name", ends[1])
-        for ns, end, address in zip(names, ends, (HEAD_IP, NODE_IP)):
+        for ns, end, address in zip(names, ends, (HEAD_IP, NODE_IP), strict=False):
             _ip("link", "set", end, "netns", ns)
             _ip("-n", ns, "link", "set", end, "name", IFNAME)
             _ip("-n", ns, "addr", "add", f"{address}/30", "dev", IFNAME)
@@ -89,24 +89,68 @@ def test_two_workers_across_two_namespaces_over_the_named_interface(two_hosts, s
     try:
         data = write_tiny_mnist(root / "data", sample_digits)
         for ns, args in (
-            (head_ns, ["--head", f"--node-ip-address={HEAD_IP}", f"--port={GCS_PORT}",
-                       "--include-dashboard=false"]),
+            (
+                head_ns,
+                [
+                    "--head",
+                    f"--node-ip-address={HEAD_IP}",
+                    f"--port={GCS_PORT}",
+                    "--include-dashboard=false",
+                ],
+            ),
             (node_ns, [f"--address={HEAD_IP}:{GCS_PORT}", f"--node-ip-address={NODE_IP}"]),
         ):
-            started = subprocess.run(["ip", "netns", "exec", ns, RAY, "start", *args, *common],
-                                     env=env, capture_output=True, text=True, timeout=120,
-                                     stdin=subprocess.DEVNULL)
+            started = subprocess.run(
+                ["ip", "netns", "exec", ns, RAY, "start", *args, *common],
+                env=env,
+                capture_output=True,
+                text=True,
+                timeout=120,
+                stdin=subprocess.DEVNULL,
+            )
             assert started.returncode == 0, started.stdout + started.stderr
 
         def fit(name: str, *extra: str) -> subprocess.Popen:
             return subprocess.Popen(
-                ["ip", "netns", "exec", head_ns, sys.executable, "-m", "raytrain_mnist.fit",
-                 "--address", f"{HEAD_IP}:{GCS_PORT}", "--num-workers", "2",
-                 "--cpus-per-worker", "1", "--placement-strategy", "STRICT_SPREAD",
-                 "--epochs", "1", "--batch-size", "32", "--lr", "0.05", "--dataset", "mnist",
-                 "--data-dir", str(data), "--storage-path", str(root / "runs"), "--name", name,
-                 *extra], env=env, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                text=True, stdin=subprocess.DEVNULL)
+                [
+                    "ip",
+                    "netns",
+                    "exec",
+                    head_ns,
+                    sys.executable,
+                    "-m",
+                    "raytrain_mnist.fit",
+                    "--address",
+                    f"{HEAD_IP}:{GCS_PORT}",
+                    "--num-workers",
+                    "2",
+                    "--cpus-per-worker",
+                    "1",
+                    "--placement-strategy",
+                    "STRICT_SPREAD",
+                    "--epochs",
+                    "1",
+                    "--batch-size",
+                    "32",
+                    "--lr",
+                    "0.05",
+                    "--dataset",
+                    "mnist",
+                    "--data-dir",
+                    str(data),
+                    "--storage-path",
+                    str(root / "runs"),
+                    "--name",
+                    name,
+                    *extra,
+                ],
+                env=env,
+                cwd=REPO,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
+                text=True,
+                stdin=subprocess.DEVNULL,
+            )
 
         def finish(run: subprocess.Popen) -> subprocess.CompletedProcess:
             out, err = run.communicate(timeout=300)
@@ -118,8 +162,9 @@ def test_two_workers_across_two_namespaces_over_the_named_interface(two_hosts, s
         lost, found = fit("lost", "--max-failures", "0"), fit("veth", "--socket-ifname", IFNAME)
         lost, found = finish(lost), finish(found)
         assert lost.returncode == 1, lost.stdout[-3000:] + lost.stderr[-3000:]
-        assert "training failed:" in lost.stderr and "gloo" in lost.stderr.lower(), \
-            lost.stderr[-3000:]
+        assert "training failed:" in lost.stderr and "gloo" in lost.stderr.lower(), lost.stderr[
+            -3000:
+        ]
         assert f"(worker logs: {root}/ray/session_" in lost.stderr  # where this Ray keeps them
         assert found.returncode == 0, found.stdout[-3000:] + found.stderr[-3000:]
         summary = json.loads((root / "runs" / "veth" / "summary.json").read_text())

@@ -18,8 +18,13 @@ NOTEBOOK = REPO / "notebooks" / "quickstart.ipynb"
 
 
 def _outputs(nb, kind: str) -> list:
-    return [out for cell in nb.cells if cell.cell_type == "code" for out in cell.outputs
-            if kind in out.get("data", {})]
+    return [
+        out
+        for cell in nb.cells
+        if cell.cell_type == "code"
+        for out in cell.outputs
+        if kind in out.get("data", {})
+    ]
 
 
 def _text(nb) -> str:
@@ -34,10 +39,17 @@ def test_the_committed_notebook_is_clean_and_imports_rather_than_redefines():
     nb = nbformat.read(NOTEBOOK, as_version=4)
     nbformat.validate(nb)
     code = "\n".join(c.source for c in nb.cells if c.cell_type == "code")
-    assert all(not c.outputs and c.execution_count is None
-               for c in nb.cells if c.cell_type == "code"), "commit the notebook without outputs"
-    for redefinition in ("class ConvNet", "nn.Module", "def train", "optim.SGD", "lr=0.1",
-                         "batch_size="):
+    assert all(
+        not c.outputs and c.execution_count is None for c in nb.cells if c.cell_type == "code"
+    ), "commit the notebook without outputs"
+    for redefinition in (
+        "class ConvNet",
+        "nn.Module",
+        "def train",
+        "optim.SGD",
+        "lr=0.1",
+        "batch_size=",
+    ):
         assert redefinition not in code, redefinition
     assert "from raytrain_mnist" in code
 
@@ -46,12 +58,17 @@ def test_quickstart_runs_headless(tmp_path):
     nb = nbformat.read(NOTEBOOK, as_version=4)
     params = next(i for i, c in enumerate(nb.cells) if "parameters" in c.metadata.get("tags", []))
     # Papermill-style: a cell after the parameters cell overrides them.
-    nb.cells.insert(params + 1, nbformat.v4.new_code_cell(
-        f"EPOCHS = 1\nNUM_WORKERS = 1\nSTORAGE = {str(tmp_path / 'runs')!r}\nTUNE_SAMPLES = 1"))
+    nb.cells.insert(
+        params + 1,
+        nbformat.v4.new_code_cell(
+            f"EPOCHS = 1\nNUM_WORKERS = 1\nSTORAGE = {str(tmp_path / 'runs')!r}\nTUNE_SAMPLES = 1"
+        ),
+    )
     started = time.monotonic()
     # The kernel inherits this process's environment (RAY_AUTH_MODE=disabled, the cache).
-    NotebookClient(nb, timeout=240, kernel_name="python3",
-                   resources={"metadata": {"path": str(tmp_path)}}).execute()
+    NotebookClient(
+        nb, timeout=240, kernel_name="python3", resources={"metadata": {"path": str(tmp_path)}}
+    ).execute()
     elapsed = time.monotonic() - started
 
     text = _text(nb)

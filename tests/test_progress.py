@@ -16,8 +16,6 @@ import termios
 import threading
 import time
 
-import pytest
-
 from raytrain_mnist.console import Renderer, TrialsTable, resolve_mode
 
 _EPOCH = re.compile(r"^epoch +\d+/\d+ ", re.M)
@@ -25,8 +23,16 @@ _EPOCH = re.compile(r"^epoch +\d+/\d+ ", re.M)
 
 def _steps(renderer: Renderer, epoch: int, n: int = 3) -> None:
     for i in range(1, n + 1):
-        renderer.step({"progress": "step", "epoch": epoch, "images": 100 * i, "total": 300,
-                       "seconds": 0.1 * i, "loss": 1.0 / i})
+        renderer.step(
+            {
+                "progress": "step",
+                "epoch": epoch,
+                "images": 100 * i,
+                "total": 300,
+                "seconds": 0.1 * i,
+                "loss": 1.0 / i,
+            }
+        )
         time.sleep(0.3)  # past rich's refresh period: each update is drawn
 
 
@@ -100,9 +106,11 @@ def test_fit_on_a_terminal_redraws_a_bar_during_an_epoch(fitted, tmp_path, monke
 
     monkeypatch.setenv("TERM", "xterm")
     cfg = fitted["cfg"]
-    cfg = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, epochs=2),
-                              run=dataclasses.replace(cfg.run, num_workers=1, name="tty",
-                                                      storage_path=str(tmp_path)))
+    cfg = dataclasses.replace(
+        cfg,
+        train=dataclasses.replace(cfg.train, epochs=2),
+        run=dataclasses.replace(cfg.run, num_workers=1, name="tty", storage_path=str(tmp_path)),
+    )
     master, slave = pty.openpty()
     attrs = termios.tcgetattr(slave)
     attrs[1] &= ~termios.ONLCR  # no "\r" added to each "\n": every one seen is the bar's
@@ -123,6 +131,6 @@ def test_fit_on_a_terminal_redraws_a_bar_during_an_epoch(fitted, tmp_path, monke
     os.close(master)
     text = received.decode(errors="replace")
     assert summary["status"] == "finished"
-    during = text[:text.index("epoch   1/2  train_loss")]
+    during = text[: text.index("epoch   1/2  train_loss")]
     assert re.search("\r[^\n]", during) and "img/s" in during, during[-2000:]
     assert "first step" in during

@@ -15,13 +15,18 @@ from tests.conftest import REPO
 
 README = REPO / "README.md"
 #: Documents whose commands and links this file checks.
-GUIDES = [README, REPO / "docs" / "cluster.md", REPO / "CONTRIBUTING.md",
-          REPO / "benchmarks" / "README.md"]
+GUIDES = [
+    README,
+    REPO / "docs" / "cluster.md",
+    REPO / "CONTRIBUTING.md",
+    REPO / "benchmarks" / "README.md",
+]
 MAX_BYTES = 16 * 1024
 COMMANDS = ("fit", "tune", "evaluate", "submit", "serve")
 
 
 # --------------------------------------------------------------------------- helpers
+
 
 def _blocks(text: str) -> list[tuple[str, str]]:
     """(info string, body) of every fenced code block."""
@@ -55,7 +60,7 @@ def package_commands(doc: Path) -> list[tuple[str, list[str], str]]:
             while words and re.fullmatch(r"[A-Z_][A-Z0-9_]*=.*", words[0]):
                 words = words[1:]  # VAR=value before the command
             if "--" in words and words[:1] == ["ray"]:  # ray job submit ... -- python -m ...
-                words = words[words.index("--") + 1:]
+                words = words[words.index("--") + 1 :]
             if words[:2] == ["make", "fit"]:
                 args = [w.partition("=")[2] for w in words[2:] if w.startswith("ARGS=")]
                 found.append(("fit", shlex.split(args[0]) if args else [], line))
@@ -76,14 +81,17 @@ def parse(command: str, args: list[str]) -> None:
     if command == "submit":  # the checks submit.main makes before it contacts a cluster
         at = args.index("--") if "--" in args else len(args)
         parsed = module.build_parser().parse_intermixed_args(args[:at])
-        if args[at + 1:]:
+        if args[at + 1 :]:
             assert parsed.action is None, "a job action and a command after --"
-            module.entrypoint(args[at + 1:])
+            module.entrypoint(args[at + 1 :])
         else:
             assert parsed.action, "submit with neither an action nor a command"
         return
-    check = (getattr(module, "parse_config", None) or getattr(module, "parse_command", None)
-             or module.build_parser().parse_args)
+    check = (
+        getattr(module, "parse_config", None)
+        or getattr(module, "parse_command", None)
+        or module.build_parser().parse_args
+    )
     check(args)
 
 
@@ -100,11 +108,14 @@ def _slug(heading: str) -> str:
 
 # --------------------------------------------------------------------------- the checks
 
+
 def test_readme_is_short_and_starts_with_the_two_commands():
     raw = README.read_bytes()
-    assert len(raw) <= MAX_BYTES, (f"README.md is {len(raw)} bytes; a guide stays within "
-                                   f"{MAX_BYTES} (measurements: benchmarks/README.md, the "
-                                   "suite: CONTRIBUTING.md, depth: docs/)")
+    assert len(raw) <= MAX_BYTES, (
+        f"README.md is {len(raw)} bytes; a guide stays within "
+        f"{MAX_BYTES} (measurements: benchmarks/README.md, the "
+        "suite: CONTRIBUTING.md, depth: docs/)"
+    )
     text = raw.decode()
     first = _blocks(text)[0][1]
     commands = [line.split("#")[0].strip() for line in first.splitlines()]
@@ -126,8 +137,9 @@ def test_links_lead_to_files_and_headings(doc):
             assert anchor in {_slug(h) for h in headings}, f"{doc.name}: no heading #{anchor}"
 
 
-@pytest.mark.parametrize("doc", [README, REPO / "docs" / "cluster.md"],
-                         ids=lambda p: str(p.relative_to(REPO)))
+@pytest.mark.parametrize(
+    "doc", [README, REPO / "docs" / "cluster.md"], ids=lambda p: str(p.relative_to(REPO))
+)
 def test_every_command_shown_parses_with_the_real_parsers(doc):
     found = package_commands(doc)
     assert found, f"no raytrain_mnist command found in {doc.name}"
@@ -159,6 +171,9 @@ def test_every_flag_the_readme_names_exists():
     assert len(table) >= 8, "the flag table lists the flags that matter"
     assert table - option_strings("fit") == set(), "README's table lists flags fit lacks"
     every = set().union(*(option_strings(c) for c in COMMANDS))
-    named = {m for span in re.findall(r"`(--[^`]*)`", text)
-             for m in re.findall(r"(?<![\w-])--[a-z][a-z0-9-]*", span)}
+    named = {
+        m
+        for span in re.findall(r"`(--[^`]*)`", text)
+        for m in re.findall(r"(?<![\w-])--[a-z][a-z0-9-]*", span)
+    }
     assert named - every == set(), "README names flags no command has"

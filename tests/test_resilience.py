@@ -22,8 +22,9 @@ ENV = {**os.environ, "PYTHONUNBUFFERED": "1"}
 
 
 def _start(command) -> subprocess.Popen:
-    return subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                            text=True, cwd=REPO, env=ENV)
+    return subprocess.Popen(
+        command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=REPO, env=ENV
+    )
 
 
 def _read_until(process: subprocess.Popen, prefix: str, seen: list[str]) -> None:
@@ -34,8 +35,9 @@ def _read_until(process: subprocess.Popen, prefix: str, seen: list[str]) -> None
     raise AssertionError(f"never printed {prefix!r}:\n" + "".join(seen))
 
 
-def _committed_workers(run_dir: Path, after: set[int] = frozenset(),
-                       timeout: float = 60) -> list[dict]:
+def _committed_workers(
+    run_dir: Path, after: set[int] = frozenset(), timeout: float = 60
+) -> list[dict]:
     """The workers (rank order) behind the latest committed checkpoint, waiting until they
     are none of the processes in ``after``: the snapshot file can lag the printed epoch."""
     deadline = time.monotonic() + timeout
@@ -69,7 +71,8 @@ def _alive(pid: int) -> bool:
 
 
 def test_a_worker_dies_a_node_goes_the_driver_is_killed_and_the_run_ends_as_on_one_node(
-        two_nodes, fitted, tiny_mnist, tmp_path):
+    two_nodes, fitted, tiny_mnist, tmp_path
+):
     """One run on two nodes, a rank on each, ``--max-failures 1``: a killed worker is
     restarted; a lost node is the failure too many, and the run ends in one line; run again,
     it resumes, and a driver killed mid-epoch loses nothing either. It ends with the very
@@ -77,20 +80,44 @@ def test_a_worker_dies_a_node_goes_the_driver_is_killed_and_the_run_ends_as_on_o
     cluster, nodes = two_nodes
     train, calm = fitted["cfg"].train, fitted["summary"]  # 2 workers on one local node
     storage = tmp_path / "runs"
-    command = [sys.executable, "-m", "raytrain_mnist.fit", "--address", cluster.address,
-               "--num-workers", "2", "--cpus-per-worker", "1", "--placement-strategy",
-               "STRICT_SPREAD", "--max-failures", "1", "--epochs", str(train.epochs),
-               "--batch-size", str(train.batch_size), "--lr", str(train.lr),
-               "--seed", str(train.seed), "--dataset", "mnist", "--data-dir", str(tiny_mnist),
-               "--storage-path", str(storage), "--name", "hurt"]
+    command = [
+        sys.executable,
+        "-m",
+        "raytrain_mnist.fit",
+        "--address",
+        cluster.address,
+        "--num-workers",
+        "2",
+        "--cpus-per-worker",
+        "1",
+        "--placement-strategy",
+        "STRICT_SPREAD",
+        "--max-failures",
+        "1",
+        "--epochs",
+        str(train.epochs),
+        "--batch-size",
+        str(train.batch_size),
+        "--lr",
+        str(train.lr),
+        "--seed",
+        str(train.seed),
+        "--dataset",
+        "mnist",
+        "--data-dir",
+        str(tiny_mnist),
+        "--storage-path",
+        str(storage),
+        "--name",
+        "hurt",
+    ]
     run_dir = storage / "hurt"
     run = _start(command)
     seen: list[str] = []
 
     # A second run under the same name, while this one runs, is refused (before its Ray).
     _read_until(run, "starting run 'hurt'", seen)
-    clash = subprocess.run(command, capture_output=True, text=True, cwd=REPO, env=ENV,
-                           timeout=120)
+    clash = subprocess.run(command, capture_output=True, text=True, cwd=REPO, env=ENV, timeout=120)
     assert clash.returncode == 1, clash
     assert "run 'hurt' is already running" in clash.stderr, clash.stderr
     assert "Traceback" not in clash.stderr + clash.stdout
@@ -123,8 +150,7 @@ def test_a_worker_dies_a_node_goes_the_driver_is_killed_and_the_run_ends_as_on_o
     # 3. The same command resumes; SIGKILL its driver once it has trained an epoch.
     rerun = _start(command)
     seen = []
-    _read_until(rerun, "resumed from the checkpoint of epoch "
-                f"{failed['epochs_completed']}", seen)
+    _read_until(rerun, f"resumed from the checkpoint of epoch {failed['epochs_completed']}", seen)
     _read_until(rerun, "epoch ", seen)
     doomed = _committed_workers(run_dir)
     rerun.kill()
@@ -134,8 +160,7 @@ def test_a_worker_dies_a_node_goes_the_driver_is_killed_and_the_run_ends_as_on_o
     _wait_gone({w["pid"] for w in doomed})
 
     # 4. And again: it resumes from the last committed epoch and finishes.
-    last = subprocess.run(command, capture_output=True, text=True, cwd=REPO, env=ENV,
-                          timeout=400)
+    last = subprocess.run(command, capture_output=True, text=True, cwd=REPO, env=ENV, timeout=400)
     assert last.returncode == 0, "".join(seen) + last.stdout + last.stderr
     summary = json.loads((run_dir / "summary.json").read_text())
     resumed = summary["resumed_from_epoch"]
@@ -164,18 +189,37 @@ def test_a_worker_dies_a_node_goes_the_driver_is_killed_and_the_run_ends_as_on_o
     assert summary["val_accuracy"] == pytest.approx(calm["val_accuracy"], abs=1e-9)
 
 
-def test_ctrl_c_stops_cleanly_prints_the_resume_command_and_stops_its_own_ray(
-        tiny_mnist, tmp_path):
+def test_ctrl_c_stops_cleanly_prints_the_resume_command_and_stops_its_own_ray(tiny_mnist, tmp_path):
     marker = uuid.uuid4().hex  # carried by the driver and every process of its Ray
     storage = tmp_path / "runs"
     # No --address: this run starts (and must stop) its own local Ray.
     run = subprocess.Popen(
         # 30 epochs: the run is still going when the first epoch's line has been read.
-        [sys.executable, "-m", "raytrain_mnist.fit", "--num-workers", "1", "--epochs", "30",
-         "--batch-size", "32", "--dataset", "mnist", "--data-dir", str(tiny_mnist),
-         "--storage-path", str(storage), "--name", "stopped"],
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=REPO,
-        env={**ENV, MARKER_VAR: marker})
+        [
+            sys.executable,
+            "-m",
+            "raytrain_mnist.fit",
+            "--num-workers",
+            "1",
+            "--epochs",
+            "30",
+            "--batch-size",
+            "32",
+            "--dataset",
+            "mnist",
+            "--data-dir",
+            str(tiny_mnist),
+            "--storage-path",
+            str(storage),
+            "--name",
+            "stopped",
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        cwd=REPO,
+        env={**ENV, MARKER_VAR: marker},
+    )
     try:
         seen: list[str] = []
         _read_until(run, "epoch   1/30", seen)
@@ -219,10 +263,14 @@ except KeyboardInterrupt:
 def test_ctrl_c_in_a_ray_fit_did_not_start_stops_only_the_run(tiny_mnist, tmp_path):
     """A notebook's Ray outlives a Ctrl-C of fit(): only the run's controller is aborted."""
     marker = uuid.uuid4().hex
-    run = subprocess.Popen([sys.executable, "-c", _IN_A_NOTEBOOK, str(tiny_mnist),
-                            str(tmp_path / "runs")],
-                           stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                           cwd=REPO, env={**ENV, MARKER_VAR: marker})
+    run = subprocess.Popen(
+        [sys.executable, "-c", _IN_A_NOTEBOOK, str(tiny_mnist), str(tmp_path / "runs")],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        cwd=REPO,
+        env={**ENV, MARKER_VAR: marker},
+    )
     try:
         seen: list[str] = []
         _read_until(run, "epoch   1/30", seen)

@@ -14,14 +14,14 @@ import uuid
 
 import pytest
 
-from raytrain_mnist.driver import runs
 from raytrain_mnist._cli import UserError
 from raytrain_mnist.config import FitConfig, RunSettings, TrainConfig
+from raytrain_mnist.driver import runs
 from raytrain_mnist.driver.runs import Run
-from tests.conftest import REPO, kill_marked, MARKER_VAR
-
+from tests.conftest import MARKER_VAR, REPO, kill_marked
 
 # --------------------------------------------------------------------------- S3 server
+
 
 @pytest.fixture(scope="module")
 def s3(monkeypatch_module):
@@ -32,8 +32,12 @@ def s3(monkeypatch_module):
     server = moto_server.ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
     server.start()
     host, port = server.get_host_and_port()
-    env = {"AWS_ENDPOINT_URL": f"http://{host}:{port}", "AWS_ACCESS_KEY_ID": "testing",
-           "AWS_SECRET_ACCESS_KEY": "testing", "AWS_REGION": "us-east-1"}
+    env = {
+        "AWS_ENDPOINT_URL": f"http://{host}:{port}",
+        "AWS_ACCESS_KEY_ID": "testing",
+        "AWS_SECRET_ACCESS_KEY": "testing",
+        "AWS_REGION": "us-east-1",
+    }
     for key, value in env.items():
         monkeypatch_module.setenv(key, value)
     client = boto3.client("s3")
@@ -55,6 +59,7 @@ def monkeypatch_module():
 
 # --------------------------------------------------------------------------- names, identity
 
+
 def test_default_name_is_deterministic_and_follows_the_settings():
     a, b = FitConfig(), FitConfig()
     assert runs.default_name(a) == runs.default_name(b)
@@ -73,16 +78,19 @@ def test_identity_names_the_data_and_says_what_changed(sample_digits):
     assert "data.kind: 'sample' then, 'mnist' now" in runs.describe_difference(sample, other)
 
 
-@pytest.mark.parametrize("uri", ["s3://AKIAEXAMPLE:wJalrXUtnFEMI@bucket/runs",
-                                 "gs://user:wJalrXUtnFEMI@b/x"])
+@pytest.mark.parametrize(
+    "uri", ["s3://AKIAEXAMPLE:wJalrXUtnFEMI@bucket/runs", "gs://user:wJalrXUtnFEMI@b/x"]
+)
 def test_credentials_in_a_storage_uri_are_refused(uri):
-    with pytest.raises(UserError, match="carries credentials; pass them through the "
-                                        "environment") as info:
+    with pytest.raises(
+        UserError, match="carries credentials; pass them through the environment"
+    ) as info:
         Run(uri, "r")
     assert info.value.exit_code == 2 and "wJalrXUtnFEMI" not in str(info.value)
 
 
 # --------------------------------------------------------------------------- claims
+
 
 def test_a_local_claim_refuses_a_second_leaves_no_lock_file_and_fresh_keeps_the_old(tmp_path):
     run = Run(tmp_path, "r")
@@ -119,18 +127,36 @@ def test_an_s3_lease_refuses_a_second_and_a_dead_owners_is_taken_over(s3):
     lease = f"{base.rpartition('/')[0]}/.r.lease"
     assert fs.get_file_info(lease).type == pyarrow.fs.FileType.NotFound  # released
     # A lease whose process is gone from this host is stale at once.
-    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"],
-                          capture_output=True, text=True).stdout.strip()
+    dead = subprocess.run(
+        [sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True
+    ).stdout.strip()
     with fs.open_output_stream(lease) as f:
-        f.write(json.dumps({"token": "old", "host": os.uname().nodename, "pid": int(dead),
-                            "pid_started": 0, "renewed": time.time()}).encode())
+        f.write(
+            json.dumps(
+                {
+                    "token": "old",
+                    "host": os.uname().nodename,
+                    "pid": int(dead),
+                    "pid_started": 0,
+                    "renewed": time.time(),
+                }
+            ).encode()
+        )
     with Run(storage, "r").claim(fresh=True) as fresh:
         assert not fresh.exists("summary.json")  # --fresh: the old run was copied aside
     assert Run(storage, "r.previous-1").summary() == {"status": "finished"}
     # Someone else's lease on another host is honoured until it expires.
     with fs.open_output_stream(lease) as f:
-        f.write(json.dumps({"token": "other", "host": "elsewhere", "pid": 1,
-                            "renewed": time.time() - runs.LEASE_TTL_S - 1}).encode())
+        f.write(
+            json.dumps(
+                {
+                    "token": "other",
+                    "host": "elsewhere",
+                    "pid": 1,
+                    "renewed": time.time() - runs.LEASE_TTL_S - 1,
+                }
+            ).encode()
+        )
     with Run(storage, "r").claim():
         pass
 
@@ -138,35 +164,64 @@ def test_an_s3_lease_refuses_a_second_and_a_dead_owners_is_taken_over(s3):
 def test_resume_commands_rebuild_the_same_config_from_every_entry_point(monkeypatch):
     from raytrain_mnist.fit import parse_config, resume_command
 
-    cfg = parse_config(["--lr", "0.05", "--storage-path", "my runs", "--amp", "bf16",
-                        "--no-tensorboard", "--fresh"])
-    for argv0, prefix in [("/venv/bin/raytrain-mnist", ["raytrain-mnist", "fit"]),
-                          (f"{REPO}/raytrain_mnist/__main__.py", ["-m", "raytrain_mnist", "fit"]),
-                          (f"{REPO}/raytrain_mnist/fit.py", ["-m", "raytrain_mnist.fit"]),
-                          ("", ["-m", "raytrain_mnist", "fit"])]:  # fit() from Python
+    cfg = parse_config(
+        [
+            "--lr",
+            "0.05",
+            "--storage-path",
+            "my runs",
+            "--amp",
+            "bf16",
+            "--no-tensorboard",
+            "--fresh",
+        ]
+    )
+    for argv0, prefix in [
+        ("/venv/bin/raytrain-mnist", ["raytrain-mnist", "fit"]),
+        (f"{REPO}/raytrain_mnist/__main__.py", ["-m", "raytrain_mnist", "fit"]),
+        (f"{REPO}/raytrain_mnist/fit.py", ["-m", "raytrain_mnist.fit"]),
+        ("", ["-m", "raytrain_mnist", "fit"]),
+    ]:  # fit() from Python
         monkeypatch.setattr(sys, "argv", [argv0])
         words = shlex.split(resume_command(cfg, "the-run"))
         start = words.index(prefix[0])
-        assert words[start:start + len(prefix)] == prefix, words
-        again = parse_config(words[start + len(prefix):])
+        assert words[start : start + len(prefix)] == prefix, words
+        again = parse_config(words[start + len(prefix) :])
         assert again.train == cfg.train
-        assert again.run == RunSettings(**{**cfg.run.__dict__, "fresh": False,
-                                          "name": "the-run"})
+        assert again.run == RunSettings(**{**cfg.run.__dict__, "fresh": False, "name": "the-run"})
 
 
 # --------------------------------------------------------------------------- s3 end to end
 
+
 def _cli(*args, env=None, timeout=300):
-    return subprocess.run([sys.executable, "-m", "raytrain_mnist", *args], capture_output=True,
-                          text=True, cwd=REPO, timeout=timeout, env={**os.environ, **(env or {})})
+    return subprocess.run(
+        [sys.executable, "-m", "raytrain_mnist", *args],
+        capture_output=True,
+        text=True,
+        cwd=REPO,
+        timeout=timeout,
+        env={**os.environ, **(env or {})},
+    )
 
 
-def test_an_s3_run_is_claimed_reported_refused_kept_resumed_and_evaluated(s3, tiny_mnist,
-                                                                         tmp_path):
+def test_an_s3_run_is_claimed_reported_refused_kept_resumed_and_evaluated(s3, tiny_mnist, tmp_path):
     """Through the real CLI and Ray's own storage: everything a local run guarantees."""
     storage = s3()
-    common = ["--num-workers", "1", "--batch-size", "32", "--dataset", "mnist", "--data-dir",
-              str(tiny_mnist), "--storage-path", storage, "--name", "s3run"]
+    common = [
+        "--num-workers",
+        "1",
+        "--batch-size",
+        "32",
+        "--dataset",
+        "mnist",
+        "--data-dir",
+        str(tiny_mnist),
+        "--storage-path",
+        storage,
+        "--name",
+        "s3run",
+    ]
     first = _cli("fit", "--epochs", "2", *common)
     assert first.returncode == 0, first.stdout + first.stderr
     summary = Run(storage, "s3run").summary()
@@ -186,8 +241,12 @@ def test_an_s3_run_is_claimed_reported_refused_kept_resumed_and_evaluated(s3, ti
     marker = uuid.uuid4().hex
     fresh = subprocess.Popen(
         [sys.executable, "-m", "raytrain_mnist", "fit", "--epochs", "12", "--fresh", *common],
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=REPO,
-        env={**os.environ, "PYTHONUNBUFFERED": "1", MARKER_VAR: marker})
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        cwd=REPO,
+        env={**os.environ, "PYTHONUNBUFFERED": "1", MARKER_VAR: marker},
+    )
     try:
         seen = []
         for line in fresh.stdout:
@@ -206,15 +265,22 @@ def test_an_s3_run_is_claimed_reported_refused_kept_resumed_and_evaluated(s3, ti
     assert fresh.returncode == 130, out
     assert Run(storage, "s3run.previous-1").summary() == summary
     resume = out.split("resume with: ")[1].splitlines()[0]
-    resumed = subprocess.run(shlex.split(resume), capture_output=True, text=True, cwd=REPO,
-                             timeout=400)
+    resumed = subprocess.run(
+        shlex.split(resume), capture_output=True, text=True, cwd=REPO, timeout=400
+    )
     assert resumed.returncode == 0, resumed.stdout + resumed.stderr
     final = Run(storage, "s3run").summary()
     assert final["status"] == "finished" and final["resumed_from_epoch"] >= 1
     assert [h["epoch"] for h in final["history"]] == list(range(1, 13))
 
-    report = _cli("evaluate", f"{storage}/s3run", "--data-dir", str(tiny_mnist), "--out",
-                  str(tmp_path / "eval"))
+    report = _cli(
+        "evaluate",
+        f"{storage}/s3run",
+        "--data-dir",
+        str(tiny_mnist),
+        "--out",
+        str(tmp_path / "eval"),
+    )
     assert report.returncode == 0, report.stderr
     evaluation = json.loads((tmp_path / "eval" / "evaluation.json").read_text())
     assert evaluation["accuracy"] == final["best_val_accuracy"]
@@ -234,8 +300,9 @@ def test_a_sample_run_is_not_resumed_on_full_mnist(tmp_path, tiny_mnist):
         cfg = FitConfig(TrainConfig(), RunSettings(name="r"))
         run.write_json(runs.RUN_FILE, runs.fit_identity(cfg, load_sample()))
     before = _tree(storage)
-    result = _cli("fit", "--name", "r", "--storage-path", str(storage), "--data-dir",
-                  str(tiny_mnist))
+    result = _cli(
+        "fit", "--name", "r", "--storage-path", str(storage), "--data-dir", str(tiny_mnist)
+    )
     assert result.returncode == 2, result
     assert "data.kind: 'sample' then, 'mnist' now" in result.stderr
     assert len(result.stderr.strip().splitlines()) == 1 and "Traceback" not in result.stderr

@@ -11,7 +11,6 @@ import time
 import uuid
 
 import psutil
-import pytest
 
 from .conftest import MARKER_VAR, REPO, kill_marked, marked, write_tiny_mnist
 
@@ -31,7 +30,9 @@ def _listening(pids: set[int]) -> dict[tuple[str, int], str]:
             process = psutil.Process(pid)
             name = process.name()
             for conn in process.net_connections(kind="inet"):
-                if conn.status == psutil.CONN_LISTEN or (conn.type == socket.SOCK_DGRAM and not conn.raddr):
+                if conn.status == psutil.CONN_LISTEN or (
+                    conn.type == socket.SOCK_DGRAM and not conn.raddr
+                ):
                     found[(conn.laddr.ip, conn.laddr.port)] = name
         except psutil.Error:  # gone between the listing and the look
             continue
@@ -43,15 +44,39 @@ def test_the_ray_that_fit_starts_listens_on_loopback_only(tmp_path, sample_digit
     manager, dashboard and its agents, Train workers and torch's rendezvous), is loopback."""
     data = write_tiny_mnist(tmp_path / "data", sample_digits, n_train=256, n_test=64)
     marker = uuid.uuid4().hex
-    env = {k: v for k, v in os.environ.items()
-           if k not in ("RAY_ADDRESS", "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "GLOO_SOCKET_IFNAME")}
+    env = {
+        k: v
+        for k, v in os.environ.items()
+        if k not in ("RAY_ADDRESS", "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "GLOO_SOCKET_IFNAME")
+    }
     env[MARKER_VAR] = marker
     fit = subprocess.Popen(
-        [sys.executable, "-m", "raytrain_mnist", "fit", "--num-workers", "2",
-         "--cpus-per-worker", "1", "--epochs", "1", "--batch-size", "32", "--dataset", "mnist",
-         "--data-dir", str(data), "--storage-path", str(tmp_path / "runs")],
-        env=env, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-        stdin=subprocess.DEVNULL)
+        [
+            sys.executable,
+            "-m",
+            "raytrain_mnist",
+            "fit",
+            "--num-workers",
+            "2",
+            "--cpus-per-worker",
+            "1",
+            "--epochs",
+            "1",
+            "--batch-size",
+            "32",
+            "--dataset",
+            "mnist",
+            "--data-dir",
+            str(data),
+            "--storage-path",
+            str(tmp_path / "runs"),
+        ],
+        env=env,
+        cwd=REPO,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        stdin=subprocess.DEVNULL,
+    )
     seen: dict[tuple[str, int], str] = {}
     try:
         root = psutil.Process(fit.pid)
@@ -67,8 +92,7 @@ def test_the_ray_that_fit_starts_listens_on_loopback_only(tmp_path, sample_digit
         output = fit.communicate(timeout=60)[0].decode()
     finally:
         kill_marked(marker)
-    exposed = {f"{ip}:{port} ({name})" for (ip, port), name in seen.items()
-               if not _is_loopback(ip)}
+    exposed = {f"{ip}:{port} ({name})" for (ip, port), name in seen.items() if not _is_loopback(ip)}
     assert not exposed, f"listening beyond loopback: {sorted(exposed)}"
     # The run was watched while it ran: its Ray and its Train workers were listening.
     assert {"gcs_server", "raylet", "ray::RayTrainWorker"} <= set(seen.values()), seen

@@ -29,21 +29,23 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from tests.conftest import MARKER_VAR, REPO, free_ports, kill_marked, marked, run_cli_here
-
 from raytrain_mnist.serve import MAX_BODY_BYTES
+from tests.conftest import MARKER_VAR, REPO, free_ports, kill_marked, marked, run_cli_here
 
 CHROMIUM = "/usr/bin/chromium"
 
 
 # --------------------------------------------------------------------------- helpers
 
-def http(url: str, body: bytes | dict | None = None, method: str | None = None,
-         timeout: float = 60) -> tuple[int, dict, bytes]:
+
+def http(
+    url: str, body: bytes | dict | None = None, method: str | None = None, timeout: float = 60
+) -> tuple[int, dict, bytes]:
     """(status, headers, body) of one request; 4xx/5xx are answers, not exceptions."""
     data = json.dumps(body).encode() if isinstance(body, dict) else body
-    request = urllib.request.Request(url, data=data, method=method,
-                                     headers={"Content-Type": "application/json"})
+    request = urllib.request.Request(
+        url, data=data, method=method, headers={"Content-Type": "application/json"}
+    )
     try:
         with urllib.request.urlopen(request, timeout=timeout) as response:
             return response.status, dict(response.headers), response.read()
@@ -68,8 +70,8 @@ def png_b64(array: np.ndarray) -> str:
 @pytest.fixture(scope="module")
 def checkpoint_dir(tmp_path_factory) -> Path:
     """An untrained ConvNet's checkpoint: enough for what ends before Ray starts."""
-    from raytrain_mnist.worker import checkpoint as ckpt
     from raytrain_mnist.model import ConvNet
+    from raytrain_mnist.worker import checkpoint as ckpt
 
     path = tmp_path_factory.mktemp("ckpt") / "checkpoint_000000"
     path.mkdir()
@@ -79,6 +81,7 @@ def checkpoint_dir(tmp_path_factory) -> Path:
 
 # --------------------------------------------------------------------------- no Ray
 
+
 def test_parse_images_takes_pixels_as_they_are():
     from raytrain_mnist.serve import parse_images
 
@@ -87,20 +90,26 @@ def test_parse_images_takes_pixels_as_they_are():
     assert batch.dtype == np.uint8 and np.array_equal(batch, images)
 
 
-@pytest.mark.parametrize("body, status, words", [
-    (b"{not json", 400, "not JSON"),
-    (b'[1, 2]', 422, '{"images"'),
-    (b'{"images": []}', 422, "non-empty"),
-    (json.dumps({"images": [[[0] * 28] * 27]}).encode(), 422, "shape 27x28"),
-    (json.dumps({"images": [[[0] * 28] * 27 + [[0] * 3]]}).encode(), 422, "shape ragged"),
-    (json.dumps({"images": [7]}).encode(), 422, "shape scalar"),
-    (json.dumps({"images": [[[0.5] * 28] * 28]}).encode(), 422, "integers 0-255, got floats"),
-    (json.dumps({"images": [[[256] * 28] * 28]}).encode(), 422, "in 0-255, got 256..256"),
-    (json.dumps({"images": [[[-1] * 28] * 28]}).encode(), 422, "in 0-255"),
-    (json.dumps({"images": ["not base64!"]}).encode(), 422, "not base64"),
-    (json.dumps({"images": [base64.b64encode(b"GIF89a...").decode()]}).encode(), 422,
-     "not a readable PNG"),
-])
+@pytest.mark.parametrize(
+    "body, status, words",
+    [
+        (b"{not json", 400, "not JSON"),
+        (b"[1, 2]", 422, '{"images"'),
+        (b'{"images": []}', 422, "non-empty"),
+        (json.dumps({"images": [[[0] * 28] * 27]}).encode(), 422, "shape 27x28"),
+        (json.dumps({"images": [[[0] * 28] * 27 + [[0] * 3]]}).encode(), 422, "shape ragged"),
+        (json.dumps({"images": [7]}).encode(), 422, "shape scalar"),
+        (json.dumps({"images": [[[0.5] * 28] * 28]}).encode(), 422, "integers 0-255, got floats"),
+        (json.dumps({"images": [[[256] * 28] * 28]}).encode(), 422, "in 0-255, got 256..256"),
+        (json.dumps({"images": [[[-1] * 28] * 28]}).encode(), 422, "in 0-255"),
+        (json.dumps({"images": ["not base64!"]}).encode(), 422, "not base64"),
+        (
+            json.dumps({"images": [base64.b64encode(b"GIF89a...").decode()]}).encode(),
+            422,
+            "not a readable PNG",
+        ),
+    ],
+)
 def test_parse_images_refuses_with_one_line(body, status, words):
     from raytrain_mnist.serve import BadRequest, parse_images
 
@@ -145,13 +154,16 @@ def test_png_becomes_an_mnist_digit(sample_digits):
     assert not blank.any()
 
 
-@pytest.mark.parametrize("flags, words", [
-    (["--port", "0"], "--port must be an integer in 1..65535"),
-    (["--port", "70000"], "--port must be an integer in 1..65535"),
-    (["--replicas", "0"], "--replicas must be an integer >= 1"),
-    (["--max-batch-size", "0"], "--max-batch-size must be an integer >= 1"),
-    (["--host", ""], "--host must name an interface"),
-])
+@pytest.mark.parametrize(
+    "flags, words",
+    [
+        (["--port", "0"], "--port must be an integer in 1..65535"),
+        (["--port", "70000"], "--port must be an integer in 1..65535"),
+        (["--replicas", "0"], "--replicas must be an integer >= 1"),
+        (["--max-batch-size", "0"], "--max-batch-size must be an integer >= 1"),
+        (["--host", ""], "--host must name an interface"),
+    ],
+)
 def test_cli_refuses_bad_flags_before_ray(checkpoint_dir, flags, words):
     import ray
 
@@ -198,8 +210,18 @@ def test_write_config_is_a_valid_serve_deploy_config(checkpoint_dir, tmp_path):
     from ray.serve.schema import ServeDeploySchema
 
     path = tmp_path / "serve_config.yaml"
-    result = run_cli_here("serve", str(checkpoint_dir), "--write-config", str(path),
-                          "--port", "8011", "--replicas", "2", "--max-batch-size", "16")
+    result = run_cli_here(
+        "serve",
+        str(checkpoint_dir),
+        "--write-config",
+        str(path),
+        "--port",
+        "8011",
+        "--replicas",
+        "2",
+        "--max-batch-size",
+        "16",
+    )
     assert result.returncode == 0, result.stderr
     config = ServeDeploySchema.model_validate(yaml.safe_load(path.read_text()))
     assert (config.http_options.host, config.http_options.port) == ("127.0.0.1", 8011)
@@ -223,9 +245,12 @@ def test_submit_accepts_serve():
 
 # --------------------------------------------------------------------------- a real server
 
+
 def _snapshot(root: Path) -> dict:
-    return {str(p.relative_to(root)): (p.stat().st_size, p.stat().st_mtime_ns)
-            for p in sorted(root.rglob("*"))}
+    return {
+        str(p.relative_to(root)): (p.stat().st_size, p.stat().st_mtime_ns)
+        for p in sorted(root.rglob("*"))
+    }
 
 
 @pytest.fixture(scope="module")
@@ -260,8 +285,9 @@ def test_predictions_give_evaluates_accuracy(server, fitted, tiny_mnist, tmp_pat
     assert np.array_equal(probabilities.argmax(1), predictions)
 
     with ThreadPoolExecutor(8) as pool:
-        singles = list(pool.map(lambda image: predict(server["url"], [image.tolist()]),
-                                images[:64]))
+        singles = list(
+            pool.map(lambda image: predict(server["url"], [image.tolist()]), images[:64])
+        )
     assert [s["predictions"][0] for s in singles] == predictions[:64].tolist()
 
 
@@ -287,8 +313,9 @@ def test_bad_requests_get_4xx_and_the_server_stays_up(server):
         assert status == 200 and len(json.loads(answer)["predictions"]) == 1, name
 
     # A body over the limit is refused on its declared length, before any of it is read.
-    connection = http_client.HTTPConnection("127.0.0.1", int(url.split(":")[-1].strip("/")),
-                                            timeout=60)
+    connection = http_client.HTTPConnection(
+        "127.0.0.1", int(url.split(":")[-1].strip("/")), timeout=60
+    )
     connection.putrequest("POST", "/predict")
     connection.putheader("Content-Length", str(MAX_BODY_BYTES + 1))
     connection.endheaders()
@@ -351,8 +378,9 @@ def _strokes(digit: np.ndarray, scale: float) -> list[tuple[float, float, float]
         if not len(inked):
             continue
         runs = np.split(inked, np.flatnonzero(np.diff(inked) > 1) + 1)
-        strokes += [((row + 0.5) * scale, (r[0] + 0.5) * scale, (r[-1] + 0.5) * scale)
-                    for r in runs]
+        strokes += [
+            ((row + 0.5) * scale, (r[0] + 0.5) * scale, (r[-1] + 0.5) * scale) for r in runs
+        ]
     return strokes
 
 
@@ -361,8 +389,9 @@ def test_browser_draws_a_digit_and_reads_the_prediction(server, tiny_mnist, tmp_
     predicted digit and the bars from the page, save a screenshot."""
     if not Path(CHROMIUM).is_file():
         pytest.skip(f"no Chromium at {CHROMIUM} (Debian: apt-get install chromium)")
-    playwright_api = pytest.importorskip("playwright.sync_api",
-                                         reason="playwright is not installed (dev extra)")
+    playwright_api = pytest.importorskip(
+        "playwright.sync_api", reason="playwright is not installed (dev extra)"
+    )
     from raytrain_mnist.data import load_mnist
 
     data = load_mnist(tiny_mnist, "mnist")
@@ -374,13 +403,16 @@ def test_browser_draws_a_digit_and_reads_the_prediction(server, tiny_mnist, tmp_
     candidates = right[np.argsort(-confidence[right], kind="stable")][:3]
 
     with playwright_api.sync_playwright() as p:
-        browser = p.chromium.launch(executable_path=CHROMIUM,
-                                    args=["--no-sandbox", "--disable-gpu"])
+        browser = p.chromium.launch(
+            executable_path=CHROMIUM, args=["--no-sandbox", "--disable-gpu"]
+        )
         try:
             page = browser.new_page(viewport={"width": 800, "height": 520})
             blocked = []
-            page.on("request", lambda r: None if r.url.startswith(server["url"])
-                    else blocked.append(r.url))
+            page.on(
+                "request",
+                lambda r: None if r.url.startswith(server["url"]) else blocked.append(r.url),
+            )
             page.goto(server["url"])
             canvas = page.locator("#pad")
             box = canvas.bounding_box()
@@ -395,7 +427,8 @@ def test_browser_draws_a_digit_and_reads_the_prediction(server, tiny_mnist, tmp_
                     page.mouse.up()
                 page.wait_for_function(
                     "() => document.querySelector('#digit').dataset.pending === 'false'",
-                    timeout=30_000)
+                    timeout=30_000,
+                )
                 shown = page.text_content("#digit").strip()
                 bars = page.locator("#bars li .pct").all_text_contents()
                 seen.append((int(labels[index]), shown))
@@ -428,7 +461,11 @@ def test_cli_serves_until_ctrl_c_and_leaves_nothing(fitted, tmp_path):
     with log.open("w") as out:
         proc = subprocess.Popen(
             [sys.executable, "-m", "raytrain_mnist", "serve", str(run_dir), "--port", str(port)],
-            stdout=out, stderr=subprocess.STDOUT, cwd=REPO, env={**env, MARKER_VAR: marker})
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            cwd=REPO,
+            env={**env, MARKER_VAR: marker},
+        )
     try:
         deadline = time.monotonic() + 180
         while "serving " not in log.read_text():  # printed once the application is running

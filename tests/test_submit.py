@@ -33,10 +33,19 @@ from raytrain_mnist._cli import EXIT_INTERRUPTED, UserError
 from .conftest import MARKER_VAR, REPO, free_ports, kill_marked, write_tiny_mnist
 
 RAY = str(Path(sys.executable).with_name("ray"))
+
+
 def run_submit(*args: str, env: dict, timeout: float = 120, **kw) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "raytrain_mnist.submit", *args], env=env,
-                          capture_output=True, text=True, timeout=timeout, cwd=REPO,
-                          stdin=subprocess.DEVNULL, **kw)
+    return subprocess.run(
+        [sys.executable, "-m", "raytrain_mnist.submit", *args],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        cwd=REPO,
+        stdin=subprocess.DEVNULL,
+        **kw,
+    )
 
 
 def assert_one_line_error(proc: subprocess.CompletedProcess, *fragments: str) -> None:
@@ -50,15 +59,25 @@ def assert_one_line_error(proc: subprocess.CompletedProcess, *fragments: str) ->
 
 def client_env(head, **extra) -> dict:
     """A client's environment: no token unless given, no address, a HOME without a token."""
-    env = {k: v for k, v in os.environ.items()
-           if k not in ("RAY_AUTH_MODE", "RAY_AUTH_TOKEN", "RAY_AUTH_TOKEN_PATH",
-                        "RAY_ADDRESS", "RAY_API_SERVER_ADDRESS")}
+    env = {
+        k: v
+        for k, v in os.environ.items()
+        if k
+        not in (
+            "RAY_AUTH_MODE",
+            "RAY_AUTH_TOKEN",
+            "RAY_AUTH_TOKEN_PATH",
+            "RAY_ADDRESS",
+            "RAY_API_SERVER_ADDRESS",
+        )
+    }
     env["HOME"] = str(head["home"])
     env.update(extra)
     return env
 
 
 # --------------------------------------------------------------------------- the head
+
 
 @pytest.fixture(scope="module")
 def head(sample_digits):
@@ -68,31 +87,59 @@ def head(sample_digits):
     (root / "token").write_text(token)
     (root / "home").mkdir()
     gcs, dashboard, client, agent, metrics = free_ports(5)
-    env = {k: v for k, v in os.environ.items()
-           if k not in ("RAY_ADDRESS", "RAY_API_SERVER_ADDRESS", "RAY_AUTH_TOKEN")}
-    env.update({
-        MARKER_VAR: marker,
-        "RAY_AUTH_MODE": "token",
-        "RAY_AUTH_TOKEN_PATH": str(root / "token"),
-        "PATH": f"{Path(sys.executable).parent}{os.pathsep}{env.get('PATH', '')}",
-        # Single-node mode keeps --node-ip-address=127.0.0.1 (Ray swaps a loopback node IP
-        # for the machine's address otherwise) and with it every server on loopback.
-        "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0",
-    })
+    env = {
+        k: v
+        for k, v in os.environ.items()
+        if k not in ("RAY_ADDRESS", "RAY_API_SERVER_ADDRESS", "RAY_AUTH_TOKEN")
+    }
+    env.update(
+        {
+            MARKER_VAR: marker,
+            "RAY_AUTH_MODE": "token",
+            "RAY_AUTH_TOKEN_PATH": str(root / "token"),
+            "PATH": f"{Path(sys.executable).parent}{os.pathsep}{env.get('PATH', '')}",
+            # Single-node mode keeps --node-ip-address=127.0.0.1 (Ray swaps a loopback node IP
+            # for the machine's address otherwise) and with it every server on loopback.
+            "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0",
+        }
+    )
     log = open(root / "ray_start.log", "w")
     proc = subprocess.Popen(
-        [RAY, "start", "--head", "--block", "--node-ip-address=127.0.0.1", f"--port={gcs}",
-         "--dashboard-host=127.0.0.1", f"--dashboard-port={dashboard}",
-         f"--ray-client-server-port={client}", f"--dashboard-agent-listen-port={agent}",
-         f"--metrics-export-port={metrics}", "--num-cpus=2", "--num-gpus=0",
-         f"--temp-dir={root / 'ray'}", "--disable-usage-stats", "--include-dashboard=true"],
-        env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
-        stdin=subprocess.DEVNULL)
+        [
+            RAY,
+            "start",
+            "--head",
+            "--block",
+            "--node-ip-address=127.0.0.1",
+            f"--port={gcs}",
+            "--dashboard-host=127.0.0.1",
+            f"--dashboard-port={dashboard}",
+            f"--ray-client-server-port={client}",
+            f"--dashboard-agent-listen-port={agent}",
+            f"--metrics-export-port={metrics}",
+            "--num-cpus=2",
+            "--num-gpus=0",
+            f"--temp-dir={root / 'ray'}",
+            "--disable-usage-stats",
+            "--include-dashboard=true",
+        ],
+        env=env,
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        start_new_session=True,
+        stdin=subprocess.DEVNULL,
+    )
     url = f"http://127.0.0.1:{dashboard}"
     try:
         _wait_for_jobs_api(url, token, proc, root / "ray_start.log")
-        yield {"url": url, "token": token, "token_path": root / "token", "root": root,
-               "home": root / "home", "data": write_tiny_mnist(root / "data", sample_digits)}
+        yield {
+            "url": url,
+            "token": token,
+            "token_path": root / "token",
+            "root": root,
+            "home": root / "home",
+            "data": write_tiny_mnist(root / "data", sample_digits),
+        }
     finally:
         kill_marked(marker)  # `ray start`, its node, the job drivers: ours, and only ours
         proc.wait(timeout=30)
@@ -102,8 +149,9 @@ def head(sample_digits):
 
 def _wait_for_jobs_api(url: str, token: str, proc, log: Path, timeout: float = 90) -> None:
     deadline = time.monotonic() + timeout
-    request = urllib.request.Request(f"{url}/api/jobs/",
-                                     headers={"Authorization": f"Bearer {token}"})
+    request = urllib.request.Request(
+        f"{url}/api/jobs/", headers={"Authorization": f"Bearer {token}"}
+    )
     while time.monotonic() < deadline:
         if proc.poll() is not None:
             pytest.fail(f"ray start --head exited {proc.returncode}:\n{log.read_text()[-3000:]}")
@@ -114,25 +162,44 @@ def _wait_for_jobs_api(url: str, token: str, proc, log: Path, timeout: float = 9
         except OSError:
             pass
         time.sleep(0.5)
-    pytest.fail(f"the Jobs API at {url} did not come up in {timeout} s:\n"
-                f"{log.read_text()[-3000:]}")
+    pytest.fail(f"the Jobs API at {url} did not come up in {timeout} s:\n{log.read_text()[-3000:]}")
 
 
 def fit_args(head, tmp_path, name: str, *extra: str) -> list[str]:
-    return ["--", "fit", "--num-workers", "1", "--cpus-per-worker", "1", "--epochs", "1",
-            "--batch-size", "32", "--dataset", "mnist", "--data-dir", str(head["data"]),
-            "--storage-path", str(tmp_path / "runs"), "--name", name, *extra]
+    return [
+        "--",
+        "fit",
+        "--num-workers",
+        "1",
+        "--cpus-per-worker",
+        "1",
+        "--epochs",
+        "1",
+        "--batch-size",
+        "32",
+        "--dataset",
+        "mnist",
+        "--data-dir",
+        str(head["data"]),
+        "--storage-path",
+        str(tmp_path / "runs"),
+        "--name",
+        name,
+        *extra,
+    ]
 
 
 # --------------------------------------------------------------------------- tests on the head
+
 
 def test_token_is_required_and_checked_and_addresses_fail_fast(head):
     # No token at all: 401, one line.
     proc = run_submit("--address", head["url"], "list", env=client_env(head))
     assert_one_line_error(proc, "requires a token", "401")
     # A wrong token (RAY_AUTH_TOKEN without RAY_AUTH_MODE: the client turns token mode on).
-    proc = run_submit("--address", head["url"], "list",
-                      env=client_env(head, RAY_AUTH_TOKEN="0" * 64))
+    proc = run_submit(
+        "--address", head["url"], "list", env=client_env(head, RAY_AUTH_TOKEN="0" * 64)
+    )
     assert_one_line_error(proc, "refused the token", "403")
     # No cluster at the address: one line, in seconds.
     (closed,) = free_ports(1)
@@ -141,8 +208,10 @@ def test_token_is_required_and_checked_and_addresses_fail_fast(head):
     assert_one_line_error(proc, "no Ray dashboard answers")
     assert time.monotonic() - started < 20
     # The right token through RAY_AUTH_TOKEN_PATH, with the address from RAY_ADDRESS.
-    proc = run_submit("list", env=client_env(head, RAY_AUTH_TOKEN_PATH=str(head["token_path"]),
-                                             RAY_ADDRESS=head["url"]))
+    proc = run_submit(
+        "list",
+        env=client_env(head, RAY_AUTH_TOKEN_PATH=str(head["token_path"]), RAY_ADDRESS=head["url"]),
+    )
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.startswith("job ")
 
@@ -152,9 +221,27 @@ def test_bf16_fit_job_is_followed_to_success_and_ctrl_c_detaches(head, tmp_path)
     # The plain Ray CLI form, documented in docs/cluster.md, submitted without waiting: the same
     # working-dir upload and entry point, asked only for its help (one fit job is enough).
     plain = subprocess.run(
-        [RAY, "job", "submit", "--address", head["url"], "--working-dir", str(REPO),
-         "--no-wait", "--", "python", "-m", "raytrain_mnist.fit", "--help"],
-        env=token_env, capture_output=True, text=True, timeout=120, cwd=REPO)
+        [
+            RAY,
+            "job",
+            "submit",
+            "--address",
+            head["url"],
+            "--working-dir",
+            str(REPO),
+            "--no-wait",
+            "--",
+            "python",
+            "-m",
+            "raytrain_mnist.fit",
+            "--help",
+        ],
+        env=token_env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=REPO,
+    )
     assert plain.returncode == 0, plain.stderr + plain.stdout
     plain_id = re.search(r"(raysubmit_\w+)", plain.stdout + plain.stderr).group(1)
 
@@ -162,12 +249,24 @@ def test_bf16_fit_job_is_followed_to_success_and_ctrl_c_detaches(head, tmp_path)
     out, err = tmp_path / "out", tmp_path / "err"
     with open(out, "w") as stdout, open(err, "w") as stderr:
         followed = subprocess.Popen(
-            [sys.executable, "-m", "raytrain_mnist.submit", "--address", head["url"],
-             *fit_args(head, tmp_path, "followed", "--epochs", "3", "--lr", "0.05",
-                      "--amp", "bf16")],
-            env=client_env(head, RAY_AUTH_MODE="token",
-                           RAY_AUTH_TOKEN_PATH=str(head["token_path"])),
-            stdout=stdout, stderr=stderr, stdin=subprocess.DEVNULL, cwd=REPO)
+            [
+                sys.executable,
+                "-m",
+                "raytrain_mnist.submit",
+                "--address",
+                head["url"],
+                *fit_args(
+                    head, tmp_path, "followed", "--epochs", "3", "--lr", "0.05", "--amp", "bf16"
+                ),
+            ],
+            env=client_env(
+                head, RAY_AUTH_MODE="token", RAY_AUTH_TOKEN_PATH=str(head["token_path"])
+            ),
+            stdout=stdout,
+            stderr=stderr,
+            stdin=subprocess.DEVNULL,
+            cwd=REPO,
+        )
     deadline = time.monotonic() + 120
     while not (submitted := re.search(r"submitted (raysubmit_\w+)", err.read_text())):
         assert followed.poll() is None and time.monotonic() < deadline, err.read_text()
@@ -177,9 +276,23 @@ def test_bf16_fit_job_is_followed_to_success_and_ctrl_c_detaches(head, tmp_path)
     # Meanwhile, Ctrl-C on a second client following the same job, with no terminal: it
     # detaches, says how to stop the job, and the job goes on.
     detach = subprocess.Popen(
-        [sys.executable, "-m", "raytrain_mnist.submit", "--address", head["url"], "logs",
-         "--follow", job_id], env=token_env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-        stdin=subprocess.DEVNULL, text=True, cwd=REPO)
+        [
+            sys.executable,
+            "-m",
+            "raytrain_mnist.submit",
+            "--address",
+            head["url"],
+            "logs",
+            "--follow",
+            job_id,
+        ],
+        env=token_env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        stdin=subprocess.DEVNULL,
+        text=True,
+        cwd=REPO,
+    )
     assert detach.stderr.readline().startswith(f"following job {job_id}")
     time.sleep(1)
     detach.send_signal(signal.SIGINT)
@@ -199,8 +312,9 @@ def test_bf16_fit_job_is_followed_to_success_and_ctrl_c_detaches(head, tmp_path)
     assert losses[-1] < losses[0] and summary["val_accuracy"] > 0.5, summary["history"]
 
     # The plain job finished too; following it now returns its outcome and output at once.
-    proc = run_submit("--address", head["url"], "logs", "--follow", plain_id, env=token_env,
-                      timeout=240)
+    proc = run_submit(
+        "--address", head["url"], "logs", "--follow", plain_id, env=token_env, timeout=240
+    )
     assert proc.returncode == 0, proc.stderr
     assert "--num-workers" in proc.stdout, proc.stdout[-2000:]
 
@@ -215,24 +329,40 @@ def test_bf16_fit_job_is_followed_to_success_and_ctrl_c_detaches(head, tmp_path)
 def test_failed_job_exits_non_zero_and_bad_flags_never_reach_the_cluster(head, tmp_path):
     env = client_env(head, RAY_AUTH_MODE="token", RAY_AUTH_TOKEN_PATH=str(head["token_path"]))
     # Fails on the cluster: the data directory is empty there.
-    proc = run_submit("--address", head["url"],
-                      *fit_args(head, tmp_path, "broken")[:-2], "--data-dir",
-                      str(tmp_path / "empty"), "--name", "broken", env=env)
+    proc = run_submit(
+        "--address",
+        head["url"],
+        *fit_args(head, tmp_path, "broken")[:-2],
+        "--data-dir",
+        str(tmp_path / "empty"),
+        "--name",
+        "broken",
+        env=env,
+    )
     assert proc.returncode == 1 and "Traceback" not in proc.stderr, proc.stderr
     lines = proc.stderr.splitlines()
     assert len(lines) == 3, proc.stderr  # submitted, following, the outcome
-    assert re.fullmatch(r"raytrain-mnist: error: job raysubmit_\w+ failed \(exit code 2\): "
-                        r"--data-dir .*empty is not a directory.*", lines[-1]), proc.stderr
+    assert re.fullmatch(
+        r"raytrain-mnist: error: job raysubmit_\w+ failed \(exit code 2\): "
+        r"--data-dir .*empty is not a directory.*",
+        lines[-1],
+    ), proc.stderr
 
     # Refused here, before any upload: exit 2 and fit's own message.
-    proc = run_submit("--address", head["url"], *fit_args(head, tmp_path, "zero", "--epochs", "0"),
-                      env=env)
+    proc = run_submit(
+        "--address", head["url"], *fit_args(head, tmp_path, "zero", "--epochs", "0"), env=env
+    )
     assert_one_line_error(proc, "--epochs must be an integer >= 1")
     assert proc.returncode == 2
 
     # --no-wait prints the job id alone on stdout, then status/stop act on it.
-    proc = run_submit("--address", head["url"], "--no-wait",
-                      *fit_args(head, tmp_path, "stopped", "--epochs", "50"), env=env)
+    proc = run_submit(
+        "--address",
+        head["url"],
+        "--no-wait",
+        *fit_args(head, tmp_path, "stopped", "--epochs", "50"),
+        env=env,
+    )
     assert proc.returncode == 0, proc.stderr
     job_id = proc.stdout.strip()
     assert re.fullmatch(r"raysubmit_\w+", job_id), proc.stdout
@@ -242,28 +372,33 @@ def test_failed_job_exits_non_zero_and_bad_flags_never_reach_the_cluster(head, t
     assert proc.returncode == 1 and "Traceback" not in proc.stderr, proc.stderr
     assert proc.stderr.splitlines() == [
         f"following job {job_id} (Ctrl-C: stop it or detach)",
-        f"raytrain-mnist: error: job {job_id} was stopped"], proc.stderr
+        f"raytrain-mnist: error: job {job_id} was stopped",
+    ], proc.stderr
 
 
 # --------------------------------------------------------------------------- no cluster needed
 
-@pytest.mark.parametrize("argv, message", [
-    ([], "nothing to do"),
-    (["status"], "needs a JOB_ID"),
-    (["list", "x"], "list takes no JOB_ID"),
-    (["status", "x", "--", "fit"], "not both"),
-    (["--follow", "--", "fit"], "--follow goes with logs"),
-    (["--", "evaluate-all"], "is not a command to submit"),
-    (["--", "fit", "--batch-size", "100", "--num-workers", "3"], "use a multiple of 3"),
-    (["--", "fit", "--no-such-flag"], "unrecognized arguments"),
-    (["--", "fit", "--seed", str(2**64)], "--seed must be at most"),
-    (["--", "fit", "--address", "http://10.0.0.1:8265"], "submit jobs to a dashboard URL"),
-    (["--address", "http://127.0.0.1:99999", "list"], "is not a dashboard URL"),
-    (["--address", "http://:8265", "list"], "is not a dashboard URL"),
-    (["--address", "http://me:pw@127.0.0.1:8265", "list"], "no credentials"),
-    (["--address", "ftp://127.0.0.1:8265", "list"], "is neither a dashboard URL"),
-    (["--address", "127.0.0.1", "list"], "is neither a dashboard URL"),
-])
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        ([], "nothing to do"),
+        (["status"], "needs a JOB_ID"),
+        (["list", "x"], "list takes no JOB_ID"),
+        (["status", "x", "--", "fit"], "not both"),
+        (["--follow", "--", "fit"], "--follow goes with logs"),
+        (["--", "evaluate-all"], "is not a command to submit"),
+        (["--", "fit", "--batch-size", "100", "--num-workers", "3"], "use a multiple of 3"),
+        (["--", "fit", "--no-such-flag"], "unrecognized arguments"),
+        (["--", "fit", "--seed", str(2**64)], "--seed must be at most"),
+        (["--", "fit", "--address", "http://10.0.0.1:8265"], "submit jobs to a dashboard URL"),
+        (["--address", "http://127.0.0.1:99999", "list"], "is not a dashboard URL"),
+        (["--address", "http://:8265", "list"], "is not a dashboard URL"),
+        (["--address", "http://me:pw@127.0.0.1:8265", "list"], "no credentials"),
+        (["--address", "ftp://127.0.0.1:8265", "list"], "is neither a dashboard URL"),
+        (["--address", "127.0.0.1", "list"], "is neither a dashboard URL"),
+    ],
+)
 def test_usage_errors_are_one_line_and_exit_2(argv, message, capsys):
     try:
         code = submit.cli(argv)
@@ -276,8 +411,10 @@ def test_usage_errors_are_one_line_and_exit_2(argv, message, capsys):
 
 
 def test_entrypoint_and_runtime_env():
-    assert submit.entrypoint(["fit", "--num-workers", "4", "--use-gpu", "--name", "a b"]) == \
-        "python -m raytrain_mnist.fit --num-workers 4 --use-gpu --name 'a b'"
+    assert (
+        submit.entrypoint(["fit", "--num-workers", "4", "--use-gpu", "--name", "a b"])
+        == "python -m raytrain_mnist.fit --num-workers 4 --use-gpu --name 'a b'"
+    )
     env = submit.runtime_env()
     assert env["working_dir"] == str(REPO)
     assert env["excludes"] == submit.EXCLUDES
@@ -286,8 +423,11 @@ def test_entrypoint_and_runtime_env():
 def test_one_exclude_list_for_submit_rayignore_and_cluster_yaml():
     import yaml
 
-    rayignore = [line.strip() for line in (REPO / ".rayignore").read_text().splitlines()
-                 if line.strip() and not line.startswith("#")]
+    rayignore = [
+        line.strip()
+        for line in (REPO / ".rayignore").read_text().splitlines()
+        if line.strip() and not line.startswith("#")
+    ]
     rsync = yaml.safe_load((REPO / "cluster.yaml").read_text())["rsync_exclude"]
     assert rayignore == submit.EXCLUDES
     assert rsync == submit.EXCLUDES
@@ -301,12 +441,28 @@ def test_the_upload_leaves_secrets_and_bulk_out(tmp_path):
 
     from ray._private.runtime_env.packaging import create_package
 
-    kept = ["pyproject.toml", "raytrain_mnist/fit.py", "docs/iam/worker.json",
-            "notebooks/quickstart.ipynb", "tests/data_test.py"]
-    left_out = [".env", ".env.local", "deploy.pem", "tls/server.key", ".aws/credentials",
-                "data/MNIST/raw/t10k-images-idx3-ubyte", "runs/r/checkpoint_0/state.pt",
-                "mlruns/0/meta.yaml", "model.pt", "evaluation_ckpt/evaluation.json",
-                ".git/config", ".venv/bin/python", "raytrain_mnist/__pycache__/fit.pyc"]
+    kept = [
+        "pyproject.toml",
+        "raytrain_mnist/fit.py",
+        "docs/iam/worker.json",
+        "notebooks/quickstart.ipynb",
+        "tests/data_test.py",
+    ]
+    left_out = [
+        ".env",
+        ".env.local",
+        "deploy.pem",
+        "tls/server.key",
+        ".aws/credentials",
+        "data/MNIST/raw/t10k-images-idx3-ubyte",
+        "runs/r/checkpoint_0/state.pt",
+        "mlruns/0/meta.yaml",
+        "model.pt",
+        "evaluation_ckpt/evaluation.json",
+        ".git/config",
+        ".venv/bin/python",
+        "raytrain_mnist/__pycache__/fit.pyc",
+    ]
     for name in kept + left_out:
         (tmp_path / "checkout" / name).parent.mkdir(parents=True, exist_ok=True)
         (tmp_path / "checkout" / name).write_text("x")
@@ -314,8 +470,9 @@ def test_the_upload_leaves_secrets_and_bulk_out(tmp_path):
         if how == "rayignore":
             (tmp_path / "checkout" / ".rayignore").write_text((REPO / ".rayignore").read_text())
         package = tmp_path / f"{how}.zip"
-        create_package(str(tmp_path / "checkout"), package, include_gitignore=True,
-                       excludes=excludes)
+        create_package(
+            str(tmp_path / "checkout"), package, include_gitignore=True, excludes=excludes
+        )
         names = set(zipfile.ZipFile(package).namelist())
         assert set(kept) <= names, (how, set(kept) - names)
         assert not names & set(left_out), (how, names & set(left_out))
@@ -357,20 +514,26 @@ class _Stdin(io.StringIO):
 def test_ctrl_c_asks_on_a_terminal_and_detaches_elsewhere(monkeypatch, capsys):
     client = _FakeClient()
     monkeypatch.setattr("builtins.input", lambda prompt: "y")
-    assert submit.interrupted(client, "http://h:8265", "raysubmit_1", _Stdin("", True)) == \
-        EXIT_INTERRUPTED
+    assert (
+        submit.interrupted(client, "http://h:8265", "raysubmit_1", _Stdin("", True))
+        == EXIT_INTERRUPTED
+    )
     assert client.stopped == ["raysubmit_1"]
     assert "STOPPED" in capsys.readouterr().err
 
     client = _FakeClient()
     monkeypatch.setattr("builtins.input", lambda prompt: "")
-    assert submit.interrupted(client, "http://h:8265", "raysubmit_2", _Stdin("", True)) == \
-        EXIT_INTERRUPTED
+    assert (
+        submit.interrupted(client, "http://h:8265", "raysubmit_2", _Stdin("", True))
+        == EXIT_INTERRUPTED
+    )
     assert client.stopped == [] and "detached" in capsys.readouterr().err
 
     monkeypatch.setattr("builtins.input", lambda prompt: pytest.fail("asked without a tty"))
-    assert submit.interrupted(client, "http://h:8265", "raysubmit_3", _Stdin("y\n", False)) == \
-        EXIT_INTERRUPTED
+    assert (
+        submit.interrupted(client, "http://h:8265", "raysubmit_3", _Stdin("y\n", False))
+        == EXIT_INTERRUPTED
+    )
     err = capsys.readouterr().err
     assert client.stopped == [] and "submit --address http://h:8265 stop raysubmit_3" in err
 
@@ -399,13 +562,23 @@ def test_token_sources(monkeypatch, tmp_path):
 
 # --------------------------------------------------------------------------- where the token goes
 
-@pytest.mark.parametrize("url, private", [
-    ("http://127.0.0.1:8265", True), ("http://localhost:8265", True),
-    ("http://[::1]:8265", True), ("http://127.0.0.2:8265", True),
-    ("https://head.example:8443", True), ("127.0.0.1:6379", True),
-    ("http://10.0.0.1:8265", False), ("http://head.example:8265", False),
-    ("http://127.0.0.1.example:8265", False), ("10.0.0.1:6379", False), ("auto", False),
-])
+
+@pytest.mark.parametrize(
+    "url, private",
+    [
+        ("http://127.0.0.1:8265", True),
+        ("http://localhost:8265", True),
+        ("http://[::1]:8265", True),
+        ("http://127.0.0.2:8265", True),
+        ("https://head.example:8443", True),
+        ("127.0.0.1:6379", True),
+        ("http://10.0.0.1:8265", False),
+        ("http://head.example:8265", False),
+        ("http://127.0.0.1.example:8265", False),
+        ("10.0.0.1:6379", False),
+        ("auto", False),
+    ],
+)
 def test_which_addresses_get_the_token_unasked(url, private):
     assert submit.private_channel(url) is private
 
@@ -463,13 +636,23 @@ def outward_server():
         server.server_close()
 
 
-def test_the_token_does_not_go_to_another_host_over_plain_http_unless_asked(outward_server,
-                                                                            tmp_path):
+def test_the_token_does_not_go_to_another_host_over_plain_http_unless_asked(
+    outward_server, tmp_path
+):
     token = "tok-" + uuid.uuid4().hex
     (tmp_path / "home").mkdir()
-    env = {k: v for k, v in os.environ.items()
-           if k not in ("RAY_AUTH_MODE", "RAY_AUTH_TOKEN", "RAY_AUTH_TOKEN_PATH",
-                        "RAY_ADDRESS", "RAY_API_SERVER_ADDRESS")}
+    env = {
+        k: v
+        for k, v in os.environ.items()
+        if k
+        not in (
+            "RAY_AUTH_MODE",
+            "RAY_AUTH_TOKEN",
+            "RAY_AUTH_TOKEN_PATH",
+            "RAY_ADDRESS",
+            "RAY_API_SERVER_ADDRESS",
+        )
+    }
     env.update(HOME=str(tmp_path / "home"), RAY_AUTH_TOKEN=token)
     url, seen = outward_server["url"], outward_server["seen"]
 
@@ -479,8 +662,7 @@ def test_the_token_does_not_go_to_another_host_over_plain_http_unless_asked(outw
     assert seen, "the client never reached the server"
     assert all(header is None or token not in header for header in seen), seen
     warnings = [line for line in proc.stderr.splitlines() if "warning" in line]
-    assert len(warnings) == 1 and f"not sending the Ray token to {url}" in warnings[0], \
-        proc.stderr
+    assert len(warnings) == 1 and f"not sending the Ray token to {url}" in warnings[0], proc.stderr
     assert "requires a token (HTTP 401)" in proc.stderr
 
     # Asked for explicitly: sent, and the warning says it went over plain http.

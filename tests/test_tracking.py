@@ -11,8 +11,15 @@ import pytest
 from raytrain_mnist._cli import UserError
 from raytrain_mnist.driver.tracking import SCALARS, EpochLog
 
-LOGGED = ["train_loss", "train_accuracy", "val_loss", "val_accuracy", "images_per_s",
-          "epoch_time_s", "best_val_accuracy"]
+LOGGED = [
+    "train_loss",
+    "train_accuracy",
+    "val_loss",
+    "val_accuracy",
+    "images_per_s",
+    "epoch_time_s",
+    "best_val_accuracy",
+]
 
 
 def _replay(log: EpochLog, summary: dict) -> None:
@@ -20,8 +27,14 @@ def _replay(log: EpochLog, summary: dict) -> None:
     best = 0.0
     for entry in summary["history"]:
         best = max(best, entry["val_accuracy"])
-        log.log({**entry, "best_val_accuracy": best, "history": summary["history"],
-                 "checkpoint": summary["latest_checkpoint"]})
+        log.log(
+            {
+                **entry,
+                "best_val_accuracy": best,
+                "history": summary["history"],
+                "checkpoint": summary["latest_checkpoint"],
+            }
+        )
     log.close(summary)
 
 
@@ -30,8 +43,9 @@ def _scalars(run_dir: Path) -> dict[str, list[tuple[int, float]]]:
 
     events = EventAccumulator(str(run_dir))
     events.Reload()
-    return {tag: [(e.step, e.value) for e in events.Scalars(tag)]
-            for tag in events.Tags()["scalars"]}
+    return {
+        tag: [(e.step, e.value) for e in events.Scalars(tag)] for tag in events.Tags()["scalars"]
+    }
 
 
 def test_every_epoch_becomes_tensorboard_scalars(trained_run, tmp_path):
@@ -47,13 +61,22 @@ def test_every_epoch_becomes_tensorboard_scalars(trained_run, tmp_path):
     for key in LOGGED[:-1]:
         assert [step for step, _ in scalars[key]] == [h["epoch"] for h in history]
         assert [value for _, value in scalars[key]] == pytest.approx(
-            [h[key] for h in history], rel=1e-6)  # stored as float32
+            [h[key] for h in history], rel=1e-6
+        )  # stored as float32
 
 
 def test_lr_and_unknown_keys(tmp_path):
     log = EpochLog(tmp_path)
-    log.log({"epoch": 1, "train_loss": 0.5, "lr": 0.01, "workers": [{"rank": 0}],
-             "note": "text", "val_loss": float("nan")})
+    log.log(
+        {
+            "epoch": 1,
+            "train_loss": 0.5,
+            "lr": 0.01,
+            "workers": [{"rank": 0}],
+            "note": "text",
+            "val_loss": float("nan"),
+        }
+    )
     log.close()
     scalars = _scalars(tmp_path)
     assert scalars == {"train_loss": [(1, 0.5)], "lr": [(1, pytest.approx(0.01))]}
@@ -76,8 +99,7 @@ def test_mlflow_without_the_extra_is_one_clear_error(tmp_path, monkeypatch):
     assert info.value.exit_code == 2
 
 
-def test_mlflow_records_params_metrics_and_the_best_checkpoint(trained_run,
-                                                               tmp_path):
+def test_mlflow_records_params_metrics_and_the_best_checkpoint(trained_run, tmp_path):
     pytest.importorskip("mlflow", reason="the optional extra raytrain-mnist[mlflow]")
     from mlflow.tracking import MlflowClient
 
@@ -95,11 +117,13 @@ def test_mlflow_records_params_metrics_and_the_best_checkpoint(trained_run,
     assert run.data.params["train.lr"] == "0.05" and run.data.params["run.num_workers"] == "2"
     history = client.get_metric_history(run.info.run_id, "val_accuracy")
     assert [(m.step, m.value) for m in history] == [
-        (h["epoch"], pytest.approx(h["val_accuracy"])) for h in trained_run["history"]]
+        (h["epoch"], pytest.approx(h["val_accuracy"])) for h in trained_run["history"]
+    ]
     artifacts = {a.path for a in client.list_artifacts(run.info.run_id)}
     assert {"best_checkpoint", "summary.json"} <= artifacts
-    assert [a.path for a in client.list_artifacts(run.info.run_id, "best_checkpoint")] == \
-        ["best_checkpoint/state.pt"]
+    assert [a.path for a in client.list_artifacts(run.info.run_id, "best_checkpoint")] == [
+        "best_checkpoint/state.pt"
+    ]
 
     # A resumed run keeps logging to the same MLflow run.
     again = EpochLog(run_dir, trained_run["config"], tensorboard=False, mlflow=True)

@@ -15,10 +15,10 @@ import logging
 import os
 import socket
 import sys
+from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import Iterator
 
-from raytrain_mnist.errors import EXIT_USAGE, UserError, first_line
+from raytrain_mnist.errors import EXIT_USAGE, UserError
 
 logger = logging.getLogger(__name__)
 
@@ -53,11 +53,16 @@ class Request:
     gpus_per_worker: float = 1
 
     @classmethod
-    def for_run(cls, run, cpus_per_worker: int, extra_cpus: float = 0) -> "Request":
+    def for_run(cls, run, cpus_per_worker: int, extra_cpus: float = 0) -> Request:
         """The request of a :class:`~raytrain_mnist.config.RunSettings`. An elastic run
         asks for its minimum: it starts once that many fit and grows as room appears."""
-        return cls(run.min_workers, cpus_per_worker, run.use_gpu, extra_cpus,
-                   run.gpus if run.use_gpu else 1)
+        return cls(
+            run.min_workers,
+            cpus_per_worker,
+            run.use_gpu,
+            extra_cpus,
+            run.gpus if run.use_gpu else 1,
+        )
 
 
 def resolve_address(address: str | None) -> str | None:
@@ -93,17 +98,21 @@ def connect(address: str | None, request: Request) -> Iterator[bool]:
         on_loopback = _is_loopback(address)
         try:
             with loopback_node() if on_loopback else contextlib.nullcontext():
-                ray.init(address=address, logging_level=logging.WARNING,
-                         log_to_driver=_worker_logs_to_driver(),
-                         **({"_node_ip_address": LOOPBACK} if on_loopback else {}))
+                ray.init(
+                    address=address,
+                    logging_level=logging.WARNING,
+                    log_to_driver=_worker_logs_to_driver(),
+                    **({"_node_ip_address": LOOPBACK} if on_loopback else {}),
+                )
         except (ConnectionError, RuntimeError, ValueError) as exc:
             raise UserError(f"cannot connect to the Ray cluster at {address}: {exc}") from exc
         started = False
     else:
         _check_local_gpus(request)  # seconds sooner than starting a Ray to find out
         needed = request.num_workers * request.cpus_per_worker + request.extra_cpus
-        start_local(max(os.cpu_count() or 1, int(needed + 0.999)),
-                    num_gpus=None if request.use_gpu else 0)
+        start_local(
+            max(os.cpu_count() or 1, int(needed + 0.999)), num_gpus=None if request.use_gpu else 0
+        )
         started = True
     try:
         preflight(request)
@@ -127,8 +136,9 @@ def _is_loopback(address: str) -> bool:
         return False
 
 
-def start_local(num_cpus: int | None = None, num_gpus: int | None = None,
-                log_to_driver: bool | None = None) -> None:
+def start_local(
+    num_cpus: int | None = None, num_gpus: int | None = None, log_to_driver: bool | None = None
+) -> None:
     """Start a new single-node Ray in this process, every server on loopback, its dashboard
     on 127.0.0.1 (Tune with Train V2 leaks placement groups without it: ray-project/ray#54305).
     What fit, tune and evaluate start for themselves; a notebook calls it too. Stop it with
@@ -148,8 +158,9 @@ def start_local(num_cpus: int | None = None, num_gpus: int | None = None,
                 _node_ip_address=LOOPBACK,
                 runtime_env=local_runtime_env(),
                 logging_level=logging.WARNING,
-                log_to_driver=(_worker_logs_to_driver() if log_to_driver is None
-                               else log_to_driver),
+                log_to_driver=(
+                    _worker_logs_to_driver() if log_to_driver is None else log_to_driver
+                ),
             )
     except Exception as exc:  # Ray raises bare Exception when its processes fail to start
         raise UserError(f"could not start a local Ray: {str(exc).strip()[:300]}") from exc
@@ -245,9 +256,16 @@ def _patch_store(rendezvous) -> None:
             listener.close()
             return create(hostname, port, rank, world_size, timeout, *args, **kwargs)
         use_libuv = args[0] if args else kwargs.get("use_libuv", True)
-        return TCPStore(host_name=hostname, port=port, world_size=world_size, is_master=True,
-                        timeout=timeout, multi_tenant=True, master_listen_fd=listener.detach(),
-                        use_libuv=use_libuv)
+        return TCPStore(
+            host_name=hostname,
+            port=port,
+            world_size=world_size,
+            is_master=True,
+            timeout=timeout,
+            multi_tenant=True,
+            master_listen_fd=listener.detach(),
+            use_libuv=use_libuv,
+        )
 
     create_c10d_store._on_master_addr = True
     rendezvous._create_c10d_store = create_c10d_store
@@ -319,17 +337,26 @@ def _check_local_gpus(request: Request) -> None:
 
     found = torch.cuda.device_count()
     if gpu_workers(found, request.gpus_per_worker) < request.num_workers:
-        raise _too_few_gpus(request, found, "(this machine; no --address or RAY_ADDRESS "
-                            "given); drop --use-gpu to train on CPUs, lower --num-workers, "
-                            "or pass --address of a GPU cluster")
+        raise _too_few_gpus(
+            request,
+            found,
+            "(this machine; no --address or RAY_ADDRESS "
+            "given); drop --use-gpu to train on CPUs, lower --num-workers, "
+            "or pass --address of a GPU cluster",
+        )
 
 
 def _too_few_gpus(request: Request, found: float, rest: str) -> UserError:
     """The one wording of "--use-gpu cannot be served", locally and on a cluster."""
-    each = ("" if request.gpus_per_worker == 1
-            else f" of {request.gpus_per_worker:g} GPU (--gpus-per-worker)")
-    return UserError(f"--use-gpu asks for {request.num_workers} GPU worker(s){each} but the "
-                     f"cluster has {found:g} GPU(s) {rest}")
+    each = (
+        ""
+        if request.gpus_per_worker == 1
+        else f" of {request.gpus_per_worker:g} GPU (--gpus-per-worker)"
+    )
+    return UserError(
+        f"--use-gpu asks for {request.num_workers} GPU worker(s){each} but the "
+        f"cluster has {found:g} GPU(s) {rest}"
+    )
 
 
 #: Ray accounts resources in fixed point, in units of 1/10,000.
@@ -374,16 +401,23 @@ def preflight(request: Request) -> None:
     total_cpus = sum(n.get("CPU", 0) for n in nodes)
     ceiling = _autoscaler_ceiling()
     if ceiling:
-        gpu_ok = not request.use_gpu or gpu_workers(
-            ceiling.get("GPU", 0), request.gpus_per_worker) >= request.num_workers
+        gpu_ok = (
+            not request.use_gpu
+            or gpu_workers(ceiling.get("GPU", 0), request.gpus_per_worker) >= request.num_workers
+        )
         cpu_ok = ceiling.get("CPU", 0) >= request.num_workers * request.cpus_per_worker
         if gpu_ok and cpu_ok:
-            logger.info("waiting for the autoscaler to add nodes for %d workers",
-                        request.num_workers)
+            logger.info(
+                "waiting for the autoscaler to add nodes for %d workers", request.num_workers
+            )
             return
     if request.use_gpu and gpu_workers(total_gpus, request.gpus_per_worker) < request.num_workers:
-        raise _too_few_gpus(request, total_gpus, "and no autoscaler that could add them; "
-                            "drop --use-gpu to train on CPUs, or lower --num-workers")
+        raise _too_few_gpus(
+            request,
+            total_gpus,
+            "and no autoscaler that could add them; "
+            "drop --use-gpu to train on CPUs, or lower --num-workers",
+        )
     raise UserError(
         f"the cluster cannot place {request.num_workers} worker(s) x {request.cpus_per_worker} "
         f"CPU(s) (it has {total_cpus:g} CPUs over {len(nodes)} node(s)); lower --num-workers "

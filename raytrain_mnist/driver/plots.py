@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import io
-from typing import Sequence
+from collections.abc import Sequence
 
 import numpy as np
 
@@ -35,17 +35,27 @@ def training_curves_png(history: Sequence[dict], title: str) -> bytes:
     fig, (loss_ax, acc_ax) = plt.subplots(1, 2, figsize=(10, 4), constrained_layout=True)
     loss_ax.plot(epochs, [h["train_loss"] for h in history], "o-", label="train")
     loss_ax.plot(epochs, [h["val_loss"] for h in history], "s-", label="validation")
-    loss_ax.set(title="Cross-entropy loss", xlabel="epoch", ylabel="loss (log scale)",
-                yscale="log")
+    loss_ax.set(title="Cross-entropy loss", xlabel="epoch", ylabel="loss (log scale)", yscale="log")
     loss_ax.yaxis.set_minor_locator(LogLocator(subs=(2.0, 5.0)))  # 0.2, 0.5, 1, 2, 5
     for set_formatter in (loss_ax.yaxis.set_major_formatter, loss_ax.yaxis.set_minor_formatter):
         set_formatter(FormatStrFormatter("%g"))  # 0.5, not 5 x 10^-1
     if "train_accuracy" in history[0]:
-        acc_ax.plot(epochs, [100 * h["train_accuracy"] for h in history], "o-",
-                    color="tab:blue", label="train")
+        acc_ax.plot(
+            epochs,
+            [100 * h["train_accuracy"] for h in history],
+            "o-",
+            color="tab:blue",
+            label="train",
+        )
     acc_ax.plot(epochs, val_acc, "s-", color="tab:orange", label="validation")
-    acc_ax.plot(epochs[best], val_acc[best], "*", color="tab:red", markersize=14,
-                label=f"best: {val_acc[best]:.2f} % (epoch {epochs[best]})")
+    acc_ax.plot(
+        epochs[best],
+        val_acc[best],
+        "*",
+        color="tab:red",
+        markersize=14,
+        label=f"best: {val_acc[best]:.2f} % (epoch {epochs[best]})",
+    )
     acc_ax.axhline(99.0, color="grey", linestyle=":", linewidth=1, label="99 %")
     low = min(val_acc + [100 * h.get("train_accuracy", 1.0) for h in history])
     acc_ax.set_ylim(max(0.0, min(low, 99.0) - 1.0), 100.2)  # accuracy never exceeds 100 %
@@ -59,11 +69,12 @@ def training_curves_png(history: Sequence[dict], title: str) -> bytes:
     return _png(fig)
 
 
-def confusion_matrix(labels: np.ndarray, predictions: np.ndarray,
-                     num_classes: int = 10) -> np.ndarray:
+def confusion_matrix(
+    labels: np.ndarray, predictions: np.ndarray, num_classes: int = 10
+) -> np.ndarray:
     """``counts[true, predicted]`` as int64."""
     flat = np.asarray(labels, dtype=np.int64) * num_classes + np.asarray(predictions, np.int64)
-    return np.bincount(flat, minlength=num_classes ** 2).reshape(num_classes, num_classes)
+    return np.bincount(flat, minlength=num_classes**2).reshape(num_classes, num_classes)
 
 
 def confusion_matrix_png(counts: np.ndarray, title: str) -> bytes:
@@ -81,13 +92,19 @@ def confusion_matrix_png(counts: np.ndarray, title: str) -> bytes:
     for t in range(n):
         for p in range(n):
             if counts[t, p]:
-                ax.text(p, t, str(counts[t, p]), ha="center", va="center", fontsize=9,
-                        color="white" if share[t, p] > 0.5 else "black",
-                        fontweight="bold" if t != p else "normal")
+                ax.text(
+                    p,
+                    t,
+                    str(counts[t, p]),
+                    ha="center",
+                    va="center",
+                    fontsize=9,
+                    color="white" if share[t, p] > 0.5 else "black",
+                    fontweight="bold" if t != p else "normal",
+                )
     ax.set_xticks(range(n))
     ax.set_yticks(range(n))
-    ax.set_yticklabels([f"{c}  ({100 * counts[c, c] / max(totals[c], 1):.1f} %)"
-                        for c in range(n)])
+    ax.set_yticklabels([f"{c}  ({100 * counts[c, c] / max(totals[c], 1):.1f} %)" for c in range(n)])
     ax.set(xlabel="predicted digit", ylabel="true digit  (per-class accuracy)", title=title)
     ax.tick_params(top=False, bottom=True)
     colorbar = fig.colorbar(image, ax=ax, shrink=0.8, ticks=[0, 0.01, 0.05, 0.2, 0.5, 1])
@@ -96,9 +113,15 @@ def confusion_matrix_png(counts: np.ndarray, title: str) -> bytes:
     return _png(fig)
 
 
-def misclassified_png(images: np.ndarray, labels: np.ndarray, predictions: np.ndarray,
-                      confidence: np.ndarray, title: str, limit: int = 32,
-                      columns: int = 8) -> bytes:
+def misclassified_png(
+    images: np.ndarray,
+    labels: np.ndarray,
+    predictions: np.ndarray,
+    confidence: np.ndarray,
+    title: str,
+    limit: int = 32,
+    columns: int = 8,
+) -> bytes:
     """The ``limit`` wrong predictions the model was most sure of, most confident first.
 
     ``images`` uint8 ``(N, 28, 28)``; ``confidence`` the softmax probability of the
@@ -112,20 +135,25 @@ def misclassified_png(images: np.ndarray, labels: np.ndarray, predictions: np.nd
     if len(order) == 0:
         fig, ax = plt.subplots(figsize=(6, 2), constrained_layout=True)
         ax.axis("off")
-        ax.text(0.5, 0.5, "no misclassified test digits", ha="center", va="center",
-                fontsize=14)
+        ax.text(0.5, 0.5, "no misclassified test digits", ha="center", va="center", fontsize=14)
         ax.set_title(title)
         return _png(fig)
     cols = min(columns, len(order))
     rows = -(-len(order) // cols)
-    fig, axes = plt.subplots(rows, cols, figsize=(1.6 * cols, 1.9 * rows + 0.6),
-                             constrained_layout=True, squeeze=False)
+    fig, axes = plt.subplots(
+        rows, cols, figsize=(1.6 * cols, 1.9 * rows + 0.6), constrained_layout=True, squeeze=False
+    )
     for ax in axes.flat:
         ax.axis("off")
-    for ax, i in zip(axes.flat, order):
+    for ax, i in zip(axes.flat, order, strict=False):
         ax.imshow(np.asarray(images[i]), cmap="gray_r", vmin=0, vmax=255)
-        ax.set_title(f"{labels[i]} → {predictions[i]}  {100 * confidence[i]:.0f}%\n#{i}",
-                     fontsize=9, color="tab:red")
-    fig.suptitle(f"{title}\ntrue → predicted, confidence, test index "
-                 f"({len(order)} of {len(wrong)} errors)", fontsize=11)
+        ax.set_title(
+            f"{labels[i]} → {predictions[i]}  {100 * confidence[i]:.0f}%\n#{i}",
+            fontsize=9,
+            color="tab:red",
+        )
+    fig.suptitle(
+        f"{title}\ntrue → predicted, confidence, test index ({len(order)} of {len(wrong)} errors)",
+        fontsize=11,
+    )
     return _png(fig)

@@ -36,12 +36,13 @@ import tempfile
 import threading
 import time
 import uuid
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 from urllib.parse import urlsplit
 
-from raytrain_mnist.errors import EXIT_USAGE, UserError, first_line
 from raytrain_mnist.config import FitConfig
+from raytrain_mnist.errors import EXIT_USAGE, UserError, first_line
 
 logger = logging.getLogger(__name__)
 
@@ -76,9 +77,12 @@ def is_uri(path: str) -> bool:
 def check_no_credentials(uri: str, flag: str) -> None:
     """Refuse ``scheme://user:secret@host``: secrets never travel in flags, files or logs."""
     if is_uri(uri) and urlsplit(uri).password is not None:
-        raise UserError(f"{flag}: the URI carries credentials; pass them through the "
-                        "environment instead (AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY for "
-                        "s3://, MLFLOW_TRACKING_USERNAME / _PASSWORD for MLflow)", EXIT_USAGE)
+        raise UserError(
+            f"{flag}: the URI carries credentials; pass them through the "
+            "environment instead (AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY for "
+            "s3://, MLFLOW_TRACKING_USERNAME / _PASSWORD for MLflow)",
+            EXIT_USAGE,
+        )
 
 
 def storage_root(storage_path: str) -> str:
@@ -91,13 +95,18 @@ def storage_root(storage_path: str) -> str:
 
 # --------------------------------------------------------------------------- identity
 
+
 def data_identity(data) -> dict[str, Any]:
     """What a run trained on: the kind, the sizes and a fingerprint of the bytes."""
     digest = hashlib.sha1()
     for tensor in (data.train_images, data.train_labels, data.test_images, data.test_labels):
         digest.update(tensor.contiguous().numpy().tobytes())
-    return {"kind": data.kind, "train_size": data.train_size, "test_size": data.test_size,
-            "sha1": digest.hexdigest()[:16]}
+    return {
+        "kind": data.kind,
+        "train_size": data.train_size,
+        "test_size": data.test_size,
+        "sha1": digest.hexdigest()[:16],
+    }
 
 
 def fit_identity(cfg: FitConfig, data) -> dict[str, Any]:
@@ -107,22 +116,26 @@ def fit_identity(cfg: FitConfig, data) -> dict[str, Any]:
     number of workers), but it is part of the default name, so that runs on 1 and on 4
     workers do not meet by accident.
     """
-    return {"train": cfg.train.to_dict(), "dataset": cfg.run.dataset,
-            "data": data_identity(data)}
+    return {"train": cfg.train.to_dict(), "dataset": cfg.run.dataset, "data": data_identity(data)}
 
 
 def default_name(cfg: FitConfig) -> str:
     """Deterministic (no timestamp): the same command finds the same run again."""
     if cfg.run.name:
         return cfg.run.name
-    settings = {**cfg.train.to_dict(), "num_workers": cfg.run.num_workers,
-                "use_gpu": cfg.run.use_gpu, "dataset": cfg.run.dataset}
+    settings = {
+        **cfg.train.to_dict(),
+        "num_workers": cfg.run.num_workers,
+        "use_gpu": cfg.run.use_gpu,
+        "dataset": cfg.run.dataset,
+    }
     digest = hashlib.sha1(json.dumps(settings, sort_keys=True).encode()).hexdigest()[:8]
     return f"mnist-{cfg.run.num_workers}w-{digest}"
 
 
 def describe_difference(old: dict, new: dict) -> str:
     """``lr: 0.1 then, 0.05 now; data.kind: 'sample' then, 'mnist' now``."""
+
     def flat(record: dict, prefix: str = "") -> dict:
         out = {}
         for key, value in record.items():
@@ -133,12 +146,14 @@ def describe_difference(old: dict, new: dict) -> str:
         return out
 
     before, now = flat(old), flat(new)
-    changed = [f"{k}: {before.get(k)!r} then, {now[k]!r} now"
-               for k in now if before.get(k) != now[k]]
+    changed = [
+        f"{k}: {before.get(k)!r} then, {now[k]!r} now" for k in now if before.get(k) != now[k]
+    ]
     return "; ".join(changed) or "unknown format"
 
 
 # --------------------------------------------------------------------------- the run
+
 
 class Run:
     """``<storage>/<name>``: a local directory or a prefix on an object store."""
@@ -152,7 +167,7 @@ class Run:
         self._fs = None  # pyarrow file system, opened on first use
 
     @classmethod
-    def at(cls, run_dir: str | os.PathLike, record: str = RUN_FILE) -> "Run":
+    def at(cls, run_dir: str | os.PathLike, record: str = RUN_FILE) -> Run:
         """The run whose directory is ``run_dir``."""
         text = str(run_dir).rstrip("/")
         if is_uri(text):
@@ -179,8 +194,9 @@ class Run:
                 try:
                     fs, path = pyarrow.fs.FileSystem.from_uri(self.dir)
                 except (ValueError, OSError) as exc:
-                    raise UserError(f"--storage-path {self.storage}: {first_line(exc)}",
-                                    EXIT_USAGE) from exc
+                    raise UserError(
+                        f"--storage-path {self.storage}: {first_line(exc)}", EXIT_USAGE
+                    ) from exc
                 self._fs = (fs, path)
         return self._fs
 
@@ -222,11 +238,14 @@ class Run:
         try:
             value = json.loads(raw)
         except ValueError as exc:
-            raise UserError(f"{self.dir}/{name} is unreadable ({exc.__class__.__name__}); "
-                            "move the run away or pick another --name") from exc
+            raise UserError(
+                f"{self.dir}/{name} is unreadable ({exc.__class__.__name__}); "
+                "move the run away or pick another --name"
+            ) from exc
         if not isinstance(value, dict):
-            raise UserError(f"{self.dir}/{name} is not a run file of raytrain_mnist; pick "
-                            "another --name")
+            raise UserError(
+                f"{self.dir}/{name} is not a run file of raytrain_mnist; pick another --name"
+            )
         return value
 
     def write_bytes(self, name: str, payload: bytes) -> str:
@@ -234,8 +253,9 @@ class Run:
         if self.local:
             target = Path(self.dir) / name
             target.parent.mkdir(parents=True, exist_ok=True)
-            with tempfile.NamedTemporaryFile(dir=target.parent, prefix=f".{target.name}.",
-                                             delete=False) as tmp:
+            with tempfile.NamedTemporaryFile(
+                dir=target.parent, prefix=f".{target.name}.", delete=False
+            ) as tmp:
                 tmp.write(payload)
                 tmp.flush()
                 os.fsync(tmp.fileno())
@@ -269,7 +289,9 @@ class Run:
             raise UserError(
                 f"{what} '{self.name}' in {self.storage} was started with other settings "
                 f"({describe_difference(previous, identity)}); repeat its flags and data to "
-                "resume it, pick another --name, or add --fresh", EXIT_USAGE)
+                "resume it, pick another --name, or add --fresh",
+                EXIT_USAGE,
+            )
 
     # ----------------------------------------------------------------- checkpoints
 
@@ -282,9 +304,11 @@ class Run:
 
     def checkpoints(self) -> list[tuple[str, dict]]:
         """(checkpoint directory, its metrics) of every committed, kept checkpoint."""
-        return [(f"{self.dir}/{r['checkpoint_dir_name']}", r.get("metrics") or {})
-                for r in self.snapshot().get("checkpoint_results") or []
-                if r.get("checkpoint_dir_name")]
+        return [
+            (f"{self.dir}/{r['checkpoint_dir_name']}", r.get("metrics") or {})
+            for r in self.snapshot().get("checkpoint_results") or []
+            if r.get("checkpoint_dir_name")
+        ]
 
     def latest_checkpoint(self) -> str | None:
         """The checkpoint a resume starts from."""
@@ -297,8 +321,11 @@ class Run:
 
     def best_checkpoint(self, metric: str = CHECKPOINT_METRIC, mode: str = "max") -> str | None:
         """The kept checkpoint with the best ``metric`` (the latest on a tie)."""
-        scored = [(m[metric], i, path) for i, (path, m) in enumerate(self.checkpoints())
-                  if isinstance(m.get(metric), (int, float))]
+        scored = [
+            (m[metric], i, path)
+            for i, (path, m) in enumerate(self.checkpoints())
+            if isinstance(m.get(metric), (int, float))
+        ]
         if not scored:
             return self.latest_checkpoint()
         pick = max if mode == "max" else min
@@ -329,10 +356,14 @@ class Run:
         fs, path = pyarrow.fs.FileSystem.from_uri(checkpoint)
         with tempfile.TemporaryDirectory(prefix="raytrain_mnist-ckpt-") as tmp:
             try:
-                pyarrow.fs.copy_files(path, tmp, source_filesystem=fs,
-                                      destination_filesystem=pyarrow.fs.LocalFileSystem())
+                pyarrow.fs.copy_files(
+                    path,
+                    tmp,
+                    source_filesystem=fs,
+                    destination_filesystem=pyarrow.fs.LocalFileSystem(),
+                )
             except OSError as exc:
-                raise UserError(f"cannot read checkpoint {checkpoint}: {first_line(exc)}")
+                raise UserError(f"cannot read checkpoint {checkpoint}: {first_line(exc)}") from exc
             yield Path(tmp)
 
     def relocate(self, recorded: str | None) -> str | None:
@@ -348,7 +379,7 @@ class Run:
     # ----------------------------------------------------------------- claiming
 
     @contextlib.contextmanager
-    def claim(self, fresh: bool = False, what: str = "run") -> Iterator["Run"]:
+    def claim(self, fresh: bool = False, what: str = "run") -> Iterator[Run]:
         """Hold the run for one command: refuse a second while the first runs.
 
         With ``fresh`` the previous run, if any, is kept as ``NAME.previous-N`` and a
@@ -386,15 +417,19 @@ class Run:
         if storage.exists() and not storage.is_dir():
             raise UserError(f"--storage-path {storage} is a file, not a directory", EXIT_USAGE)
         if path.exists() and not path.is_dir():
-            raise UserError(f"{path} exists and is not a run directory; pick another --name",
-                            EXIT_USAGE)
+            raise UserError(
+                f"{path} exists and is not a run directory; pick another --name", EXIT_USAGE
+            )
         try:
             storage.mkdir(parents=True, exist_ok=True)
             with tempfile.TemporaryFile(dir=storage):
                 pass
         except OSError as exc:
-            raise UserError(f"--storage-path {storage} is not writable ({exc.strerror}); "
-                            "pick another directory", EXIT_USAGE) from exc
+            raise UserError(
+                f"--storage-path {storage} is not writable ({exc.strerror}); "
+                "pick another directory",
+                EXIT_USAGE,
+            ) from exc
 
     def _move_aside(self) -> str:
         n = 1
@@ -408,10 +443,13 @@ class Run:
             import pyarrow.fs
 
             fs, base = self.fs
-            files = [info for info in fs.get_file_info(pyarrow.fs.FileSelector(
-                base, recursive=True)) if info.type == pyarrow.fs.FileType.File]
+            files = [
+                info
+                for info in fs.get_file_info(pyarrow.fs.FileSelector(base, recursive=True))
+                if info.type == pyarrow.fs.FileType.File
+            ]
             for info in files:
-                fs.copy_file(info.path, kept._path() + info.path[len(base):])
+                fs.copy_file(info.path, kept._path() + info.path[len(base) :])
             fs.delete_dir(base)
         return kept.name
 
@@ -432,8 +470,10 @@ class _DirLock:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
             os.close(fd)
-            raise UserError(f"{what} '{self.run.name}' is already running in "
-                            f"{self.run.storage}; wait for it, or pick another --name") from None
+            raise UserError(
+                f"{what} '{self.run.name}' is already running in "
+                f"{self.run.storage}; wait for it, or pick another --name"
+            ) from None
         self.fd = fd
 
     def release(self) -> None:
@@ -459,9 +499,14 @@ class _Lease:
     def _record(self) -> dict:
         import psutil
 
-        return {"token": self.token, "host": socket.gethostname(), "pid": os.getpid(),
-                "pid_started": psutil.Process().create_time(), "renewed": time.time(),
-                "run": self.run.name}
+        return {
+            "token": self.token,
+            "host": socket.gethostname(),
+            "pid": os.getpid(),
+            "pid_started": psutil.Process().create_time(),
+            "renewed": time.time(),
+            "run": self.run.name,
+        }
 
     def _read(self) -> dict | None:
         try:
@@ -482,12 +527,15 @@ class _Lease:
             raise UserError(
                 f"{what} '{self.run.name}' is already running in {self.run.storage} "
                 f"(held by pid {held.get('pid')} on {held.get('host')}, renewed {age:.0f} s "
-                f"ago); wait for it, or pick another --name")
+                f"ago); wait for it, or pick another --name"
+            )
         self._write()
         time.sleep(_LEASE_SETTLE_S)
         if (self._read() or {}).get("token") != self.token:
-            raise UserError(f"{what} '{self.run.name}' was claimed by another command at the "
-                            "same moment; wait for it, or pick another --name")
+            raise UserError(
+                f"{what} '{self.run.name}' was claimed by another command at the "
+                "same moment; wait for it, or pick another --name"
+            )
         self._stop.clear()  # a claim re-acquires after --fresh moved the old run aside
         self._thread = threading.Thread(target=self._renew, name="lease", daemon=True)
         self._thread.start()
@@ -500,8 +548,9 @@ class _Lease:
                     return
                 self._write()
             except Exception as exc:  # a store hiccup: the next beat retries
-                logger.warning("could not renew the lease on %s (%s)", self.run.dir,
-                               first_line(exc))
+                logger.warning(
+                    "could not renew the lease on %s (%s)", self.run.dir, first_line(exc)
+                )
 
     def release(self) -> None:
         self._stop.set()
@@ -524,4 +573,3 @@ def _stale(lease: dict) -> bool:
         return psutil.Process(int(lease["pid"])).create_time() != lease.get("pid_started")
     except (psutil.NoSuchProcess, KeyError, ValueError, TypeError):
         return True
-

@@ -17,11 +17,17 @@ import hashlib
 import itertools
 import json
 import typing
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
-from typing import Any, Iterable, Mapping, Optional
+from typing import Any, Optional
 
-from raytrain_mnist.config import (ConfigError, FitConfig, RunSettings, TrainConfig,
-                                   check_data_fits)
+from raytrain_mnist.config import (
+    ConfigError,
+    FitConfig,
+    RunSettings,
+    TrainConfig,
+    check_data_fits,
+)
 
 KINDS = ("loguniform", "uniform", "choice", "fixed")
 SCHEDULER_CHOICES = ("asha", "fifo")
@@ -66,8 +72,7 @@ class Param:
         return f"fixed {self.values[0]}"
 
     def to_dict(self) -> dict:
-        return {"kind": self.kind, "low": self.low, "high": self.high,
-                "values": list(self.values)}
+        return {"kind": self.kind, "low": self.low, "high": self.high, "values": list(self.values)}
 
 
 #: The default search space: log-uniform learning rate, a choice of global batch sizes,
@@ -82,8 +87,7 @@ SEARCH_SPACE: dict[str, Param] = {
 
 
 def searchable() -> tuple[str, ...]:
-    return tuple(f.name for f in dataclasses.fields(TrainConfig)
-                 if f.name not in _NOT_SEARCHABLE)
+    return tuple(f.name for f in dataclasses.fields(TrainConfig) if f.name not in _NOT_SEARCHABLE)
 
 
 def _field_type(name: str) -> type:
@@ -95,8 +99,9 @@ def _parse_value(name: str, text: str, option: str) -> Any:
     try:
         return kind(text.strip()) if kind is not str else text.strip()
     except ValueError:
-        raise ConfigError(f"{option}: {text.strip()!r} is not a valid {kind.__name__} "
-                          f"for {name}") from None
+        raise ConfigError(
+            f"{option}: {text.strip()!r} is not a valid {kind.__name__} for {name}"
+        ) from None
 
 
 def _split(item: str, option: str) -> tuple[str, str]:
@@ -105,9 +110,11 @@ def _split(item: str, option: str) -> tuple[str, str]:
     if not sep or not name or not value.strip():
         raise ConfigError(f"{option} {item!r}: write NAME=VALUE, e.g. {option} lr=0.05")
     if name not in searchable():
-        hint = ("; the per-trial epochs are --max-epochs" if name in _NOT_SEARCHABLE else "")
-        raise ConfigError(f"{option} {item!r}: unknown parameter {name!r}; searchable: "
-                          f"{', '.join(searchable())}{hint}")
+        hint = "; the per-trial epochs are --max-epochs" if name in _NOT_SEARCHABLE else ""
+        raise ConfigError(
+            f"{option} {item!r}: unknown parameter {name!r}; searchable: "
+            f"{', '.join(searchable())}{hint}"
+        )
     return name, value
 
 
@@ -117,19 +124,23 @@ def parse_range(item: str) -> tuple[str, Param]:
     option = f"--range {item!r}"
     if ":" in text:
         if _field_type(name) is not float:
-            raise ConfigError(f"{option}: {name} takes a list of values "
-                              f"(e.g. {name}=a,b,c), not a LOW:HIGH range")
+            raise ConfigError(
+                f"{option}: {name} takes a list of values (e.g. {name}=a,b,c), not a LOW:HIGH range"
+            )
         low_text, _, high_text = text.partition(":")
         low, high = (_parse_value(name, t, option) for t in (low_text, high_text))
         default = SEARCH_SPACE.get(name)
-        kind = default.kind if default and default.kind in ("loguniform", "uniform") \
-            else "uniform"
+        kind = default.kind if default and default.kind in ("loguniform", "uniform") else "uniform"
         if not low < high:
-            raise ConfigError(f"{option}: LOW must be below HIGH (to fix {name}, use "
-                              f"--set {name}={low_text.strip()})")
+            raise ConfigError(
+                f"{option}: LOW must be below HIGH (to fix {name}, use "
+                f"--set {name}={low_text.strip()})"
+            )
         if kind == "loguniform" and low <= 0:
-            raise ConfigError(f"{option}: {name} is searched log-uniformly, so LOW must be "
-                              f"> 0 (got {low_text.strip()})")
+            raise ConfigError(
+                f"{option}: {name} is searched log-uniformly, so LOW must be "
+                f"> 0 (got {low_text.strip()})"
+            )
         return name, Param(kind, low, high)
     values = tuple(_parse_value(name, t, option) for t in text.split(",") if t.strip())
     if len(set(values)) != len(values):
@@ -152,13 +163,19 @@ class SearchSpace:
     params: Mapping[str, Param] = field(default_factory=lambda: dict(SEARCH_SPACE))
 
     @classmethod
-    def from_cli(cls, sets: Iterable[str] = (), ranges: Iterable[str] = (),
-                 fixed: Mapping[str, Any] | None = None) -> "SearchSpace":
+    def from_cli(
+        cls,
+        sets: Iterable[str] = (),
+        ranges: Iterable[str] = (),
+        fixed: Mapping[str, Any] | None = None,
+    ) -> SearchSpace:
         """``fixed``: fields given as training flags (``--lr 0.05``), fixed like ``--set``."""
         params = dict(SEARCH_SPACE)
         origin: dict[str, str] = {}
-        changes = [(f"--{n.replace('_', '-')}", n, Param("fixed", values=(v,)))
-                   for n, v in (fixed or {}).items()]
+        changes = [
+            (f"--{n.replace('_', '-')}", n, Param("fixed", values=(v,)))
+            for n, v in (fixed or {}).items()
+        ]
         changes += [(f"--set {s}", *parse_set(s)) for s in sets]
         changes += [(f"--range {r}", *parse_range(r)) for r in ranges]
         for option, name, param in changes:
@@ -172,11 +189,13 @@ class SearchSpace:
         """Every value a trial can draw makes a valid :class:`FitConfig`."""
         for name, param in self.params.items():
             if name not in searchable():
-                raise ConfigError(f"unknown search parameter {name!r}; searchable: "
-                                  f"{', '.join(searchable())}")
+                raise ConfigError(
+                    f"unknown search parameter {name!r}; searchable: {', '.join(searchable())}"
+                )
             if param.kind not in KINDS:
-                raise ConfigError(f"search parameter {name}: kind {param.kind!r} is not one "
-                                  f"of {', '.join(KINDS)}")
+                raise ConfigError(
+                    f"search parameter {name}: kind {param.kind!r} is not one of {', '.join(KINDS)}"
+                )
             for value in param.candidates():
                 try:
                     FitConfig(dataclasses.replace(base, **{name: value}), run)
@@ -187,18 +206,24 @@ class SearchSpace:
         """Every combination a trial can draw of the fields that decide the steps per epoch
         fits a training set of ``train_size`` images (:func:`config.check_data_fits`)."""
         fields = ("batch_size", "schedule")
-        choices = [self.params[n].candidates() if n in self.params else (getattr(base, n),)
-                   for n in fields]
+        choices = [
+            self.params[n].candidates() if n in self.params else (getattr(base, n),) for n in fields
+        ]
         for values in itertools.product(*choices):
-            drawn = dict(zip(fields, values))
+            drawn = dict(zip(fields, values, strict=False))
             try:
                 check_data_fits(dataclasses.replace(base, **drawn), run, train_size)
             except ConfigError as exc:
-                searched = ", ".join(f"{n}={self.params[n].describe()}" for n in fields
-                                     if n in self.params and self.params[n].kind != "fixed")
-                raise ConfigError(f"search space {searched or 'fixed values'}: a trial with "
-                                  f"{', '.join(f'{n}={v}' for n, v in drawn.items())} "
-                                  f"fails: {exc}") from None
+                searched = ", ".join(
+                    f"{n}={self.params[n].describe()}"
+                    for n in fields
+                    if n in self.params and self.params[n].kind != "fixed"
+                )
+                raise ConfigError(
+                    f"search space {searched or 'fixed values'}: a trial with "
+                    f"{', '.join(f'{n}={v}' for n, v in drawn.items())} "
+                    f"fails: {exc}"
+                ) from None
 
     @property
     def searched(self) -> list[str]:
@@ -228,8 +253,9 @@ class TuneSettings:
 
     num_samples: int = _opt(8, "trials to run (each a full TorchTrainer run)")
     scheduler: str = _opt(
-        "asha", "trial scheduler: asha stops bad trials early, fifo runs every trial to "
-        "the end", SCHEDULER_CHOICES,
+        "asha",
+        "trial scheduler: asha stops bad trials early, fifo runs every trial to the end",
+        SCHEDULER_CHOICES,
     )
     metric: str = _opt("val_accuracy", "metric that ranks trials", METRIC_CHOICES)
     mode: Optional[str] = _opt(
@@ -238,32 +264,42 @@ class TuneSettings:
     grace_period: int = _opt(1, "ASHA: epochs every trial runs before it can be stopped")
     reduction_factor: int = _opt(2, "ASHA: 1 in N trials goes on at each rung")
     max_concurrent_trials: Optional[int] = _opt(
-        None, "trials running at once; default: as many as the cluster holds (each trial "
+        None,
+        "trials running at once; default: as many as the cluster holds (each trial "
         "needs its workers' CPUs/GPUs plus a small share of a CPU), at most --num-samples",
     )
     search_seed: int = _opt(0, "seed of the sampler: the same seed draws the same trials")
     resume: bool = _opt(
-        False, "continue the search in <storage-path>/<name>, and fail if there is none "
+        False,
+        "continue the search in <storage-path>/<name>, and fail if there is none "
         "(re-running the same command resumes too)",
     )
 
     def __post_init__(self) -> None:
-        for flag, value, minimum in (("num-samples", self.num_samples, 1),
-                                     ("grace-period", self.grace_period, 1),
-                                     ("reduction-factor", self.reduction_factor, 2),
-                                     ("search-seed", self.search_seed, 0)):
+        for flag, value, minimum in (
+            ("num-samples", self.num_samples, 1),
+            ("grace-period", self.grace_period, 1),
+            ("reduction-factor", self.reduction_factor, 2),
+            ("search-seed", self.search_seed, 0),
+        ):
             if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
                 raise ConfigError(f"--{flag} must be an integer >= {minimum}, got {value!r}")
         if self.search_seed > SEARCH_SEED_MAX:  # the sampler seeds a NumPy RandomState
-            raise ConfigError(f"--search-seed must be at most {SEARCH_SEED_MAX} (a 32-bit "
-                              f"seed), got {self.search_seed}")
+            raise ConfigError(
+                f"--search-seed must be at most {SEARCH_SEED_MAX} (a 32-bit "
+                f"seed), got {self.search_seed}"
+            )
         if self.max_concurrent_trials is not None and (
-                not isinstance(self.max_concurrent_trials, int)
-                or self.max_concurrent_trials < 1):
-            raise ConfigError(f"--max-concurrent-trials must be an integer >= 1, got "
-                              f"{self.max_concurrent_trials!r}")
-        for flag, value, choices in (("scheduler", self.scheduler, SCHEDULER_CHOICES),
-                                     ("metric", self.metric, METRIC_CHOICES)):
+            not isinstance(self.max_concurrent_trials, int) or self.max_concurrent_trials < 1
+        ):
+            raise ConfigError(
+                f"--max-concurrent-trials must be an integer >= 1, got "
+                f"{self.max_concurrent_trials!r}"
+            )
+        for flag, value, choices in (
+            ("scheduler", self.scheduler, SCHEDULER_CHOICES),
+            ("metric", self.metric, METRIC_CHOICES),
+        ):
             if value not in choices:
                 raise ConfigError(f"--{flag} must be one of {', '.join(choices)}; got {value!r}")
         if self.mode is not None and self.mode not in MODE_CHOICES:
@@ -276,12 +312,15 @@ class TuneSettings:
 
 def check_budget(settings: TuneSettings, train: TrainConfig) -> None:
     if settings.scheduler == "asha" and settings.grace_period > train.epochs:
-        raise ConfigError(f"--grace-period {settings.grace_period} is more than --max-epochs "
-                          f"{train.epochs}: ASHA could never stop a trial")
+        raise ConfigError(
+            f"--grace-period {settings.grace_period} is more than --max-epochs "
+            f"{train.epochs}: ASHA could never stop a trial"
+        )
 
 
-def experiment_identity(space: SearchSpace, settings: TuneSettings, base: TrainConfig,
-                        run: RunSettings) -> dict:
+def experiment_identity(
+    space: SearchSpace, settings: TuneSettings, base: TrainConfig, run: RunSettings
+) -> dict:
     """What a search computes; the same command resumes it, other settings are refused."""
     return {
         "search_space": space.to_dict(),

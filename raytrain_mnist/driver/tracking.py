@@ -21,14 +21,28 @@ import time
 from pathlib import Path
 from typing import Any
 
+from raytrain_mnist.driver.runs import (
+    CURVES_FILE,
+    SUMMARY_FILE,
+    Run,
+    check_no_credentials,
+    is_uri,
+)
 from raytrain_mnist.errors import EXIT_USAGE, UserError, first_line
-from raytrain_mnist.driver.runs import CURVES_FILE, SUMMARY_FILE, Run, check_no_credentials, is_uri
 
 logger = logging.getLogger(__name__)
 
 #: Per-epoch metrics logged as scalars, under these same names (summary.json's history keys).
-SCALARS = ("train_loss", "train_accuracy", "val_loss", "val_accuracy", "best_val_accuracy",
-           "images_per_s", "epoch_time_s", "lr")
+SCALARS = (
+    "train_loss",
+    "train_accuracy",
+    "val_loss",
+    "val_accuracy",
+    "best_val_accuracy",
+    "images_per_s",
+    "epoch_time_s",
+    "lr",
+)
 #: In the run directory: which MLflow run this run logs to, so a resumed run continues it.
 MLFLOW_RUN_FILE = "mlflow_run.json"
 DEFAULT_EXPERIMENT = "raytrain_mnist"
@@ -78,9 +92,16 @@ class EpochLog:
     TensorBoard is on and MLflow is off. A ``mlflow_uri`` turns MLflow on.
     """
 
-    def __init__(self, run_dir: str | os.PathLike, config: Any = None, *,
-                 tensorboard: bool | None = None, mlflow: bool | None = None,
-                 mlflow_uri: str | None = None, experiment: str | None = None) -> None:
+    def __init__(
+        self,
+        run_dir: str | os.PathLike,
+        config: Any = None,
+        *,
+        tensorboard: bool | None = None,
+        mlflow: bool | None = None,
+        mlflow_uri: str | None = None,
+        experiment: str | None = None,
+    ) -> None:
         self.run_dir = str(run_dir)
         self.config = config
         self.logged_epochs: list[int] = []
@@ -98,8 +119,9 @@ class EpochLog:
 
     def _open_tensorboard(self):
         if is_uri(self.run_dir):
-            logger.warning("TensorBoard: %s is not a local directory; no event files are "
-                           "written", self.run_dir)
+            logger.warning(
+                "TensorBoard: %s is not a local directory; no event files are written", self.run_dir
+            )
             return None
         from torch.utils.tensorboard import SummaryWriter
 
@@ -143,19 +165,22 @@ class EpochLog:
 class _Mlflow:
     """MLflow through its client API (no global active run: the driver's threads share it)."""
 
-    def __init__(self, run_dir: str, config: Any, uri: str | None,
-                 experiment: str | None) -> None:
+    def __init__(self, run_dir: str, config: Any, uri: str | None, experiment: str | None) -> None:
         try:
             from mlflow.tracking import MlflowClient
         except ImportError as exc:
-            raise UserError("MLflow logging needs the optional extra: "
-                            "pip install 'raytrain-mnist[mlflow]'", EXIT_USAGE) from exc
+            raise UserError(
+                "MLflow logging needs the optional extra: pip install 'raytrain-mnist[mlflow]'",
+                EXIT_USAGE,
+            ) from exc
         self.run_dir = run_dir
         local = not is_uri(run_dir)
         if uri is None:
             if not local:
-                raise UserError(f"MLflow: the run directory {run_dir} is not local; pass a "
-                                "tracking URI", EXIT_USAGE)
+                raise UserError(
+                    f"MLflow: the run directory {run_dir} is not local; pass a tracking URI",
+                    EXIT_USAGE,
+                )
             uri = (Path(run_dir).resolve() / "mlruns").as_uri()
         check_no_credentials(uri, "--mlflow-uri")
         self.uri = uri
@@ -169,15 +194,23 @@ class _Mlflow:
             self.run_id = self._existing_run(local)
             if self.run_id is None:
                 found = self.client.get_experiment_by_name(experiment)
-                experiment_id = (found.experiment_id if found is not None
-                                 else self.client.create_experiment(experiment))
-                run = self.client.create_run(experiment_id, run_name=Path(run_dir).name,
-                                             tags={"run_dir": run_dir})
+                experiment_id = (
+                    found.experiment_id
+                    if found is not None
+                    else self.client.create_experiment(experiment)
+                )
+                run = self.client.create_run(
+                    experiment_id, run_name=Path(run_dir).name, tags={"run_dir": run_dir}
+                )
                 self.run_id = run.info.run_id
-                self._call("log_batch", self.run_id,
-                           params=_params(flat_params(config)) if config is not None else [])
-                Run.at(run_dir).write_json(MLFLOW_RUN_FILE,
-                                           {"tracking_uri": uri, "run_id": self.run_id})
+                self._call(
+                    "log_batch",
+                    self.run_id,
+                    params=_params(flat_params(config)) if config is not None else [],
+                )
+                Run.at(run_dir).write_json(
+                    MLFLOW_RUN_FILE, {"tracking_uri": uri, "run_id": self.run_id}
+                )
             else:
                 self.client.update_run(self.run_id, status="RUNNING")
         except UserError:
@@ -204,27 +237,36 @@ class _Mlflow:
             getattr(self.client, method)(*args, **kwargs)
         except Exception as exc:  # tracking must never stop training
             self.enabled = False
-            logger.warning("MLflow: %s failed (%s); no more MLflow logging for this run",
-                           method, first_line(exc))
+            logger.warning(
+                "MLflow: %s failed (%s); no more MLflow logging for this run",
+                method,
+                first_line(exc),
+            )
 
     def log_metrics(self, scalars: dict[str, float], step: int) -> None:
         from mlflow.entities import Metric
 
         now = int(time.time() * 1000)
-        self._call("log_batch", self.run_id,
-                   metrics=[Metric(key, value, now, step) for key, value in scalars.items()])
+        self._call(
+            "log_batch",
+            self.run_id,
+            metrics=[Metric(key, value, now, step) for key, value in scalars.items()],
+        )
 
     def finish(self, summary: dict[str, Any] | None, best_checkpoint: str | None) -> None:
         from mlflow.entities import Metric
 
         summary = summary or {}
         now = int(time.time() * 1000)
-        final = {f"final_{key}": v for key in ("val_accuracy", "val_loss", "best_val_accuracy",
-                                               "wall_time_s")
-                 if (v := _number(summary.get(key))) is not None}
+        final = {
+            f"final_{key}": v
+            for key in ("val_accuracy", "val_loss", "best_val_accuracy", "wall_time_s")
+            if (v := _number(summary.get(key))) is not None
+        }
         if final:
-            self._call("log_batch", self.run_id,
-                       metrics=[Metric(k, v, now, 0) for k, v in final.items()])
+            self._call(
+                "log_batch", self.run_id, metrics=[Metric(k, v, now, 0) for k, v in final.items()]
+            )
         if best_checkpoint and not is_uri(best_checkpoint) and Path(best_checkpoint).is_dir():
             self._call("log_artifacts", self.run_id, best_checkpoint, "best_checkpoint")
         for name in (SUMMARY_FILE, CURVES_FILE):
@@ -239,4 +281,3 @@ def _params(params: dict[str, str]):
     from mlflow.entities import Param
 
     return [Param(key, value[:6000]) for key, value in params.items()]
-

@@ -5,7 +5,8 @@ evaluate's workers. A run setting (``--socket-ifname``, ``--placement-strategy``
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 from raytrain_mnist.config import RunSettings
 
@@ -21,17 +22,24 @@ def worker_env(run: RunSettings) -> dict[str, str]:
     return {"GLOO_SOCKET_IFNAME": run.socket_ifname, "NCCL_SOCKET_IFNAME": run.socket_ifname}
 
 
-def build_trainer(run: RunSettings, train_func: Callable[[dict], Any], loop_config: dict,
-                  threads: int, storage: str, name: str, callbacks: list | None = None,
-                  storage_filesystem=None):
+def build_trainer(
+    run: RunSettings,
+    train_func: Callable[[dict], Any],
+    loop_config: dict,
+    cpus_per_worker: int,
+    storage: str,
+    name: str,
+    callbacks: list | None = None,
+    storage_filesystem=None,
+):
     """A ``TorchTrainer`` running ``train_func(loop_config)`` on ``run.num_workers`` workers
-    (a count, or an elastic range) of ``threads`` CPUs (and ``run.gpus`` GPUs) each, its run directory ``<storage>/<name>``."""
+    (a count, or an elastic range) of ``cpus_per_worker`` CPUs (and ``run.gpus`` GPUs) each, its run directory ``<storage>/<name>``."""
     import ray
     from ray.train import CheckpointConfig, FailureConfig, RunConfig, ScalingConfig
     from ray.train.torch import TorchConfig, TorchTrainer
 
     env_vars = worker_env(run)
-    resources = {"CPU": threads, **({"GPU": run.gpus} if run.use_gpu else {})}
+    resources = {"CPU": cpus_per_worker, **({"GPU": run.gpus} if run.use_gpu else {})}
     return TorchTrainer(
         train_func,
         train_loop_config=loop_config,
@@ -44,16 +52,20 @@ def build_trainer(run: RunSettings, train_func: Callable[[dict], Any], loop_conf
         scaling_config=ScalingConfig(
             num_workers=tuple(run.num_workers) if run.elastic else run.num_workers,
             elastic_resize_monitor_interval_s=run.resize_check_s,
-            use_gpu=run.use_gpu, resources_per_worker=resources,
-            placement_strategy=run.placement_strategy),
+            use_gpu=run.use_gpu,
+            resources_per_worker=resources,
+            placement_strategy=run.placement_strategy,
+        ),
         run_config=RunConfig(
             name=name,
             storage_path=storage,
             storage_filesystem=storage_filesystem,
             failure_config=FailureConfig(max_failures=run.max_failures),
-            checkpoint_config=CheckpointConfig(num_to_keep=run.keep_checkpoints,
-                                               checkpoint_score_attribute=CHECKPOINT_METRIC,
-                                               checkpoint_score_order="max"),
+            checkpoint_config=CheckpointConfig(
+                num_to_keep=run.keep_checkpoints,
+                checkpoint_score_attribute=CHECKPOINT_METRIC,
+                checkpoint_score_order="max",
+            ),
             callbacks=callbacks or [],
             # Ray Train's INFO lines (every report, every checkpoint) drown the epoch lines.
             logging_config=ray.LoggingConfig(log_level="WARNING"),

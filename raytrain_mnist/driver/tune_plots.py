@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import io
-from typing import Sequence
+from collections.abc import Sequence
 
 
 def trials_png(trials: Sequence[dict], title: str, metric: str = "val_accuracy") -> bytes:
@@ -24,15 +24,23 @@ def trials_png(trials: Sequence[dict], title: str, metric: str = "val_accuracy")
         if not history:
             continue
         best = trial["rank"] == 1
-        ax.plot([h["epoch"] for h in history], [scale * h[metric] for h in history],
-                marker="o", linestyle="--" if trial["stopped_early"] else "-",
-                linewidth=2.5 if best else 1.2, zorder=3 if best else 2,
-                label=f"#{trial['rank']} {trial['trial_id']}"
-                      + (" (stopped)" if trial["stopped_early"] else ""))
+        ax.plot(
+            [h["epoch"] for h in history],
+            [scale * h[metric] for h in history],
+            marker="o",
+            linestyle="--" if trial["stopped_early"] else "-",
+            linewidth=2.5 if best else 1.2,
+            zorder=3 if best else 2,
+            label=f"#{trial['rank']} {trial['trial_id']}"
+            + (" (stopped)" if trial["stopped_early"] else ""),
+        )
     epochs = sorted({h["epoch"] for t in trials for h in t["history"]})
     ax.set_xticks(epochs or [1])
-    ax.set(title=title, xlabel="epoch",
-           ylabel=metric.replace("_", " ") + (" (%)" if scale == 100 else ""))
+    ax.set(
+        title=title,
+        xlabel="epoch",
+        ylabel=metric.replace("_", " ") + (" (%)" if scale == 100 else ""),
+    )
     ax.grid(True, alpha=0.3)
     if any(t["history"] for t in trials):
         ax.legend(fontsize="small", loc="best")

@@ -21,6 +21,7 @@ import torch
 
 from raytrain_mnist.errors import UserError, first_line
 from raytrain_mnist.model import ConvNet
+from raytrain_mnist.worker.optim import build_optimizer
 
 STATE_FILE = "state.pt"
 FORMAT = "raytrain_mnist/1"
@@ -76,7 +77,8 @@ def check_torch(version: str | None = None) -> None:
         floor = ".".join(map(str, MIN_TORCH))
         raise CheckpointError(
             f"torch {version} cannot load checkpoints safely (its weights_only loading has "
-            f"known bypasses); upgrade to torch>={floor}: pip install 'torch>={floor}'")
+            f"known bypasses); upgrade to torch>={floor}: pip install 'torch>={floor}'"
+        )
 
 
 def load_model(path: str | os.PathLike) -> ConvNet:
@@ -89,9 +91,11 @@ def model_from(state: dict[str, Any], path: str | os.PathLike) -> ConvNet:
     model = ConvNet()
     weights = state.get("model")
     if not isinstance(weights, dict) or not all(
-            isinstance(k, str) and isinstance(v, torch.Tensor) for k, v in weights.items()):
-        raise CheckpointError(f"{path} holds no model weights (its 'model' is not a mapping "
-                              "of names to tensors)")
+        isinstance(k, str) and isinstance(v, torch.Tensor) for k, v in weights.items()
+    ):
+        raise CheckpointError(
+            f"{path} holds no model weights (its 'model' is not a mapping of names to tensors)"
+        )
     try:
         model.load_state_dict(weights)
     except (KeyError, RuntimeError) as exc:
@@ -99,8 +103,17 @@ def model_from(state: dict[str, Any], path: str | os.PathLike) -> ConvNet:
     return model
 
 
-RESUME_KEYS = ("model", "optimizer", "scheduler", "scaler", "epoch", "best_val_accuracy",
-               "history", "rng", "config")
+RESUME_KEYS = (
+    "model",
+    "optimizer",
+    "scheduler",
+    "scaler",
+    "epoch",
+    "best_val_accuracy",
+    "history",
+    "rng",
+    "config",
+)
 
 
 def check_resumable(path: str | os.PathLike, train_config: dict[str, Any]) -> int:
@@ -131,14 +144,16 @@ def resumable_state(path: str | os.PathLike, train_config: dict[str, Any]) -> di
         raise CheckpointError(f"{path} holds training settings that are not valid") from exc
     epoch = state["epoch"]
     if isinstance(epoch, bool) or not isinstance(epoch, int) or not 1 <= epoch <= cfg.epochs:
-        raise CheckpointError(f"{path}: its epoch {epoch!r} is not a completed epoch of a "
-                              f"{cfg.epochs}-epoch run")
+        raise CheckpointError(
+            f"{path}: its epoch {epoch!r} is not a completed epoch of a {cfg.epochs}-epoch run"
+        )
     best = state["best_val_accuracy"]
     if isinstance(best, bool) or not isinstance(best, (int, float)) or not 0 <= best <= 1:
         raise CheckpointError(f"{path}: its best_val_accuracy {best!r} is not an accuracy")
     history = state["history"]
     if not isinstance(history, list) or not all(
-            isinstance(h, dict) and all(isinstance(k, str) for k in h) for h in history):
+        isinstance(h, dict) and all(isinstance(k, str) for k in h) for h in history
+    ):
         raise CheckpointError(f"{path}: its history is not a list of per-epoch records")
     _check_training_state(state, cfg, model, path)
     _check_rng(state["rng"], path)
@@ -147,8 +162,6 @@ def resumable_state(path: str | os.PathLike, train_config: dict[str, Any]) -> di
 
 def _check_training_state(state: dict[str, Any], cfg, model: ConvNet, path) -> None:
     """Load optimizer, schedule and scaler state as the worker does, then take one step."""
-    from raytrain_mnist.worker.loop import build_optimizer
-
     optimizer, scheduler = build_optimizer(model, cfg, 1)
     for part, target in (("optimizer", optimizer), ("scheduler", scheduler)):
         try:
@@ -168,8 +181,9 @@ def _check_training_state(state: dict[str, Any], cfg, model: ConvNet, path) -> N
                 if not all(isinstance(lr, (int, float)) and math.isfinite(lr) for lr in lrs):
                     raise ValueError(f"learning rates {lrs!r}")
         except Exception as exc:  # torch raises anything from KeyError to RuntimeError here
-            raise CheckpointError(f"{path}: its {part} state does not fit this run "
-                                  f"({first_line(exc)})") from exc
+            raise CheckpointError(
+                f"{path}: its {part} state does not fit this run ({first_line(exc)})"
+            ) from exc
     scaler_state = state["scaler"]
     try:
         if not isinstance(scaler_state, dict):
@@ -179,8 +193,9 @@ def _check_training_state(state: dict[str, Any], cfg, model: ConvNet, path) -> N
             scaler.load_state_dict(scaler_state)
             scaler.scale(torch.ones(()))  # builds its scale tensor from the loaded value
     except Exception as exc:
-        raise CheckpointError(f"{path}: its scaler state does not fit this run "
-                              f"({first_line(exc)})") from exc
+        raise CheckpointError(
+            f"{path}: its scaler state does not fit this run ({first_line(exc)})"
+        ) from exc
 
 
 def _check_rng(rng: Any, path) -> None:
@@ -189,13 +204,10 @@ def _check_rng(rng: Any, path) -> None:
             raise TypeError("no torch generator state")
         torch.Generator().set_state(rng["torch"])  # validates without touching ours
         cuda = rng.get("cuda")
-        if cuda is not None and not (isinstance(cuda, torch.Tensor)
-                                     and cuda.dtype == torch.uint8):
+        if cuda is not None and not (isinstance(cuda, torch.Tensor) and cuda.dtype == torch.uint8):
             raise TypeError("the CUDA generator state is not a byte tensor")
     except Exception as exc:
-        raise CheckpointError(f"{path}: its RNG state is unusable ({first_line(exc)})") \
-            from exc
-
+        raise CheckpointError(f"{path}: its RNG state is unusable ({first_line(exc)})") from exc
 
 
 def rng_state() -> dict[str, Any]:

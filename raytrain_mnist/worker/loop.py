@@ -10,7 +10,6 @@ globals, and work without Ray.
 
 from __future__ import annotations
 
-import contextlib
 import ctypes
 import dataclasses
 import logging
@@ -29,14 +28,14 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
-from raytrain_mnist.worker import checkpoint as ckpt
 from raytrain_mnist.config import TrainConfig
 from raytrain_mnist.data import MnistData
 from raytrain_mnist.model import ConvNet, normalize
+from raytrain_mnist.worker import checkpoint as ckpt
+from raytrain_mnist.worker.optim import amp_context, build_optimizer, grad_scaler
+from raytrain_mnist.worker.score import all_reduce_sum, evaluate
 
 logger = logging.getLogger(__name__)
-
-_EVAL_BATCH = 1000
 
 
 class BatchedTensorDataset(TensorDataset):
@@ -79,13 +78,20 @@ def keep_freed_memory() -> bool:
     except (OSError, AttributeError):  # a C library without mallopt
         return False
     m_trim_threshold, m_top_pad, m_mmap_threshold = -1, -2, -3  # <malloc.h>
-    applied = [mallopt(param, value) for param, value in (
-        (m_mmap_threshold, 32 << 20), (m_trim_threshold, 512 << 20), (m_top_pad, 64 << 20))]
+    applied = [
+        mallopt(param, value)
+        for param, value in (
+            (m_mmap_threshold, 32 << 20),
+            (m_trim_threshold, 512 << 20),
+            (m_top_pad, 64 << 20),
+        )
+    ]
     return all(applied)  # musl's mallopt exists and returns 0: nothing changed
 
 
-def make_train_loader(images: torch.Tensor, labels: torch.Tensor, batch_size: int,
-                      seed: int) -> DataLoader:
+def make_train_loader(
+    images: torch.Tensor, labels: torch.Tensor, batch_size: int, seed: int
+) -> DataLoader:
     """A shuffled loader over in-memory uint8 tensors (on the CPU or a GPU); one batch is one
     gather, on the tensors' device. The order depends on the seed only, not the device."""
     return DataLoader(
@@ -108,24 +114,15 @@ def set_epoch(loader: DataLoader, epoch: int, seed: int) -> None:
         loader.generator.manual_seed(seed + epoch)
 
 
-def amp_context(amp: str, device: torch.device) -> contextlib.AbstractContextManager:
-    """Chosen once, used everywhere: no precision branches inside the loop."""
-    if amp == "off":
-        return contextlib.nullcontext()
-    dtype = torch.bfloat16 if amp == "bf16" else torch.float16
-    return torch.autocast(device_type=device.type, dtype=dtype)
-
-
-def all_reduce_sum(values: torch.Tensor) -> torch.Tensor:
-    """Sum ``values`` over all ranks (a no-op on one process)."""
-    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
-        dist.all_reduce(values, op=dist.ReduceOp.SUM)
-    return values
-
-
-def train_step(model: nn.Module, images: torch.Tensor, labels: torch.Tensor,
-               optimizer: torch.optim.Optimizer, scheduler, scaler: torch.amp.GradScaler,
-               autocast) -> tuple[torch.Tensor, torch.Tensor]:
+def train_step(
+    model: nn.Module,
+    images: torch.Tensor,
+    labels: torch.Tensor,
+    optimizer: torch.optim.Optimizer,
+    scheduler,
+    scaler: torch.amp.GradScaler,
+    autocast,
+) -> tuple[torch.Tensor, torch.Tensor]:
     """One optimizer step on one batch of uint8 ``images``; returns the (detached) loss and
     logits, in the precision autocast gave them.
 
@@ -144,9 +141,16 @@ def train_step(model: nn.Module, images: torch.Tensor, labels: torch.Tensor,
     return loss.detach(), logits.detach()
 
 
-def train_one_epoch(model: nn.Module, loader, optimizer: torch.optim.Optimizer,
-                    scheduler, scaler: torch.amp.GradScaler, autocast,
-                    device: torch.device, on_step=None) -> dict[str, float]:
+def train_one_epoch(
+    model: nn.Module,
+    loader,
+    optimizer: torch.optim.Optimizer,
+    scheduler,
+    scaler: torch.amp.GradScaler,
+    autocast,
+    device: torch.device,
+    on_step=None,
+) -> dict[str, float]:
     """One pass over ``loader``; returns loss and accuracy over every rank's samples, the
     steps taken, the CPU seconds (user + system) all ranks' processes spent on them, and
     when the first step had finished (unix time). ``on_step(steps, sums)`` is called after
@@ -157,8 +161,7 @@ def train_one_epoch(model: nn.Module, loader, optimizer: torch.optim.Optimizer,
     sums = torch.zeros(3, dtype=torch.float64, device=device)  # loss, correct, count
     steps, first_step_at = 0, None
     for images, labels in loader:
-        loss, logits = train_step(model, images, labels, optimizer, scheduler, scaler,
-                                  autocast)
+        loss, logits = train_step(model, images, labels, optimizer, scheduler, scaler, autocast)
         n = labels.numel()
         sums[0] += loss.double() * n
         sums[1] += (logits.argmax(1) == labels).sum()
@@ -172,9 +175,14 @@ def train_one_epoch(model: nn.Module, loader, optimizer: torch.optim.Optimizer,
             on_step(steps, sums)
     cpu = torch.tensor([time.process_time() - cpu_started], dtype=torch.float64, device=device)
     loss_sum, correct, count, cpu_s = all_reduce_sum(torch.cat([sums, cpu])).tolist()
-    return {"train_loss": loss_sum / count, "train_accuracy": correct / count,
-            "train_images": int(count), "train_steps": steps, "cpu_s": cpu_s,
-            "first_step_at": first_step_at}
+    return {
+        "train_loss": loss_sum / count,
+        "train_accuracy": correct / count,
+        "train_images": int(count),
+        "train_steps": steps,
+        "cpu_s": cpu_s,
+        "first_step_at": first_step_at,
+    }
 
 
 def broadcast_buffers(module: nn.Module) -> None:
@@ -182,38 +190,6 @@ def broadcast_buffers(module: nn.Module) -> None:
     if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
         for buffer in module.buffers():
             dist.broadcast(buffer, src=0)
-
-
-def shard(n: int, rank: int, world_size: int) -> slice:
-    """Rank ``rank``'s contiguous part of ``range(n)``: every index exactly once, no padding."""
-    return slice(n * rank // world_size, n * (rank + 1) // world_size)
-
-
-@torch.no_grad()
-def evaluate(model: nn.Module, images: torch.Tensor, labels: torch.Tensor,
-             device: torch.device, autocast=contextlib.nullcontext(), rank: int = 0,
-             world_size: int = 1) -> dict[str, float]:
-    """Loss and accuracy over *exactly* ``images`` (all ranks together).
-
-    Each rank evaluates its own unpadded shard; the sums are all-reduced. Unlike a
-    DistributedSampler, nothing is duplicated, so ``val_total`` is the test-set size.
-    Pass the plain module (not the DDP wrapper): ranks run different numbers of batches.
-    """
-    model.eval()
-    part = shard(len(labels), rank, world_size)
-    images, labels = images[part], labels[part]
-    sums = torch.zeros(3, dtype=torch.float64, device=device)
-    for start in range(0, len(labels), _EVAL_BATCH):
-        x = images[start:start + _EVAL_BATCH].to(device, non_blocking=True)
-        y = labels[start:start + _EVAL_BATCH].to(device, non_blocking=True)
-        with autocast:
-            logits = model(normalize(x))
-        sums[0] += F.cross_entropy(logits.float(), y, reduction="sum").double()
-        sums[1] += (logits.argmax(1) == y).sum().double()
-        sums[2] += y.numel()
-    loss_sum, correct, total = all_reduce_sum(sums).tolist()
-    return {"val_loss": loss_sum / max(total, 1), "val_accuracy": correct / max(total, 1),
-            "val_total": int(total)}
 
 
 def use_sync_bn(setting: str, device: torch.device, world_size: int) -> bool:
@@ -230,29 +206,18 @@ def build_model(sync_bn: bool) -> nn.Module:
     return nn.SyncBatchNorm.convert_sync_batchnorm(model) if sync_bn else model
 
 
-def grad_scaler(amp: str, device: torch.device) -> torch.amp.GradScaler:
-    """Loss scaling for fp16 only; disabled it passes everything through unchanged."""
-    return torch.amp.GradScaler(device.type, enabled=amp == "fp16")
-
-
 def to_device(data: MnistData, device: torch.device) -> MnistData:
     """The data set on ``device``, moved once (a no-op on the CPU): batches are then gathered
     and normalised where the model is, with no host-to-device copy per step."""
     if device.type == "cpu":
         return data
-    return dataclasses.replace(data, **{name: getattr(data, name).to(device) for name in (
-        "train_images", "train_labels", "test_images", "test_labels")})
-
-
-def build_optimizer(model: nn.Module, cfg: TrainConfig, steps_per_epoch: int):
-    optimizer = torch.optim.SGD(model.parameters(), lr=cfg.lr, momentum=cfg.momentum,
-                                nesterov=cfg.momentum > 0, weight_decay=cfg.weight_decay)
-    if cfg.schedule == "onecycle":
-        scheduler = torch.optim.lr_scheduler.OneCycleLR(
-            optimizer, max_lr=cfg.lr, total_steps=cfg.epochs * steps_per_epoch, pct_start=0.25)
-    else:
-        scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0)
-    return optimizer, scheduler
+    return dataclasses.replace(
+        data,
+        **{
+            name: getattr(data, name).to(device)
+            for name in ("train_images", "train_labels", "test_images", "test_labels")
+        },
+    )
 
 
 def _backend() -> str | None:
@@ -262,9 +227,14 @@ def _backend() -> str | None:
 def _worker_placement(device: torch.device) -> list[dict[str, Any]]:
     """Where every rank runs, gathered once so rank 0 can report it."""
     ctx = ray.train.get_context()
-    me = {"rank": ctx.get_world_rank(), "node_id": ray.get_runtime_context().get_node_id(),
-          "node_ip": ray.util.get_node_ip_address(), "pid": os.getpid(),
-          "device": str(device), "backend": _backend()}
+    me = {
+        "rank": ctx.get_world_rank(),
+        "node_id": ray.get_runtime_context().get_node_id(),
+        "node_ip": ray.util.get_node_ip_address(),
+        "pid": os.getpid(),
+        "device": str(device),
+        "backend": _backend(),
+    }
     if device.type == "cuda":
         me["gpu"] = torch.cuda.get_device_name(device)
     if ctx.get_world_size() == 1:
@@ -289,8 +259,7 @@ class ProgressFeed:
     ``put``), at most one step update every ``every_s`` seconds so the feed costs nothing
     measurable. Without an actor (Tune trials, other ranks) every call is a no-op."""
 
-    def __init__(self, actor, batch_size: int, steps_per_epoch: int,
-                 every_s: float = 0.5) -> None:
+    def __init__(self, actor, batch_size: int, steps_per_epoch: int, every_s: float = 0.5) -> None:
         self.actor, self.every_s = actor, every_s
         self.batch_size, self.steps_per_epoch = batch_size, steps_per_epoch
         self._last = float("-inf")
@@ -315,14 +284,19 @@ class ProgressFeed:
             return
         self._last = now
         loss_sum, _, count = sums.tolist()  # one read of the device a few times a second
-        self.send("step", epoch=self._epoch, images=steps * self.batch_size,
-                  total=self.steps_per_epoch * self.batch_size,
-                  seconds=now - self._epoch_started, loss=loss_sum / max(count, 1))
+        self.send(
+            "step",
+            epoch=self._epoch,
+            images=steps * self.batch_size,
+            total=self.steps_per_epoch * self.batch_size,
+            seconds=now - self._epoch_started,
+            loss=loss_sum / max(count, 1),
+        )
 
 
 def train_func_per_worker(config: dict[str, Any]) -> None:
     """Ray Train's entry point. ``config``: ``train`` (TrainConfig as a dict), ``data``
-    (ObjectRef of :class:`MnistData`), ``threads`` (torch threads for this worker), and
+    (ObjectRef of :class:`MnistData`), ``cpus_per_worker`` (its torch threads), and
     optionally ``progress`` (an actor whose ``put`` takes rank 0's progress dicts)."""
     started_at = time.time()  # tells the driver which worker-group start a report came from
     cfg = TrainConfig.from_dict(config["train"])
@@ -332,7 +306,7 @@ def train_func_per_worker(config: dict[str, Any]) -> None:
     logging.getLogger("raytrain_mnist").setLevel(logging.INFO if rank == 0 else logging.WARNING)
     _quiet_report_log()
     keep_freed_memory()
-    torch.set_num_threads(config["threads"])
+    torch.set_num_threads(config["cpus_per_worker"])
     device = ray.train.torch.get_device()
     if device.type == "cuda":
         torch.backends.cudnn.benchmark = True  # fixed shapes: the fastest kernels, found once
@@ -352,8 +326,9 @@ def train_func_per_worker(config: dict[str, Any]) -> None:
     model = ray.train.torch.prepare_model(model)  # DDP when world_size > 1
     module = getattr(model, "module", model)  # the plain ConvNet, for eval and saving
 
-    loader = make_train_loader(data.train_images, data.train_labels,
-                               cfg.batch_size // world_size, cfg.seed)
+    loader = make_train_loader(
+        data.train_images, data.train_labels, cfg.batch_size // world_size, cfg.seed
+    )
     # Ray's sampler and order; batches come from the data's device, so nothing to move.
     loader = ray.train.torch.prepare_data_loader(loader, move_to_device=False)
     optimizer, scheduler = build_optimizer(model, cfg, len(loader))
@@ -371,54 +346,91 @@ def train_func_per_worker(config: dict[str, Any]) -> None:
             logger.info("resumed from the checkpoint of epoch %d", start_epoch)
     placement = _worker_placement(device)
     if rank == 0:
-        logger.info("%d worker(s) on %s, process group %s, SyncBatchNorm %s, AMP %s",
-                    world_size, device.type, _backend() or "none", "on" if sync_bn else "off",
-                    cfg.amp)
+        logger.info(
+            "%d worker(s) on %s, process group %s, SyncBatchNorm %s, AMP %s",
+            world_size,
+            device.type,
+            _backend() or "none",
+            "on" if sync_bn else "off",
+            cfg.amp,
+        )
     # The global batch: each step takes cfg.batch_size images over all ranks, whatever
     # the world size (a resize changes only the per-worker share).
-    feed = ProgressFeed(config.get("progress") if rank == 0 else None, cfg.batch_size,
-                        len(loader))
-    feed.send("ready", world_size=world_size, started_at=started_at,
-              resumed_from_epoch=None if state is None else state["epoch"],
-              device=device.type, backend=_backend())
+    feed = ProgressFeed(config.get("progress") if rank == 0 else None, cfg.batch_size, len(loader))
+    feed.send(
+        "ready",
+        world_size=world_size,
+        started_at=started_at,
+        resumed_from_epoch=None if state is None else state["epoch"],
+        device=device.type,
+        backend=_backend(),
+    )
 
     for epoch in range(start_epoch, cfg.epochs):
         set_epoch(loader, epoch, cfg.seed)
         started = time.perf_counter()
         feed.epoch_start(epoch + 1)
-        train = train_one_epoch(model, loader, optimizer, scheduler, scaler, autocast, device,
-                                on_step=feed.step if feed.actor is not None else None)
+        train = train_one_epoch(
+            model,
+            loader,
+            optimizer,
+            scheduler,
+            scaler,
+            autocast,
+            device,
+            on_step=feed.step if feed.actor is not None else None,
+        )
         train_s = time.perf_counter() - started
         # DDP syncs BatchNorm buffers from rank 0 at the start of each forward, so after the
         # last step every rank holds its own running stats: evaluate rank 0's, the saved ones.
         broadcast_buffers(module)
-        val = evaluate(module, data.test_images, data.test_labels, device, autocast,
-                       rank, world_size)
+        val = evaluate(
+            module, data.test_images, data.test_labels, device, autocast, rank, world_size
+        )
         best = max(best, val["val_accuracy"])
-        history.append({
-            "epoch": epoch + 1, "train_loss": train["train_loss"],
-            "train_accuracy": train["train_accuracy"], "val_loss": val["val_loss"],
-            "val_accuracy": val["val_accuracy"], "images_per_s": train["train_images"] / train_s,
-            "lr": optimizer.param_groups[0]["lr"],
-            "epoch_time_s": time.perf_counter() - started, "train_s": train_s,
-            "cpu_s_per_step": train["cpu_s"] / max(train["train_steps"], 1),
-            # Unix times, for the benchmark's start-up and time-to-accuracy end points.
-            "first_step_at": train["first_step_at"], "evaluated_at": time.time(),
-            "world_size": world_size,  # an elastic run's size can change between epochs
-        })
-        metrics = {**history[-1], "val_total": val["val_total"], "best_val_accuracy": best,
-                   "resumed_from_epoch": None if state is None else state["epoch"],
-                   "started_at": started_at,
-                   "workers": placement}  # per epoch only: the driver builds the history
+        history.append(
+            {
+                "epoch": epoch + 1,
+                "train_loss": train["train_loss"],
+                "train_accuracy": train["train_accuracy"],
+                "val_loss": val["val_loss"],
+                "val_accuracy": val["val_accuracy"],
+                "images_per_s": train["train_images"] / train_s,
+                "lr": optimizer.param_groups[0]["lr"],
+                "epoch_time_s": time.perf_counter() - started,
+                "train_s": train_s,
+                "cpu_s_per_step": train["cpu_s"] / max(train["train_steps"], 1),
+                # Unix times, for the benchmark's start-up and time-to-accuracy end points.
+                "first_step_at": train["first_step_at"],
+                "evaluated_at": time.time(),
+                "world_size": world_size,  # an elastic run's size can change between epochs
+            }
+        )
+        metrics = {
+            **history[-1],
+            "val_total": val["val_total"],
+            "best_val_accuracy": best,
+            "resumed_from_epoch": None if state is None else state["epoch"],
+            "started_at": started_at,
+            "workers": placement,
+        }  # per epoch only: the driver builds the history
         # Rank 0 writes the checkpoint; every rank reports (report is a barrier).
         with tempfile.TemporaryDirectory() as directory:
             report_checkpoint = None
             if rank == 0:
-                ckpt.save(directory, {
-                    "model": module.state_dict(), "optimizer": optimizer.state_dict(),
-                    "scheduler": scheduler.state_dict(), "scaler": scaler.state_dict(),
-                    "epoch": epoch + 1, "best_val_accuracy": best, "history": history,
-                    "config": cfg.to_dict(), "rng": ckpt.rng_state(),
-                })
+                ckpt.save(
+                    directory,
+                    {
+                        "model": module.state_dict(),
+                        "optimizer": optimizer.state_dict(),
+                        "scheduler": scheduler.state_dict(),
+                        "scaler": scaler.state_dict(),
+                        "epoch": epoch + 1,
+                        "best_val_accuracy": best,
+                        "history": history,
+                        "config": cfg.to_dict(),
+                        "rng": ckpt.rng_state(),
+                    },
+                )
                 report_checkpoint = ray.train.Checkpoint.from_directory(directory)
             ray.train.report(metrics, checkpoint=report_checkpoint)
