@@ -18,6 +18,7 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
+from raytrain_mnist import compat
 from raytrain_mnist._cli import (
     ArgumentParser,
     add_dataclass_args,
@@ -105,9 +106,9 @@ def _callbacks(actor) -> list:
             actor.put.remote({**metrics[0], "checkpoint": checkpoint.path if checkpoint else None})
 
     callbacks: list = [EpochFeed()]
-    try:  # the controller's handle: a public hook for it does not exist in Ray 2.60
-        from ray.train.v2._internal.execution.callback import ControllerCallback
-    except ImportError:
+    # The controller's handle: a public hook for it does not exist in Ray 2.60.
+    ControllerCallback = compat.controller_callback_base()
+    if ControllerCallback is None:
         return callbacks
 
     class ControllerFeed(ControllerCallback):

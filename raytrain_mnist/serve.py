@@ -41,6 +41,7 @@ from typing import Any, Optional
 
 import numpy as np
 
+from raytrain_mnist import compat
 from raytrain_mnist._cli import (
     ArgumentParser,
     add_dataclass_args,
@@ -590,11 +591,8 @@ def _check_placeable(cfg: ServeConfig, strict: bool) -> None:
 
 def _check_same_http(cfg: ServeConfig) -> None:
     """Serve keeps the HTTP host and port it started with and ignores new ones."""
-    from ray.serve import context
-
-    try:  # the running Serve's settings have no public accessor
-        running = context._get_global_client().http_config
-    except Exception:
+    running = compat.serve_http_config()
+    if running is None:
         return
     if (running.host, running.port) != (cfg.host, cfg.port):
         raise UserError(

@@ -28,7 +28,6 @@ import asyncio
 import contextlib
 import importlib
 import ipaddress
-import logging
 import os
 import re
 import shlex
@@ -39,6 +38,7 @@ from collections.abc import Iterator, Sequence
 from pathlib import Path
 from urllib.parse import urlsplit
 
+from raytrain_mnist import compat
 from raytrain_mnist._cli import ArgumentParser, run_cli
 from raytrain_mnist.errors import EXIT_FAILURE, EXIT_INTERRUPTED, EXIT_USAGE, UserError
 
@@ -325,15 +325,7 @@ def connect(address: str | None):
     _check_reachable(url)
     from ray.job_submission import JobSubmissionClient
 
-    # The SDK logs an INFO line per request and per closed log stream; ours are enough.
-    for name in (
-        "ray.dashboard.modules.job.sdk",
-        "ray.dashboard.modules.dashboard_sdk",
-        "ray._private.runtime_env.packaging",
-    ):
-        logging.getLogger(name).setLevel(logging.WARNING)  # the SDK's set INFO on import
-    # "Directory '.git' is now ignored by default": we exclude it (and .venv) anyway.
-    logging.getLogger("ray._private.runtime_env.working_dir").setLevel(logging.ERROR)
+    compat.quiet_job_sdk()  # the SDK's loggers say INFO per request; ours are enough
     with _one_line_errors(url), _address_from_argument_only():
         client = JobSubmissionClient(url)  # asks /api/version, which checks the token
     return client, url

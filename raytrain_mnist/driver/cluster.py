@@ -9,15 +9,13 @@ again by whoever started it. A Ray we did not start is never stopped.
 from __future__ import annotations
 
 import contextlib
-import importlib.abc
-import importlib.util
 import logging
 import os
 import socket
-import sys
 from collections.abc import Iterator
 from dataclasses import dataclass
 
+from raytrain_mnist import compat
 from raytrain_mnist.errors import EXIT_USAGE, UserError
 
 logger = logging.getLogger(__name__)
@@ -182,93 +180,16 @@ def loopback_node() -> Iterator[None]:
     imported it already, so its constant is set too) and by every process Ray starts, which
     inherit the environment: workers then also give Train (MASTER_ADDR) the loopback address.
     """
-    from ray._private import ray_constants
-
     saved_env = os.environ.get(_SINGLE_NODE_VAR)
-    saved_flag = getattr(ray_constants, "ENABLE_RAY_CLUSTER", None)
     os.environ[_SINGLE_NODE_VAR] = "0"
-    ray_constants.ENABLE_RAY_CLUSTER = False
     try:
-        yield
+        with compat.single_node_ray():
+            yield
     finally:
         if saved_env is None:
             os.environ.pop(_SINGLE_NODE_VAR, None)
         else:
             os.environ[_SINGLE_NODE_VAR] = saved_env
-        if saved_flag is not None:
-            ray_constants.ENABLE_RAY_CLUSTER = saved_flag
-
-
-_STORE_MODULE = "torch.distributed.rendezvous"
-
-
-def store_on_master_addr() -> None:
-    """``worker_process_setup_hook`` of a local Ray: rank 0's TCPStore (the rendezvous that
-    ``init_process_group`` starts) listens on MASTER_ADDR, here loopback, instead of on
-    every interface, which is torch's default and has no setting.
-
-    Runs in every worker process Ray starts, most of which never train: torch is not
-    imported for them; the patch is applied when a process imports torch's rendezvous.
-    """
-    if _STORE_MODULE in sys.modules:
-        _patch_store(sys.modules[_STORE_MODULE])
-    elif not any(isinstance(finder, _PatchOnImport) for finder in sys.meta_path):
-        sys.meta_path.insert(0, _PatchOnImport())
-
-
-class _PatchOnImport(importlib.abc.MetaPathFinder):
-    """Finds torch's rendezvous module with the other finders, then patches it once loaded."""
-
-    def find_spec(self, name, path, target=None):
-        if name != _STORE_MODULE:
-            return None
-        sys.meta_path.remove(self)
-        spec = importlib.util.find_spec(name)
-        if spec is None or spec.loader is None:
-            return spec
-        exec_module = spec.loader.exec_module
-
-        def exec_and_patch(module):
-            exec_module(module)
-            _patch_store(module)
-
-        spec.loader.exec_module = exec_and_patch
-        return spec
-
-
-def _patch_store(rendezvous) -> None:
-    create = rendezvous._create_c10d_store
-    if getattr(create, "_on_master_addr", False):
-        return
-
-    def create_c10d_store(hostname, port, rank, world_size, timeout, *args, **kwargs):
-        if rank != 0 or os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
-            return create(hostname, port, rank, world_size, timeout, *args, **kwargs)
-        from torch.distributed import TCPStore
-
-        family = socket.AF_INET6 if ":" in hostname else socket.AF_INET
-        listener = socket.socket(family, socket.SOCK_STREAM)
-        listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        try:
-            listener.bind((hostname, port))
-            listener.listen(socket.SOMAXCONN)
-        except OSError:  # not an address of this machine after all: torch's own way
-            listener.close()
-            return create(hostname, port, rank, world_size, timeout, *args, **kwargs)
-        use_libuv = args[0] if args else kwargs.get("use_libuv", True)
-        return TCPStore(
-            host_name=hostname,
-            port=port,
-            world_size=world_size,
-            is_master=True,
-            timeout=timeout,
-            multi_tenant=True,
-            master_listen_fd=listener.detach(),
-            use_libuv=use_libuv,
-        )
-
-    create_c10d_store._on_master_addr = True
-    rendezvous._create_c10d_store = create_c10d_store
 
 
 def _loopback_interface() -> str | None:
@@ -288,7 +209,7 @@ def local_runtime_env() -> dict:
     """The runtime environment of every worker of a Ray this process starts: the torch
     rendezvous on loopback, and Gloo's sockets on the loopback interface unless the user
     chose one (``--socket-ifname`` sets it per run and wins over this)."""
-    env: dict = {"worker_process_setup_hook": f"{__name__}.store_on_master_addr"}
+    env: dict = {"worker_process_setup_hook": compat.STORE_ON_MASTER_ADDR_HOOK}
     interface = _loopback_interface()
     if interface and "GLOO_SOCKET_IFNAME" not in os.environ:
         env["env_vars"] = {"GLOO_SOCKET_IFNAME": interface}
@@ -297,14 +218,8 @@ def local_runtime_env() -> dict:
 
 def worker_logs_dir() -> str:
     """The worker logs of the connected Ray session on this node (every node keeps its own,
-    at the same path when its Ray started alike). The session's directory has no public API;
-    without it, Ray's default place."""
-    import ray
-
-    try:
-        return ray._private.worker.global_worker.node.get_logs_dir_path()
-    except AttributeError:  # not connected, or Ray moved it
-        return "/tmp/ray/session_latest/logs"
+    at the same path when its Ray started alike); without one, Ray's default place."""
+    return compat.session_logs_dir() or "/tmp/ray/session_latest/logs"
 
 
 def _check_reachable(address: str) -> None:
@@ -399,7 +314,7 @@ def preflight(request: Request) -> None:
         return
     total_gpus = sum(n.get("GPU", 0) for n in nodes)
     total_cpus = sum(n.get("CPU", 0) for n in nodes)
-    ceiling = _autoscaler_ceiling()
+    ceiling = compat.autoscaler_ceiling()
     if ceiling:
         gpu_ok = (
             not request.use_gpu
@@ -423,13 +338,3 @@ def preflight(request: Request) -> None:
         f"CPU(s) (it has {total_cpus:g} CPUs over {len(nodes)} node(s)); lower --num-workers "
         "or --cpus-per-worker"
     )
-
-
-def _autoscaler_ceiling() -> dict[str, int] | None:
-    """The most resources an autoscaler may provide, when the cluster has one."""
-    try:
-        from ray._private.state import state
-
-        return state.get_max_resources_from_cluster_config()
-    except Exception:  # private API: absent or changed means "no autoscaler we know of"
-        return None

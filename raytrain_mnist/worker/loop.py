@@ -28,6 +28,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
+from raytrain_mnist import compat
 from raytrain_mnist.config import TrainConfig
 from raytrain_mnist.data import MnistData
 from raytrain_mnist.model import ConvNet, normalize
@@ -244,16 +245,6 @@ def _worker_placement(device: torch.device) -> list[dict[str, Any]]:
     return everyone
 
 
-def _quiet_report_log() -> None:
-    """Ray 2.60 logs every report at INFO through ``logging.getLogger(__file__)``, a name
-    outside ``ray.train`` that RunConfig's logging level does not reach."""
-    try:
-        from ray.train.v2._internal.execution import context
-    except ImportError:
-        return
-    logging.getLogger(context.__file__).setLevel(logging.WARNING)
-
-
 class ProgressFeed:
     """Rank 0's stream to the driver: small dicts sent fire-and-forget to ``actor`` (its
     ``put``), at most one step update every ``every_s`` seconds so the feed costs nothing
@@ -304,7 +295,7 @@ def train_func_per_worker(config: dict[str, Any]) -> None:
     rank, world_size = ctx.get_world_rank(), ctx.get_world_size()
     # Rank 0 talks; the others only warn. (Ray has already configured the root logger.)
     logging.getLogger("raytrain_mnist").setLevel(logging.INFO if rank == 0 else logging.WARNING)
-    _quiet_report_log()
+    compat.quiet_train_report_log()
     keep_freed_memory()
     torch.set_num_threads(config["cpus_per_worker"])
     device = ray.train.torch.get_device()

@@ -1,0 +1,210 @@
+"""Every private Ray and torch name this project uses, in one place: the upgrade surface.
+
+Each entry says what it reaches, the versions it was checked against, what breaks without it
+and what it falls back to, and the upstream issue where one exists. Nothing else in the
+package imports ``ray._private``, a ``*._internal`` module or a torch private name (the
+import contracts in ``pyproject.toml`` hold that). Checked against **ray 2.60.0** and
+**torch 2.14.1**; the ``ray<2.61`` pin in ``pyproject.toml`` is for this file: every entry
+below was read in 2.60's source, and :func:`controller_callback_base` and
+:func:`single_node_ray` are the ones a Ray release is most likely to move.
+
+This module imports nothing of ours, and Ray and torch only inside the functions that need
+them: the worker, the driver and Serve replicas may all import it.
+
+| entry | private name | without it |
+|---|---|---|
+| :func:`single_node_ray` | ``ray._private.ray_constants.ENABLE_RAY_CLUSTER`` | a local Ray's servers listen on every interface |
+| :func:`store_on_master_addr` | ``torch.distributed.rendezvous._create_c10d_store`` | rank 0's TCPStore listens on every interface |
+| :func:`session_logs_dir` | ``ray._private.worker.global_worker.node`` | a failed run points at Ray's default log folder |
+| :func:`autoscaler_ceiling` | ``ray._private.state.state.get_max_resources_from_cluster_config`` | placement checks cannot count nodes an autoscaler would add |
+| :func:`controller_callback_base` | ``ray.train.v2._internal.execution.callback.ControllerCallback`` | Ctrl-C cannot abort a run's controller: the run stops only with the Ray that runs it |
+| :func:`quiet_train_report_log` | ``ray.train.v2._internal.execution.context`` | every report logs an INFO line |
+| :func:`serve_http_config` | ``ray.serve.context._get_global_client`` | a second ``serve`` with other HTTP settings is not refused up front |
+| :data:`JOB_SDK_LOGGERS` | logger names under ``ray._private.runtime_env`` | the Jobs SDK logs INFO lines per upload |
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib.abc
+import importlib.util
+import logging
+import os
+import socket
+import sys
+from collections.abc import Iterator
+from typing import Any
+
+# --------------------------------------------------------------------------- ray (driver)
+
+
+@contextlib.contextmanager
+def single_node_ray() -> Iterator[None]:
+    """While a local Ray starts in this process: its single-node switch, read when ``ray``
+    was imported, set as ``RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0`` would have set it (the caller
+    sets that variable for the processes Ray starts). Without it a loopback node is moved to
+    the machine's outward address and listens on every interface."""
+    from ray._private import ray_constants
+
+    saved = getattr(ray_constants, "ENABLE_RAY_CLUSTER", None)
+    ray_constants.ENABLE_RAY_CLUSTER = False
+    try:
+        yield
+    finally:
+        if saved is not None:
+            ray_constants.ENABLE_RAY_CLUSTER = saved
+
+
+def session_logs_dir() -> str | None:
+    """The log folder of the connected Ray session on this node: there is no public API
+    for it. None when not connected, or when Ray moved it."""
+    import ray
+
+    try:
+        return ray._private.worker.global_worker.node.get_logs_dir_path()
+    except AttributeError:
+        return None
+
+
+def autoscaler_ceiling() -> dict[str, int] | None:
+    """The most resources an autoscaler may provide, when the cluster has one (read from
+    the cluster config the autoscaler published). None: no autoscaler we know of."""
+    try:
+        from ray._private.state import state
+
+        return state.get_max_resources_from_cluster_config()
+    except Exception:  # absent or changed means "no autoscaler we know of"
+        return None
+
+
+def controller_callback_base() -> type | None:
+    """Ray Train V2's controller-side callback class, whose ``after_controller_start`` hands
+    us the controller's actor handle (to abort the run on Ctrl-C from a thread Ray installs no
+    signal handler on). Public ``ray.train.UserCallback`` has no such hook in 2.60. None when
+    the class moved."""
+    try:
+        from ray.train.v2._internal.execution.callback import ControllerCallback
+    except ImportError:
+        return None
+    return ControllerCallback
+
+
+#: Loggers of the Jobs SDK that log an INFO line per request, upload and closed log stream,
+#: and the one that warns that ``.git`` is ignored (we exclude it anyway). Names, not imports.
+JOB_SDK_LOGGERS = {
+    "ray.dashboard.modules.job.sdk": logging.WARNING,
+    "ray.dashboard.modules.dashboard_sdk": logging.WARNING,
+    "ray._private.runtime_env.packaging": logging.WARNING,
+    "ray._private.runtime_env.working_dir": logging.ERROR,
+}
+
+
+def quiet_job_sdk() -> None:
+    for name, level in JOB_SDK_LOGGERS.items():
+        logging.getLogger(name).setLevel(level)
+
+
+def serve_http_config() -> Any | None:
+    """The HTTP options (``host``, ``port``) of the Serve instance running on the connected
+    cluster: Serve keeps the ones it started with and has no public accessor. None when Serve
+    is not running or the accessor moved."""
+    try:
+        from ray.serve import context
+
+        return context._get_global_client().http_config
+    except Exception:
+        return None
+
+
+# --------------------------------------------------------------------------- ray (worker)
+
+
+def quiet_train_report_log() -> None:
+    """Ray 2.60 logs every ``ray.train.report`` at INFO through
+    ``logging.getLogger(__file__)`` of its context module, a name outside ``ray.train`` that
+    RunConfig's logging level does not reach."""
+    try:
+        from ray.train.v2._internal.execution import context
+    except ImportError:
+        return
+    logging.getLogger(context.__file__).setLevel(logging.WARNING)
+
+
+# --------------------------------------------------------------------------- torch (worker)
+
+#: ``worker_process_setup_hook`` of a Ray this process starts (a dotted name: Ray imports it
+#: in every worker process).
+STORE_ON_MASTER_ADDR_HOOK = f"{__name__}.store_on_master_addr"
+
+_STORE_MODULE = "torch.distributed.rendezvous"
+
+
+def store_on_master_addr() -> None:
+    """``worker_process_setup_hook`` of a local Ray (:data:`STORE_ON_MASTER_ADDR_HOOK`): rank 0's TCPStore (the rendezvous that
+    ``init_process_group`` starts) listens on MASTER_ADDR, here loopback, instead of on
+    every interface, which is torch's default and has no setting.
+
+    Runs in every worker process Ray starts, most of which never train: torch is not
+    imported for them; the patch is applied when a process imports torch's rendezvous.
+    """
+    if _STORE_MODULE in sys.modules:
+        _patch_store(sys.modules[_STORE_MODULE])
+    elif not any(isinstance(finder, _PatchOnImport) for finder in sys.meta_path):
+        sys.meta_path.insert(0, _PatchOnImport())
+
+
+class _PatchOnImport(importlib.abc.MetaPathFinder):
+    """Finds torch's rendezvous module with the other finders, then patches it once loaded."""
+
+    def find_spec(self, name, path, target=None):
+        if name != _STORE_MODULE:
+            return None
+        sys.meta_path.remove(self)
+        spec = importlib.util.find_spec(name)
+        if spec is None or spec.loader is None:
+            return spec
+        exec_module = spec.loader.exec_module
+
+        def exec_and_patch(module):
+            exec_module(module)
+            _patch_store(module)
+
+        spec.loader.exec_module = exec_and_patch
+        return spec
+
+
+def _patch_store(rendezvous) -> None:
+    # torch 2.14: init_process_group(init_method="env://"/"tcp://") builds rank 0's store with
+    # the private _create_c10d_store, which binds every interface and takes no address.
+    create = rendezvous._create_c10d_store
+    if getattr(create, "_on_master_addr", False):
+        return
+
+    def create_c10d_store(hostname, port, rank, world_size, timeout, *args, **kwargs):
+        if rank != 0 or os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
+            return create(hostname, port, rank, world_size, timeout, *args, **kwargs)
+        from torch.distributed import TCPStore
+
+        family = socket.AF_INET6 if ":" in hostname else socket.AF_INET
+        listener = socket.socket(family, socket.SOCK_STREAM)
+        listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            listener.bind((hostname, port))
+            listener.listen(socket.SOMAXCONN)
+        except OSError:  # not an address of this machine after all: torch's own way
+            listener.close()
+            return create(hostname, port, rank, world_size, timeout, *args, **kwargs)
+        use_libuv = args[0] if args else kwargs.get("use_libuv", True)
+        return TCPStore(
+            host_name=hostname,
+            port=port,
+            world_size=world_size,
+            is_master=True,
+            timeout=timeout,
+            multi_tenant=True,
+            master_listen_fd=listener.detach(),
+            use_libuv=use_libuv,
+        )
+
+    create_c10d_store._on_master_addr = True
+    rendezvous._create_c10d_store = create_c10d_store
