@@ -1,4 +1,9 @@
-"""Command-line plumbing shared by every entry point.
+"""Command-line plumbing shared by every entry point: the command layer only.
+
+Every command has one shape, :class:`Command`: a parser, a parse of the words after the
+command name into an options dataclass, and a run of those options that returns an exit
+status. ``__main__`` registers them once; ``submit`` checks any command's words through the
+same parse before it contacts a cluster.
 
 Flags are generated from the config dataclasses' fields, so each default and help text is
 written once (in :mod:`raytrain_mnist.config`). Every error a user can cause ends as one
@@ -168,3 +173,27 @@ def setup_logging(verbose: bool = False) -> None:
         format="%(message)s",
         stream=sys.stdout,
     )
+
+
+@dataclasses.dataclass(frozen=True)
+class Command:
+    """One command of ``raytrain-mnist``.
+
+    ``parse(argv)`` turns the words after the command's name into its options (a dataclass),
+    raising :class:`SystemExit` (argparse's usage errors, ``--help``), ``ConfigError`` or
+    ``UserError`` for bad input; it starts nothing. ``run(options)`` does the work and returns
+    the exit status. Only commands print and choose exit statuses.
+    """
+
+    name: str
+    build_parser: Callable[[], argparse.ArgumentParser]
+    parse: Callable[[Sequence[str]], Any]
+    run: Callable[[Any], int]
+
+    def main(self, argv: Sequence[str] | None = None) -> int:
+        """Parse and run as a user's command does: every error one line and a status."""
+
+        def parse_and_run(words: Sequence[str] | None) -> int:
+            return self.run(self.parse(sys.argv[1:] if words is None else list(words)))
+
+        return run_cli(parse_and_run, argv)

@@ -29,9 +29,9 @@ from typing import Any
 
 from raytrain_mnist._cli import (
     ArgumentParser,
+    Command,
     add_dataclass_args,
     dataclass_from_args,
-    run_cli,
     setup_logging,
 )
 from raytrain_mnist.config import DATASET_CHOICES, ConfigError, RunSettings
@@ -515,27 +515,43 @@ def build_parser() -> ArgumentParser:
     return parser
 
 
-def main(argv: Sequence[str] | None = None) -> int:
+@dataclass(frozen=True)
+class EvaluateOptions:
+    target: str
+    data_dir: str | None
+    dataset: str | None
+    out: str | None
+    overwrite: bool
+    workers: RunSettings
+
+
+def parse_options(argv: Sequence[str]) -> EvaluateOptions:
     args = build_parser().parse_args(argv)
-    setup_logging()
     if args.address is None and args.num_workers > 1:
         args.address = os.environ.get("RAY_ADDRESS") or None
     workers = dataclass_from_args(RunSettings, args, only=WORKER_SETTINGS)
+    return EvaluateOptions(
+        args.target, args.data_dir, args.dataset, args.out, args.overwrite, workers
+    )
+
+
+def run(options: EvaluateOptions) -> int:
+    setup_logging()
     report = evaluate_checkpoint(
-        args.target,
-        args.data_dir,
-        args.dataset,
-        args.out,
-        overwrite=args.overwrite,
-        workers=workers,
+        options.target,
+        options.data_dir,
+        options.dataset,
+        options.out,
+        overwrite=options.overwrite,
+        workers=options.workers,
     )
     print(format_report(report))
     return 0
 
 
-def cli(argv: Sequence[str] | None = None) -> int:
-    return run_cli(main, argv)
+COMMAND = Command("evaluate", build_parser, parse_options, run)
+cli = COMMAND.main
 
 
 if __name__ == "__main__":
-    sys.exit(cli())
+    sys.exit(COMMAND.main())

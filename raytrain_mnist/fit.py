@@ -21,12 +21,12 @@ from typing import Any
 from raytrain_mnist import compat
 from raytrain_mnist._cli import (
     ArgumentParser,
+    Command,
     add_dataclass_args,
     command_line,
     dataclass_from_args,
     flags_of,
     invocation,
-    run_cli,
     setup_logging,
 )
 from raytrain_mnist.config import (
@@ -562,15 +562,15 @@ def _print_summary(s: dict) -> None:
     print(f"run directory:   {s['run_dir']}")
 
 
-def main(argv: Sequence[str] | None = None) -> int:
+def run(cfg: FitConfig) -> int:
     setup_logging()
-    summary = fit(parse_config(argv))
+    summary = fit(cfg)
     return 0 if summary["status"] == "finished" else EXIT_FAILURE
 
 
-def cli(argv: Sequence[str] | None = None) -> int:
-    return run_cli(main, argv)
+COMMAND = Command("fit", build_parser, parse_config, run)
+cli = COMMAND.main
 
 
 if __name__ == "__main__":
-    sys.exit(cli())
+    sys.exit(COMMAND.main())

@@ -44,9 +44,9 @@ import numpy as np
 from raytrain_mnist import compat
 from raytrain_mnist._cli import (
     ArgumentParser,
+    Command,
     add_dataclass_args,
     dataclass_from_args,
-    run_cli,
     setup_logging,
 )
 from raytrain_mnist.config import ConfigError
@@ -646,9 +646,7 @@ def parse_command(argv: Sequence[str] | None = None) -> tuple[str, ServeConfig, 
     return args.target, dataclass_from_args(ServeConfig, args), args.write_config
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    target, cfg, config_file = parse_command(argv)
-    setup_logging()
+def _serve(target: str, cfg: ServeConfig, config_file: str | None) -> int:
     checkpoint = _best_checkpoint(target)
     if config_file:
         load_checkpoint(checkpoint)  # a bad checkpoint is one line now, not the cluster's
@@ -683,9 +681,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     return 0
 
 
-def cli(argv: Sequence[str] | None = None) -> int:
-    return run_cli(main, argv)
+def run(parsed: tuple[str, ServeConfig, str | None]) -> int:
+    target, cfg, config_file = parsed
+    setup_logging()
+    return _serve(target, cfg, config_file)
+
+
+COMMAND = Command("serve", build_parser, parse_command, run)
+cli = COMMAND.main
 
 
 if __name__ == "__main__":
-    sys.exit(cli())
+    sys.exit(COMMAND.main())

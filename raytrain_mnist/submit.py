@@ -39,7 +39,7 @@ from pathlib import Path
 from urllib.parse import urlsplit
 
 from raytrain_mnist import compat
-from raytrain_mnist._cli import ArgumentParser, run_cli
+from raytrain_mnist._cli import ArgumentParser, Command
 from raytrain_mnist.errors import EXIT_FAILURE, EXIT_INTERRUPTED, EXIT_USAGE, UserError
 
 DEFAULT_ADDRESS = "http://127.0.0.1:8265"
@@ -352,9 +352,7 @@ def entrypoint(command: Sequence[str]) -> str:
     # Flag errors surface here, as the command itself reports them (exit status 2): fit's
     # parse_config, tune's parse_command only parse and validate. Paths in the flags
     # (--data-dir, --storage-path) are the cluster's and are not looked at.
-    check = getattr(module, "parse_config", None) or getattr(module, "parse_command", None)
-    if check is not None:
-        check(args)
+    module.COMMAND.parse(args)
     return shlex.join(["python", "-m", f"raytrain_mnist.{name}", *args])
 
 
@@ -545,9 +543,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     return list_jobs(client, url)
 
 
-def cli(argv: Sequence[str] | None = None) -> int:
-    return run_cli(main, argv)
+# Interim: submit parses inside its run (its flags and the command after --).
+COMMAND = Command("submit", build_parser, list, main)
+cli = COMMAND.main
 
 
 if __name__ == "__main__":
-    sys.exit(cli())
+    sys.exit(COMMAND.main())

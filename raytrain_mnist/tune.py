@@ -29,12 +29,12 @@ from typing import Any
 
 from raytrain_mnist._cli import (
     ArgumentParser,
+    Command,
     add_dataclass_args,
     command_line,
     dataclass_from_args,
     flags_of,
     invocation,
-    run_cli,
     setup_logging,
 )
 from raytrain_mnist.config import FitConfig, RunSettings, TrainConfig
@@ -725,15 +725,15 @@ def _fmt(value: Any) -> str:
     return f"{value:.4g}" if isinstance(value, float) else str(value)
 
 
-def main(argv: Sequence[str] | None = None) -> int:
+def run(cmd: TuneCommand) -> int:
     setup_logging()
-    search(parse_command(argv))
+    search(cmd)
     return 0
 
 
-def cli(argv: Sequence[str] | None = None) -> int:
-    return run_cli(main, argv)
+COMMAND = Command("tune", build_parser, parse_command, run)
+cli = COMMAND.main
 
 
 if __name__ == "__main__":
-    sys.exit(cli())
+    sys.exit(COMMAND.main())

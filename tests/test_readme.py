@@ -87,12 +87,7 @@ def parse(command: str, args: list[str]) -> None:
         else:
             assert parsed.action, "submit with neither an action nor a command"
         return
-    check = (
-        getattr(module, "parse_config", None)
-        or getattr(module, "parse_command", None)
-        or module.build_parser().parse_args
-    )
-    check(args)
+    module.COMMAND.parse(args)
 
 
 def option_strings(command: str) -> set[str]:
