@@ -14,6 +14,8 @@ the notebook and job submission all build these; none restates a default.
 from __future__ import annotations
 
 import dataclasses
+import hashlib
+import json
 import math
 import os
 from dataclasses import dataclass, field
@@ -22,9 +24,13 @@ from typing import Any, Optional
 from raytrain_mnist.errors import ConfigError
 
 
-def _opt(default: Any, help: str, choices: tuple | None = None, flag: str | None = None):
-    """A dataclass field whose metadata also drives the command line."""
+def option(default: Any, help: str, choices: tuple | None = None, flag: str | None = None):
+    """A dataclass field whose metadata also drives the command line (its help, its choices):
+    the one way a settings dataclass of this package declares a flag."""
     return field(default=default, metadata={"help": help, "choices": choices, "flag": flag})
+
+
+_opt = option
 
 
 AMP_CHOICES = ("off", "bf16", "fp16")
@@ -43,6 +49,8 @@ ONECYCLE_PCT_START = 0.25
 NAME_MAX = 200
 #: The training set TrainConfig's defaults are sized for: full MNIST.
 FULL_TRAIN_SIZE = 60_000
+#: The metric that ranks a run's checkpoints (Ray keeps the best by it) and Tune's trials.
+CHECKPOINT_METRIC = "val_accuracy"
 
 
 @dataclass(frozen=True)
@@ -98,6 +106,10 @@ class TrainConfig:
         if unknown:
             raise ConfigError(f"unknown training setting(s): {', '.join(unknown)}")
         return cls(**values)
+
+
+#: ``--epochs`` when it is not given (one home: the field's default).
+DEFAULT_EPOCHS: int = TrainConfig.__dataclass_fields__["epochs"].default
 
 
 @dataclass(frozen=True)
@@ -381,7 +393,7 @@ def _check_batch_splits(batch_size: int, workers: WorkerRange) -> None:
 def epochs_for(train: TrainConfig, train_size: int) -> int:
     """Epochs over ``train_size`` images that take about as many optimizer steps as the
     default epochs take over full MNIST at ``train``'s batch size (never fewer epochs)."""
-    default = TrainConfig.__dataclass_fields__["epochs"].default
+    default = DEFAULT_EPOCHS
     if train_size >= FULL_TRAIN_SIZE:
         return default
     steps = max(1, train_size // train.batch_size)
@@ -510,9 +522,29 @@ def check_data_fits(train: TrainConfig, run: RunSettings, train_size: int) -> No
         )
 
 
-def _check_int(flag: str, value: Any, minimum: int) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-        raise ConfigError(f"--{flag} must be an integer >= {minimum}, got {value!r}")
+def check_int(flag: str, value: Any, low: int, high: int | None = None) -> None:
+    """``--flag`` must be an int (not a bool) in ``low..high`` (no upper bound when None)."""
+    ok = isinstance(value, int) and not isinstance(value, bool) and value >= low
+    if not ok or (high is not None and value > high):
+        bound = f">= {low}" if high is None else f"in {low}..{high}"
+        raise ConfigError(f"--{flag} must be an integer {bound}, got {value!r}")
+
+
+_check_int = check_int
+
+
+def finite_number(value: Any) -> float | None:
+    """``value`` as a float when it is a finite real number (not a bool), else None: how a
+    metric read back from a report, a trial or a file is taken."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return None
+    return float(value) if math.isfinite(value) else None
+
+
+def settings_digest(settings: dict) -> str:
+    """Eight hex digits that stand for ``settings`` (JSON-able): the deterministic part of a
+    default run or experiment name (no timestamp: the same command finds the same run)."""
+    return hashlib.sha1(json.dumps(settings, sort_keys=True).encode()).hexdigest()[:8]
 
 
 def _check_float(flag: str, value: Any, positive: bool = False) -> None:

@@ -34,10 +34,9 @@ from raytrain_mnist._cli import (
     dataclass_from_args,
     setup_logging,
 )
-from raytrain_mnist.config import DATASET_CHOICES, ConfigError, RunSettings
+from raytrain_mnist.config import CHECKPOINT_METRIC, DATASET_CHOICES, ConfigError, RunSettings
 from raytrain_mnist.driver.runs import (
     BEST_FILE,
-    CHECKPOINT_METRIC,
     RUNS_DIR,
     SEARCH_FILE,
     STATE_FILE,

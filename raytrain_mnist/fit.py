@@ -30,6 +30,7 @@ from raytrain_mnist._cli import (
     setup_logging,
 )
 from raytrain_mnist.config import (
+    DEFAULT_EPOCHS,
     FitConfig,
     RunSettings,
     TrainConfig,
@@ -60,7 +61,7 @@ def parse_config(argv: Sequence[str] | None = None) -> FitConfig:
     args = build_parser().parse_args(argv, namespace=argparse.Namespace(epochs=None))
     auto_epochs = args.epochs is None
     if auto_epochs:
-        args.epochs = TrainConfig.__dataclass_fields__["epochs"].default
+        args.epochs = DEFAULT_EPOCHS
     return FitConfig(
         train=dataclass_from_args(TrainConfig, args),
         run=dataclass_from_args(RunSettings, args),
@@ -362,8 +363,8 @@ def _train(
     with cluster.connect(address, request):
         sized = (
             f"; {cfg.train.epochs} epochs, as many steps as "
-            f"{TrainConfig().epochs} on full MNIST (--epochs sets them)"
-            if cfg.auto_epochs and cfg.train.epochs != TrainConfig().epochs
+            f"{DEFAULT_EPOCHS} on full MNIST (--epochs sets them)"
+            if cfg.auto_epochs and cfg.train.epochs != DEFAULT_EPOCHS
             else ""
         )
         renderer.line(

@@ -34,7 +34,7 @@ import signal
 import socket
 import sys
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from importlib import resources
 from pathlib import Path
 from typing import Any, Optional
@@ -49,7 +49,7 @@ from raytrain_mnist._cli import (
     dataclass_from_args,
     setup_logging,
 )
-from raytrain_mnist.config import ConfigError
+from raytrain_mnist.config import ConfigError, check_int, option
 from raytrain_mnist.errors import EXIT_USAGE, UserError
 from raytrain_mnist.evaluate import add_target_argument, load_checkpoint, resolve_target
 
@@ -76,8 +76,7 @@ _PAGE = ("static", "index.html")
 # --------------------------------------------------------------------------- settings
 
 
-def _flag(default: Any, help: str):
-    return field(default=default, metadata={"help": help})
+_flag = option
 
 
 @dataclass(frozen=True)
@@ -110,11 +109,7 @@ class ServeConfig:
         _check_int("max-batch-size", self.max_batch_size, 1)
 
 
-def _check_int(flag: str, value: Any, low: int, high: int | None = None) -> None:
-    ok = isinstance(value, int) and not isinstance(value, bool) and value >= low
-    if not ok or (high is not None and value > high):
-        bound = f">= {low}" if high is None else f"in {low}..{high}"
-        raise ConfigError(f"--{flag} must be an integer {bound}, got {value!r}")
+_check_int = check_int
 
 
 def _best_checkpoint(target: str | os.PathLike) -> str:

@@ -41,7 +41,7 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
 
-from raytrain_mnist.config import FitConfig
+from raytrain_mnist.config import CHECKPOINT_METRIC, FitConfig, settings_digest
 from raytrain_mnist.errors import EXIT_USAGE, UserError, first_line
 
 logger = logging.getLogger(__name__)
@@ -60,7 +60,6 @@ BEST_FILE = "best.json"
 #: ``<experiment>/runs/<trial id>``: each trial's Train run.
 RUNS_DIR = "runs"
 #: The metric Ray Train ranks kept checkpoints by, and so "the best checkpoint" everywhere.
-CHECKPOINT_METRIC = "val_accuracy"
 
 #: A lease on an object store is stale once its owner has not renewed it for this long.
 LEASE_TTL_S = 30.0
@@ -129,8 +128,7 @@ def default_name(cfg: FitConfig) -> str:
         "use_gpu": cfg.run.use_gpu,
         "dataset": cfg.run.dataset,
     }
-    digest = hashlib.sha1(json.dumps(settings, sort_keys=True).encode()).hexdigest()[:8]
-    return f"mnist-{cfg.run.num_workers}w-{digest}"
+    return f"mnist-{cfg.run.num_workers}w-{settings_digest(settings)}"
 
 
 def describe_difference(old: dict, new: dict) -> str:

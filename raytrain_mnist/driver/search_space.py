@@ -13,9 +13,7 @@ anything starts, never a failed trial.
 from __future__ import annotations
 
 import dataclasses
-import hashlib
 import itertools
-import json
 import typing
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
@@ -27,6 +25,10 @@ from raytrain_mnist.config import (
     RunSettings,
     TrainConfig,
     check_data_fits,
+    settings_digest,
+)
+from raytrain_mnist.config import (
+    option as _opt_field,
 )
 
 KINDS = ("loguniform", "uniform", "choice", "fixed")
@@ -243,8 +245,7 @@ class SearchSpace:
         return ", ".join(f"{n} {p.describe()}" for n, p in self.params.items())
 
 
-def _opt(default: Any, help: str, choices: tuple | None = None):
-    return field(default=default, metadata={"help": help, "choices": choices})
+_opt = _opt_field
 
 
 @dataclass(frozen=True)
@@ -342,5 +343,4 @@ def experiment_name(identity: dict, run: RunSettings) -> str:
     """``--name``, else derived from the settings: deterministic, no timestamp."""
     if run.name:
         return run.name
-    digest = hashlib.sha1(json.dumps(identity, sort_keys=True).encode()).hexdigest()[:8]
-    return f"tune-{run.num_workers}w-{digest}"
+    return f"tune-{run.num_workers}w-{settings_digest(identity)}"

@@ -15,12 +15,12 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import math
 import os
 import time
 from pathlib import Path
 from typing import Any
 
+from raytrain_mnist.config import finite_number
 from raytrain_mnist.driver.runs import (
     CURVES_FILE,
     SUMMARY_FILE,
@@ -77,10 +77,7 @@ def _asdict(value: Any) -> Any:
     return dataclasses.asdict(value) if dataclasses.is_dataclass(value) else value
 
 
-def _number(value: Any) -> float | None:
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        return None
-    return float(value) if math.isfinite(value) else None
+_number = finite_number
 
 
 class EpochLog:

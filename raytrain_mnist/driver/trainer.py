@@ -8,11 +8,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from raytrain_mnist.config import RunSettings
-
-#: The metric the kept checkpoints are ranked by (``--keep-checkpoints``); runs.py reads the
-#: best checkpoint by the same one.
-CHECKPOINT_METRIC = "val_accuracy"
+from raytrain_mnist.config import CHECKPOINT_METRIC, RunSettings
 
 
 def worker_env(run: RunSettings) -> dict[str, str]:
