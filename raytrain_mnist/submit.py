@@ -1,12 +1,13 @@
-"""Run ``fit`` or ``tune`` on a Ray cluster through the Jobs API, and follow it.
+"""Run ``fit``, ``tune``, ``evaluate`` or ``serve`` on a Ray cluster through the Jobs API,
+and follow it.
 
     python -m raytrain_mnist.submit [--address http://HOST:8265] [--no-wait] -- fit --use-gpu ...
     python -m raytrain_mnist.submit status JOB_ID | logs [--follow] JOB_ID | stop JOB_ID | list
 
 The command after ``--`` runs on the cluster as ``python -m raytrain_mnist.<command> ...``,
 with this checkout as the job's working directory (data, runs, checkpoints, .git and .venv
-left out), so the cluster runs the code you have here. Its flags are checked here first: a
-bad flag costs a second, not an upload. The job's output streams to stdout, everything about
+left out), so the cluster runs the code you have here. Its flags are checked here first, by
+the command's own parse (the one its CLI runs): a bad flag costs a second, not an upload. The job's output streams to stdout, everything about
 the job itself goes to stderr, and the exit status is the job's outcome (0 succeeded, 1 failed
 or stopped). Ctrl-C while following asks whether to stop the job or detach from it; without a
 terminal it detaches and says how to stop the job.
@@ -26,7 +27,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
-import importlib
 import ipaddress
 import os
 import re
@@ -35,12 +35,19 @@ import socket
 import sys
 import time
 from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from urllib.parse import urlsplit
 
 from raytrain_mnist import compat
 from raytrain_mnist._cli import ArgumentParser, Command
-from raytrain_mnist.errors import EXIT_FAILURE, EXIT_INTERRUPTED, EXIT_USAGE, UserError
+from raytrain_mnist.errors import (
+    EXIT_FAILURE,
+    EXIT_INTERRUPTED,
+    EXIT_USAGE,
+    UserError,
+    first_line,
+)
 
 DEFAULT_ADDRESS = "http://127.0.0.1:8265"
 #: Never uploaded from the checkout: secrets (environment files, keys, cloud credentials), and
@@ -281,7 +288,7 @@ def _one_line_errors(url: str, job_id: str | None = None) -> Iterator[None]:
         ) from None
     except (ConnectionError, requests.exceptions.RequestException, aiohttp.ClientError) as exc:
         raise UserError(
-            f"lost the connection to the Ray dashboard at {url} ({_first_line(exc)})"
+            f"lost the connection to the Ray dashboard at {url} ({first_line(exc)})"
         ) from None
     except RuntimeError as exc:
         text = str(exc)
@@ -290,7 +297,7 @@ def _one_line_errors(url: str, job_id: str | None = None) -> Iterator[None]:
                 f"no job {job_id!r} on the cluster at {url}; "
                 "`raytrain-mnist submit list` shows its jobs"
             ) from None
-        raise UserError(f"the Jobs API at {url} said: {_first_line(exc)}") from None
+        raise UserError(f"the Jobs API at {url} said: {first_line(exc)}") from None
 
 
 def _auth_error(url: str, status: int) -> UserError:
@@ -304,11 +311,6 @@ def _auth_error(url: str, status: int) -> UserError:
         "(RAY_AUTH_TOKEN, else RAY_AUTH_TOKEN_PATH, else ~/.ray/auth_token) is not the "
         "cluster's; `ray get-auth-token` on the head prints the right one"
     )
-
-
-def _first_line(exc: BaseException) -> str:
-    lines = [line.strip() for line in str(exc).splitlines() if line.strip()]
-    return lines[0] if lines else exc.__class__.__name__
 
 
 def _last_line(text: str) -> str:
@@ -336,6 +338,8 @@ def connect(address: str | None):
 
 def entrypoint(command: Sequence[str]) -> str:
     """The shell command the job runs on the cluster, checked here first."""
+    from raytrain_mnist.__main__ import load_command
+
     commands = _commands()
     if not command:
         raise UserError(
@@ -348,11 +352,10 @@ def entrypoint(command: Sequence[str]) -> str:
             f"{', '.join(commands)}, e.g. -- fit --num-workers 4 --use-gpu",
             EXIT_USAGE,
         )
-    module = importlib.import_module(f"raytrain_mnist.{name}")
-    # Flag errors surface here, as the command itself reports them (exit status 2): fit's
-    # parse_config, tune's parse_command only parse and validate. Paths in the flags
-    # (--data-dir, --storage-path) are the cluster's and are not looked at.
-    module.COMMAND.parse(args)
+    # The command's own parse, as its CLI runs it: flag errors surface here as the command
+    # reports them (exit status 2). It only parses and validates; paths in the flags
+    # (--data-dir, --storage-path, a checkpoint) are the cluster's and are not looked at.
+    load_command(name).parse(args)
     return shlex.join(["python", "-m", f"raytrain_mnist.{name}", *args])
 
 
@@ -507,8 +510,23 @@ def list_jobs(client, url: str) -> int:
     return 0
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    argv = list(sys.argv[1:] if argv is None else argv)
+@dataclass(frozen=True)
+class SubmitOptions:
+    """What ``submit`` was asked: submit ``entrypoint`` (a command already checked here), or
+    act (``action``) on jobs of the cluster at ``address``."""
+
+    action: str | None  # status, logs, stop, list; None: submit ``entrypoint``
+    job_id: str | None
+    follow: bool
+    no_wait: bool
+    address: str  # the Jobs API: --address, else the environment's, else the default
+    entrypoint: str | None  # the shell command the job runs, its flags checked
+
+
+def parse(argv: Sequence[str]) -> SubmitOptions:
+    """Submit's own flags, then the command after ``--`` through that command's parse. Raises
+    SystemExit(2) or UserError for bad input; contacts no cluster."""
+    argv = list(argv)
     command: list[str] = []
     if "--" in argv:
         at = argv.index("--")
@@ -529,22 +547,26 @@ def main(argv: Sequence[str] | None = None) -> int:
         parser.error("--follow goes with logs")
     if args.no_wait and not command:
         parser.error("--no-wait goes with submitting a command")
-    entry = entrypoint(command) if command else None  # refused before contacting the cluster
+    entry = entrypoint(command) if command else None
+    address = resolve_address(args.address)
+    check_address(address)
+    return SubmitOptions(args.action, args.job_id, args.follow, args.no_wait, address, entry)
 
-    client, url = connect(args.address)
-    if entry:
-        return submit(client, url, entry, wait=not args.no_wait)
-    if args.action == "status":
-        return status(client, url, args.job_id)
-    if args.action == "logs":
-        return logs(client, url, args.job_id, args.follow)
-    if args.action == "stop":
-        return stop(client, url, args.job_id)
+
+def run(options: SubmitOptions) -> int:
+    client, url = connect(options.address)
+    if options.entrypoint:
+        return submit(client, url, options.entrypoint, wait=not options.no_wait)
+    if options.action == "status":
+        return status(client, url, options.job_id)
+    if options.action == "logs":
+        return logs(client, url, options.job_id, options.follow)
+    if options.action == "stop":
+        return stop(client, url, options.job_id)
     return list_jobs(client, url)
 
 
-# Interim: submit parses inside its run (its flags and the command after --).
-COMMAND = Command("submit", build_parser, list, main)
+COMMAND = Command("submit", build_parser, parse, run)
 cli = COMMAND.main
 
 

@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 
+from raytrain_mnist.__main__ import load_command
 from tests.conftest import REPO
 
 README = REPO / "README.md"
@@ -73,21 +74,12 @@ def package_commands(doc: Path) -> list[tuple[str, list[str], str]]:
 
 
 def parse(command: str, args: list[str]) -> None:
-    """Parse (and validate) ``args`` as ``raytrain-mnist COMMAND`` would, without running it."""
+    """Parse (and validate) ``args`` as ``raytrain-mnist COMMAND`` would, without running it:
+    the command's own parse (submit's checks the command after ``--`` through that one's)."""
     if command in ("", "-h", "--help"):
         return
     assert command in COMMANDS, f"no command {command!r}"
-    module = importlib.import_module(f"raytrain_mnist.{command}")
-    if command == "submit":  # the checks submit.main makes before it contacts a cluster
-        at = args.index("--") if "--" in args else len(args)
-        parsed = module.build_parser().parse_intermixed_args(args[:at])
-        if args[at + 1 :]:
-            assert parsed.action is None, "a job action and a command after --"
-            module.entrypoint(args[at + 1 :])
-        else:
-            assert parsed.action, "submit with neither an action nor a command"
-        return
-    module.COMMAND.parse(args)
+    load_command(command).parse(args)
 
 
 def option_strings(command: str) -> set[str]:

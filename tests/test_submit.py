@@ -28,7 +28,7 @@ from pathlib import Path
 import pytest
 
 from raytrain_mnist import submit
-from raytrain_mnist._cli import EXIT_INTERRUPTED, UserError
+from raytrain_mnist.errors import EXIT_INTERRUPTED, UserError
 
 from .conftest import MARKER_VAR, REPO, free_ports, kill_marked, write_tiny_mnist
 
@@ -408,6 +408,64 @@ def test_usage_errors_are_one_line_and_exit_2(argv, message, capsys):
     assert code == 2
     assert message in err and len(err.strip().splitlines()) == 1, err
     assert ":pw@" not in err
+
+
+@pytest.mark.parametrize(
+    "command",
+    [
+        ["fit", "--typo"],
+        ["tune", "--typo"],
+        ["evaluate", "runs/some-run", "--typo"],
+        ["serve", "runs/some-run", "--typo"],
+    ],
+    ids=lambda c: c[0],
+)
+def test_every_commands_flags_are_refused_before_any_cluster_is_contacted(command):
+    """Each command's own parse checks its words here: a typo never reaches the address
+    (a closed port on loopback, which would be a connection error), let alone an upload."""
+    (closed,) = free_ports(1)
+    env = {
+        k: v for k, v in os.environ.items() if k not in ("RAY_ADDRESS", "RAY_API_SERVER_ADDRESS")
+    }
+    proc = run_submit("--address", f"http://127.0.0.1:{closed}", "--", *command, env=env)
+    assert proc.returncode == 2, proc.stderr
+    assert_one_line_error(proc, f"raytrain-mnist {command[0]}", "unrecognized arguments: --typo")
+    assert "no Ray dashboard answers" not in proc.stderr
+    assert proc.stdout == ""
+
+
+def test_parse_checks_and_returns_the_options():
+    options = submit.COMMAND.parse(
+        [
+            "--address",
+            "http://127.0.0.1:1",
+            "--no-wait",
+            "--",
+            "evaluate",
+            "runs/r",
+            "--num-workers",
+            "2",
+        ]
+    )
+    assert options == submit.SubmitOptions(
+        action=None,
+        job_id=None,
+        follow=False,
+        no_wait=True,
+        address="http://127.0.0.1:1",
+        entrypoint="python -m raytrain_mnist.evaluate runs/r --num-workers 2",
+    )
+    options = submit.parse(["logs", "raysubmit_1", "-f", "--address", "http://h:8265/"])
+    assert (options.action, options.job_id, options.follow, options.entrypoint) == (
+        "logs",
+        "raysubmit_1",
+        True,
+        None,
+    )
+    assert options.address == "http://h:8265"
+    with pytest.raises(SystemExit) as exc:
+        submit.parse(["--", "evaluate", "runs/r", "--num-workers", "zero"])
+    assert exc.value.code == 2
 
 
 def test_entrypoint_and_runtime_env():
