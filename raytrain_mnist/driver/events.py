@@ -1,0 +1,113 @@
+"""What a run tells its caller while it works: small frozen events handed to a sink.
+
+Events are how the library talks. :func:`raytrain_mnist.driver.fitting.fit` (and the Tune
+entry) never print: they hand each event to the ``on_event`` sink they are given. The CLI
+renders them (:class:`raytrain_mnist.console.Renderer`); a notebook may pass its own sink
+(any callable taking an :class:`Event`), or none, and :func:`log_event` logs them through
+``logging``. A sink is called from the caller's thread and from the run's monitor thread,
+never from two at once; it should return quickly (the bar is drawn from it).
+
+Every event is an :class:`Event` with a ``text``, the one line that says it. New kinds
+subclass :class:`Event` (Tune's trial events below do).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+logger = logging.getLogger("raytrain_mnist")
+
+
+@dataclass(frozen=True)
+class Event:
+    """Something a run tells its caller. Every kind has a ``text`` (a field or a property):
+    the one line that says it."""
+
+
+@dataclass(frozen=True)
+class Phase(Event):
+    """A start-up phase reached: data loaded, starting a local Ray, workers starting, N
+    worker(s) started, first step. ``elapsed_s``: seconds since the run began."""
+
+    text: str
+    elapsed_s: float
+
+
+@dataclass(frozen=True)
+class Note(Event):
+    """A one-line message about the run: which run starts or resumes, from which
+    checkpoint, a worker group restarted or resized."""
+
+    text: str
+
+
+@dataclass(frozen=True)
+class Stopping(Event):
+    """The run is being stopped at the user's request (Ctrl-C): its workers stop, the last
+    committed checkpoint stays. Sent from the thread that called ``fit``."""
+
+    text: str = "Ctrl-C: stopping the workers; the last committed checkpoint is kept"
+
+
+def format_epoch(m: dict[str, Any], epochs: int) -> str:
+    """The one line of a committed epoch."""
+    return (
+        f"epoch {m['epoch']:>3}/{epochs}  train_loss {m['train_loss']:.4f}  "
+        f"val_loss {m['val_loss']:.4f}  val_acc {100 * m['val_accuracy']:6.2f}%  "
+        f"{m['images_per_s']:8.0f} img/s  {m['epoch_time_s']:6.1f} s"
+    )
+
+
+@dataclass(frozen=True)
+class EpochCommitted(Event):
+    """An epoch every rank reported, its checkpoint committed. ``metrics``: the epoch's
+    report (``epoch``, ``train_loss``, ``val_loss``, ``val_accuracy``, ``images_per_s``,
+    ``epoch_time_s``, ...); ``epochs``: how many the run trains."""
+
+    metrics: dict[str, Any] = field(hash=False)
+    epochs: int
+
+    @property
+    def epoch(self) -> int:
+        return self.metrics["epoch"]
+
+    @property
+    def text(self) -> str:
+        return format_epoch(self.metrics, self.epochs)
+
+
+@dataclass(frozen=True)
+class StepProgress(Event):
+    """Rank 0's progress within an epoch, a few times a second: ``item`` holds ``epoch``,
+    ``images`` (done), ``total``, ``seconds`` (since the epoch began) and ``loss`` (running
+    mean); ``epochs``: how many the run trains."""
+
+    item: dict[str, Any] = field(hash=False)
+    epochs: int
+
+    @property
+    def text(self) -> str:
+        i = self.item
+        return (
+            f"epoch {i.get('epoch')}/{self.epochs}: {i.get('images')}/{i.get('total')} images, "
+            f"loss {i.get('loss', float('nan')):.4f}"
+        )
+
+
+#: Where a run sends its events.
+EventSink = Callable[[Event], None]
+
+
+def log_event(event: Event) -> None:
+    """The default sink: each event as one log line of the ``raytrain_mnist`` logger, at
+    INFO (steps at DEBUG, a stop at WARNING)."""
+    if isinstance(event, StepProgress):
+        level = logging.DEBUG
+    elif isinstance(event, Stopping):
+        level = logging.WARNING
+    else:
+        level = logging.INFO
+    logger.log(level, "%s", getattr(event, "text", event))
