@@ -18,14 +18,15 @@ import dataclasses
 import gc
 import logging
 import os
-import shlex
-import shutil
 import sys
 import typing
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
+from raytrain_mnist.config import command_line as command_line  # re-exported
+from raytrain_mnist.config import flags_of as flags_of  # re-exported
+from raytrain_mnist.config import python_command
 from raytrain_mnist.errors import (
     EXIT_FAILURE,
     EXIT_INTERRUPTED,
@@ -87,35 +88,10 @@ def invocation(command: str) -> list[str]:
     script = Path(sys.argv[0] if sys.argv and sys.argv[0] else "")
     if script.name == "raytrain-mnist":
         return ["raytrain-mnist", command]
-    python = "python" if _same_file(shutil.which("python"), sys.executable) else sys.executable
+    python = python_command()
     if script.parent.name == "raytrain_mnist" and script.stem == command:
         return [python, "-m", f"raytrain_mnist.{command}"]
     return [python, "-m", "raytrain_mnist", command]
-
-
-def _same_file(a: str | None, b: str) -> bool:
-    return bool(a) and os.path.realpath(a) == os.path.realpath(b)
-
-
-def flags_of(*configs: Any, skip: Sequence[str] = ()) -> list[str]:
-    """The flags that rebuild ``configs`` (dataclass instances): every value that differs
-    from its default, in field order. Inverse of :func:`add_dataclass_args`."""
-    words: list[str] = []
-    for config in configs:
-        for f in dataclasses.fields(config):
-            value = getattr(config, f.name)
-            if f.name in skip or value == f.default or value is None:
-                continue
-            flag = "--" + f.name.replace("_", "-")
-            if value is True:
-                words.append(flag)
-            elif value is not False:
-                words += [flag, repr(value) if isinstance(value, float) else str(value)]
-    return words
-
-
-def command_line(words: Sequence[str]) -> str:
-    return " ".join(shlex.quote(w) for w in words)
 
 
 def dataclass_from_args(

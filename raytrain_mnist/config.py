@@ -18,6 +18,10 @@ import hashlib
 import json
 import math
 import os
+import shlex
+import shutil
+import sys
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
@@ -557,3 +561,33 @@ def _check_float(flag: str, value: Any, positive: bool = False) -> None:
 def _check_choice(flag: str, value: Any, choices: tuple) -> None:
     if value not in choices:
         raise ConfigError(f"--{flag} must be one of {', '.join(choices)}; got {value!r}")
+
+
+def flags_of(*configs: Any, skip: Sequence[str] = ()) -> list[str]:
+    """The flags that rebuild ``configs`` (dataclass instances): every value that differs
+    from its default, in field order. Inverse of ``_cli.add_dataclass_args``."""
+    words: list[str] = []
+    for config in configs:
+        for f in dataclasses.fields(config):
+            value = getattr(config, f.name)
+            if f.name in skip or value == f.default or value is None:
+                continue
+            flag = "--" + f.name.replace("_", "-")
+            if value is True:
+                words.append(flag)
+            elif value is not False:
+                words += [flag, repr(value) if isinstance(value, float) else str(value)]
+    return words
+
+
+def command_line(words: Sequence[str]) -> str:
+    """``words`` as one shell command line."""
+    return " ".join(shlex.quote(w) for w in words)
+
+
+def python_command() -> str:
+    """The first word of a command that runs this interpreter again: ``python`` when that is
+    the one on ``PATH``, else its full path."""
+    found = shutil.which("python")
+    same = bool(found) and os.path.realpath(found) == os.path.realpath(sys.executable)
+    return "python" if same else sys.executable
