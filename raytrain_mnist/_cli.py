@@ -94,6 +94,17 @@ def invocation(command: str) -> list[str]:
     return [python, "-m", "raytrain_mnist", command]
 
 
+def add_target_argument(parser: argparse.ArgumentParser) -> None:
+    """RUN_DIR_OR_CHECKPOINT, as ``driver.targets.resolve_target`` takes it (evaluate, serve)."""
+    parser.add_argument(
+        "target",
+        metavar="RUN_DIR_OR_CHECKPOINT",
+        help="a run directory (its best checkpoint), a Tune experiment (its "
+        "best trial's), a checkpoint directory or a state.pt file; a "
+        "local path or a URI such as s3://bucket/runs/NAME",
+    )
+
+
 def dataclass_from_args(
     cls: type, args: argparse.Namespace, only: Sequence[str] | None = None
 ) -> Any:

@@ -46,12 +46,14 @@ from raytrain_mnist._cli import (
     ArgumentParser,
     Command,
     add_dataclass_args,
+    add_target_argument,
     dataclass_from_args,
     setup_logging,
 )
 from raytrain_mnist.config import ConfigError, check_int, option
+from raytrain_mnist.driver.evaluation import load_checkpoint
+from raytrain_mnist.driver.targets import resolve_target
 from raytrain_mnist.errors import EXIT_USAGE, UserError
-from raytrain_mnist.evaluate import add_target_argument, load_checkpoint, resolve_target
 
 logger = logging.getLogger(__name__)
 

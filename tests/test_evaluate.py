@@ -11,6 +11,10 @@ import torch
 from PIL import Image
 
 from raytrain_mnist import evaluate
+from raytrain_mnist.config import RunSettings
+from raytrain_mnist.driver import plots
+from raytrain_mnist.driver.evaluation import Evaluation, evaluate_checkpoint
+from raytrain_mnist.errors import UserError
 from tests.conftest import run_cli, run_cli_here
 
 
@@ -81,17 +85,24 @@ def test_a_checkpoint_path_recorded_outside_the_run_is_not_followed(trained_run,
 def test_several_workers_score_like_one_process(trained_run, tmp_path):
     """2 Ray workers (exact shards, all-reduced) give the same answer, image for image."""
     latest = Path(trained_run["latest_checkpoint"]) / "state.pt"  # a state.pt file works too
-    one = evaluate.evaluate_checkpoint(latest, out=tmp_path / "one")
-    two = evaluate.evaluate_checkpoint(latest, out=tmp_path / "two", num_workers=2)
-    assert one["epoch"] == two["epoch"] == trained_run["epochs_completed"]
-    assert two["test_size"] == 203 and two["num_workers"] == 2
-    assert two["confusion_matrix"] == one["confusion_matrix"]
-    assert (
-        two["accuracy"] == one["accuracy"] == pytest.approx(trained_run["val_accuracy"], abs=1e-12)
-    )
-    assert two["loss"] == pytest.approx(one["loss"], rel=1e-5)
-    for name in ("evaluation.json", "confusion_matrix.png", "misclassified.png"):
-        assert (tmp_path / "two" / name).is_file()
+    one = evaluate_checkpoint(latest, out=tmp_path / "one")
+    two = evaluate_checkpoint(latest, out=tmp_path / "two", workers=RunSettings(num_workers=2))
+    assert isinstance(two, Evaluation)
+    assert one.epoch == two.epoch == trained_run["epochs_completed"]
+    assert two.test_size == 203 and two.num_workers == 2
+    assert two.confusion_matrix == one.confusion_matrix
+    assert two.accuracy == one.accuracy == pytest.approx(trained_run["val_accuracy"], abs=1e-12)
+    assert two.loss == pytest.approx(one.loss, rel=1e-5)
+    assert two.out == tmp_path / "two"
+    assert [f.name for f in two.files] == [
+        "evaluation.json",
+        "confusion_matrix.png",
+        "misclassified.png",
+    ]
+    for path in two.files:
+        assert path.is_file() and path.parent == tmp_path / "two"
+    # evaluation.json is the result's to_dict(), nothing more
+    assert json.loads((tmp_path / "two" / "evaluation.json").read_text()) == two.to_dict()
 
 
 def test_a_bare_checkpoint_dir_uses_the_flags(trained_run, tiny_mnist, tmp_path):
@@ -107,7 +118,9 @@ def test_a_bare_checkpoint_dir_uses_the_flags(trained_run, tiny_mnist, tmp_path)
     assert report["accuracy"] == report["reported_val_accuracy"]
 
 
-def test_a_tune_experiment_dir_resolves_to_its_best_checkpoint(trained_run, tiny_mnist, tmp_path):
+def test_a_tune_experiment_dir_resolves_to_its_best_checkpoint(
+    trained_run, tiny_mnist, tmp_path, capsys
+):
     """tune's layout: <experiment>/search.json, best.json, runs/<trial id>/ (a Train run);
     the best trial's best kept checkpoint is taken, by Ray's record of what it committed."""
     experiment = tmp_path / "tune-2w-x"
@@ -126,13 +139,22 @@ def test_a_tune_experiment_dir_resolves_to_its_best_checkpoint(trained_run, tiny
             }
         )
     )
-    report = evaluate.evaluate_checkpoint(
-        experiment, data_dir=str(tiny_mnist), out=tmp_path / "out"
-    )
-    assert report["checkpoint"] == str(checkpoint.resolve()) and report["dataset"] == "mnist"
-    assert report["accuracy"] == report["reported_val_accuracy"]
-    with pytest.raises(evaluate.UserError, match="trained and scored on the 'mnist'"):
-        evaluate.evaluate_checkpoint(experiment, dataset="sample")
+    report = evaluate_checkpoint(experiment, data_dir=str(tiny_mnist), out=tmp_path / "out")
+    assert capsys.readouterr().out == ""  # a library call: the result, never a print
+    assert report.checkpoint == str(checkpoint.resolve()) and report.dataset == "mnist"
+    assert report.accuracy == report.reported_val_accuracy
+    with pytest.raises(UserError, match="trained and scored on the 'mnist'"):
+        evaluate_checkpoint(experiment, dataset="sample")
+
+
+def test_the_most_confident_errors_are_ranked_once_for_the_report_and_the_picture():
+    """Wrong predictions only, the surest first, ties in test-set order, at most ``limit``."""
+    labels = [0, 1, 2, 3, 4, 5]
+    predictions = [0, 7, 2, 8, 9, 6]  # 1, 3, 4 and 5 are wrong
+    confidence = [0.99, 0.6, 0.97, 0.9, 0.6, 0.8]
+    order = plots.most_confident_errors(labels, predictions, confidence, limit=3)
+    assert order.tolist() == [3, 5, 1]
+    assert plots.most_confident_errors(labels, labels, confidence, limit=3).tolist() == []
 
 
 def _corrupt(tmp_path: Path) -> Path:

@@ -243,11 +243,14 @@ def test_mixed_precision_trains_on_the_gpu(gpu_ray, tmp_path_factory, amp):
 
 @needs_gpu
 def test_evaluate_on_the_gpu_reproduces_fits_accuracy(one_worker_nccl, tmp_path):
-    from raytrain_mnist.evaluate import evaluate_checkpoint
+    from raytrain_mnist.config import RunSettings
+    from raytrain_mnist.driver.evaluation import evaluate_checkpoint
 
     report = evaluate_checkpoint(
-        one_worker_nccl["run_dir"], out=tmp_path / "evaluation", use_gpu=True
-    )
+        one_worker_nccl["run_dir"],
+        out=tmp_path / "evaluation",
+        workers=RunSettings(num_workers=1, use_gpu=True),
+    ).to_dict()
     assert report["test_size"] == 10000
     # cuDNN may pick other kernels in another process: allow one image of difference.
     assert abs(report["accuracy"] - report["reported_val_accuracy"]) <= 1e-4, report

@@ -269,10 +269,10 @@ def test_predictions_give_evaluates_accuracy(server, fitted, tiny_mnist, tmp_pat
     """The test set through POST /predict scores exactly what `evaluate` reports; the same
     images one per request from 8 clients at once (batched together) get the same answers."""
     from raytrain_mnist.data import load_mnist
-    from raytrain_mnist.evaluate import evaluate_checkpoint
+    from raytrain_mnist.driver.evaluation import evaluate_checkpoint
 
     # out= keeps the report out of the run directory (serve must never write there).
-    report = evaluate_checkpoint(server["run_dir"], out=tmp_path / "evaluation")
+    report = evaluate_checkpoint(server["run_dir"], out=tmp_path / "evaluation").to_dict()
     data = load_mnist(tiny_mnist, "mnist")
     images, labels = data.test_images.numpy(), data.test_labels.numpy()
     answer = predict(server["url"], images.tolist())

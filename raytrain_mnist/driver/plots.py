@@ -113,6 +113,18 @@ def confusion_matrix_png(counts: np.ndarray, title: str) -> bytes:
     return _png(fig)
 
 
+def most_confident_errors(
+    labels: np.ndarray, predictions: np.ndarray, confidence: np.ndarray, limit: int
+) -> np.ndarray:
+    """The indices of at most ``limit`` wrong predictions, the one the model was most sure
+    of first (ties in test-set order). ``confidence``: the softmax probability of the
+    predicted class."""
+    labels, predictions = np.asarray(labels), np.asarray(predictions)
+    confidence = np.asarray(confidence)
+    wrong = np.flatnonzero(labels != predictions)
+    return wrong[np.argsort(-confidence[wrong], kind="stable")][:limit]
+
+
 def misclassified_png(
     images: np.ndarray,
     labels: np.ndarray,
@@ -122,7 +134,8 @@ def misclassified_png(
     limit: int = 32,
     columns: int = 8,
 ) -> bytes:
-    """The ``limit`` wrong predictions the model was most sure of, most confident first.
+    """The ``limit`` wrong predictions the model was most sure of, most confident first
+    (:func:`most_confident_errors`).
 
     ``images`` uint8 ``(N, 28, 28)``; ``confidence`` the softmax probability of the
     predicted class.
@@ -130,8 +143,8 @@ def misclassified_png(
     plt = _pyplot()
     labels, predictions = np.asarray(labels), np.asarray(predictions)
     confidence = np.asarray(confidence)
-    wrong = np.flatnonzero(labels != predictions)
-    order = wrong[np.argsort(-confidence[wrong], kind="stable")][:limit]
+    num_wrong = int((labels != predictions).sum())
+    order = most_confident_errors(labels, predictions, confidence, limit)
     if len(order) == 0:
         fig, ax = plt.subplots(figsize=(6, 2), constrained_layout=True)
         ax.axis("off")
@@ -153,7 +166,7 @@ def misclassified_png(
             color="tab:red",
         )
     fig.suptitle(
-        f"{title}\ntrue → predicted, confidence, test index ({len(order)} of {len(wrong)} errors)",
+        f"{title}\ntrue → predicted, confidence, test index ({len(order)} of {num_wrong} errors)",
         fontsize=11,
     )
     return _png(fig)

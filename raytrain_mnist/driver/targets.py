@@ -1,0 +1,144 @@
+"""What RUN_DIR_OR_CHECKPOINT names: the checkpoint to load, and the run that wrote it.
+
+``evaluate`` and ``serve`` take the same argument: a run directory (its ``summary.json``
+names the best checkpoint), a Tune experiment directory (its ``best.json`` names the best
+trial), a checkpoint directory (``fit``'s ``checkpoint_*`` or a Tune trial's) or a
+``state.pt`` file; a local path or a URI. :func:`resolve_target` turns it into a
+:class:`Target`. Only checkpoints that lie inside the run given are followed: a path
+recorded in a file of the run never leads elsewhere.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+from raytrain_mnist.config import CHECKPOINT_METRIC
+from raytrain_mnist.driver.runs import (
+    BEST_FILE,
+    RUNS_DIR,
+    SEARCH_FILE,
+    STATE_FILE,
+    SUMMARY_FILE,
+    Run,
+    check_no_credentials,
+    is_uri,
+)
+from raytrain_mnist.errors import EXIT_USAGE, UserError
+
+
+@dataclass(frozen=True)
+class Target:
+    """What RUN_DIR_OR_CHECKPOINT resolved to."""
+
+    checkpoint: str  # the checkpoint directory (a local path or a URI), or a bare state.pt
+    summary: dict | None  # the summary of the run that wrote it, when found
+    run: Run | None  # the run (or Tune experiment) it belongs to, when found
+
+
+def resolve_target(target: str | os.PathLike) -> Target:
+    """A run directory (its best committed checkpoint), a Tune experiment directory (its
+    best trial's), a checkpoint directory or a ``state.pt`` file; local or a URI.
+    :class:`UserError` (one line) when it is none of them."""
+    text = str(target)
+    if is_uri(text):
+        check_no_credentials(text, "RUN_DIR_OR_CHECKPOINT")
+        run = Run.at(text)
+        if run.is_file(STATE_FILE):
+            return _checkpoint_target(text, run)
+        if not run.exists():
+            raise UserError(f"{text} does not exist", EXIT_USAGE)
+        return _run_target(run)
+    path = Path(text).expanduser()
+    if not path.exists():
+        raise UserError(
+            f"{path} does not exist; pass a run directory, a checkpoint "
+            f"directory or a {STATE_FILE} file",
+            EXIT_USAGE,
+        )
+    if path.is_file() and path.name in (SUMMARY_FILE, BEST_FILE):
+        path = path.parent
+    if path.is_dir() and not (path / STATE_FILE).is_file():
+        return _run_target(Run.at(path))
+    if path.is_file():
+        with path.open("rb") as f:
+            if f.read(4) != b"PK\x03\x04":  # torch.save writes a zip archive
+                raise UserError(
+                    f"{path} is not a checkpoint: pass a run directory, a "
+                    f"checkpoint directory or a {STATE_FILE} file",
+                    EXIT_USAGE,
+                )
+    return _checkpoint_target(str(path.resolve()), None)
+
+
+def _run_target(run: Run) -> Target:
+    """A fit run (``summary.json``) or a Tune experiment (``best.json``)."""
+    best = run.read_json(BEST_FILE)
+    summary = run.summary()
+    if summary is None and best is not None and run.is_file(SEARCH_FILE):
+        trial = best.get("best_trial")
+        if not trial:
+            raise UserError(f"search {run.dir} has no trial with a result yet")
+        trial_run = Run(f"{run.dir}/{RUNS_DIR}", str(trial))
+        checkpoint = trial_run.best_checkpoint(
+            best.get("metric", CHECKPOINT_METRIC), best.get("mode", "max")
+        )
+        if checkpoint is None:
+            raise UserError(f"the best trial of {run.dir} ({trial}) kept no checkpoint")
+        return Target(checkpoint, _search_summary(run), run)
+    if summary is None:
+        if run.local:
+            found = sorted(Path(run.dir).glob(f"checkpoint_*/{STATE_FILE}"))
+            hint = f"; pass one of its checkpoints, e.g. {found[-1].parent}" if found else ""
+        else:
+            hint = ""
+        raise UserError(
+            f"{run.dir} is neither a run directory (no {SUMMARY_FILE}) nor a "
+            f"checkpoint (no {STATE_FILE}){hint}",
+            EXIT_USAGE,
+        )
+    # Ray's record of what it committed names checkpoints relative to the run: always inside.
+    checkpoint = run.best_checkpoint() or run.relocate(summary.get("best_checkpoint"))
+    if checkpoint is None:
+        raise UserError(
+            f"run {run.dir} has no checkpoint (status: "
+            f"{summary.get('status', 'unknown')}); train it first"
+        )
+    return Target(checkpoint, summary, run)
+
+
+def _checkpoint_target(checkpoint: str, run: Run | None) -> Target:
+    """A checkpoint inside a run says which data it used: the run's summary, or a Tune
+    experiment's search record (``<experiment>/runs/<trial>/checkpoint_*``)."""
+    parents = _parents(checkpoint)
+    for parent in parents[:4]:
+        owner = Run.at(parent)
+        summary = quietly(owner.summary)
+        if summary is not None and "dataset" in summary:
+            return Target(checkpoint, summary, owner)
+        search = quietly(lambda owner=owner: owner.read_json(SEARCH_FILE))
+        if search is not None and search.get("dataset") in ("mnist", "sample"):
+            return Target(checkpoint, _search_summary(owner, search), owner)
+    return Target(checkpoint, None, run)
+
+
+def _parents(path: str) -> list[str]:
+    if is_uri(path):
+        scheme, _, rest = path.partition("://")
+        parts = rest.rstrip("/").split("/")
+        return [f"{scheme}://{'/'.join(parts[:i])}" for i in range(len(parts) - 1, 1, -1)]
+    return [str(p) for p in Path(path).parents]
+
+
+def _search_summary(experiment: Run, search: dict | None = None) -> dict:
+    search = search if search is not None else (experiment.read_json(SEARCH_FILE) or {})
+    return {"dataset": search.get("dataset"), "name": experiment.name, "data": search.get("data")}
+
+
+def quietly(read):
+    """``read()``, or None when it raises :class:`UserError` (an unreadable record)."""
+    try:
+        return read()
+    except UserError:
+        return None
