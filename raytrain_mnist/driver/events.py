@@ -111,3 +111,113 @@ def log_event(event: Event) -> None:
     else:
         level = logging.INFO
     logger.log(level, "%s", getattr(event, "text", event))
+
+
+# --------------------------------------------------------------------------- Tune's search
+#
+# What :func:`raytrain_mnist.driver.searching.search` tells its caller: the search starting
+# (then a Note with the search space), and each trial starting, reporting an epoch and
+# ending. The tune command renders them with :class:`raytrain_mnist.console.TrialsTable`.
+
+
+def format_value(value: Any) -> str:
+    """A hyperparameter or metric as a trial's line shows it: floats to 4 significant digits."""
+    return f"{value:.4g}" if isinstance(value, float) else str(value)
+
+
+@dataclass(frozen=True)
+class SearchStarting(Event):
+    """A search starts, or resumes (``resuming``) the trials it had not finished: how many
+    trials, how they are scheduled and ranked, how many run at once and what each takes."""
+
+    name: str
+    resuming: bool
+    num_samples: int
+    scheduler: str
+    metric: str
+    mode: str
+    concurrent: int  # trials at once
+    num_workers: int  # per trial
+    cpus_per_worker: int
+    gpus_per_worker: float  # 0 on CPUs
+    max_epochs: int
+    train_size: int
+    test_size: int
+    data_source: str
+
+    @property
+    def text(self) -> str:
+        gpus = f", {self.gpus_per_worker:g} GPU" if self.gpus_per_worker else ""
+        return (
+            f"{'resuming' if self.resuming else 'starting'} search '{self.name}': "
+            f"{self.num_samples} trial(s), {self.scheduler} on {self.metric} ({self.mode}), "
+            f"{self.concurrent} at a time, each {self.num_workers} worker(s) x "
+            f"{self.cpus_per_worker} CPU{gpus} for up to {self.max_epochs} epoch(s); "
+            f"{self.train_size} train / {self.test_size} test images from {self.data_source}"
+        )
+
+
+@dataclass(frozen=True)
+class TrialStarted(Event):
+    """A trial started (or restarted); ``config``: the training values it drew, ``searched``:
+    the names of those that are searched."""
+
+    trial_id: str
+    config: dict[str, Any] = field(hash=False)
+    searched: tuple[str, ...]
+
+    @property
+    def text(self) -> str:
+        drawn = ", ".join(f"{n}={format_value(self.config.get(n))}" for n in self.searched)
+        return f"trial {self.trial_id} started: {drawn}"
+
+
+@dataclass(frozen=True)
+class TrialReported(Event):
+    """A trial's epoch committed: ``result`` is what it reported to Tune (``epoch``,
+    ``val_accuracy``, ``val_loss``, ...); ``epochs``: the most a trial trains."""
+
+    trial_id: str
+    result: dict[str, Any] = field(hash=False)
+    epochs: int
+
+    @property
+    def epoch(self) -> int:
+        return self.result.get("epoch", 0)
+
+    @property
+    def text(self) -> str:
+        loss, acc = self.result.get("val_loss"), self.result.get("val_accuracy")
+        shown = [
+            *([] if not isinstance(loss, float) else [f"val_loss {loss:.4f}"]),
+            *([] if not isinstance(acc, float) else [f"val_acc {100 * acc:.2f}%"]),
+        ]
+        return f"trial {self.trial_id} epoch {self.epoch}/{self.epochs}: {', '.join(shown)}"
+
+
+@dataclass(frozen=True)
+class TrialEnded(Event):
+    """A trial ended: ``outcome`` is "finished" (all its epochs), "stopped early" (by the
+    scheduler, after ``epoch``) or "failed" (``error_file`` holds Tune's record of it);
+    ``value``: its last ``metric``, when it reported one."""
+
+    trial_id: str
+    outcome: str
+    epoch: int
+    metric: str
+    value: float | None = None
+    error_file: str | None = None
+
+    @property
+    def how(self) -> str:
+        """The outcome as the trial's status reads: "stopped early after epoch N"."""
+        if self.outcome == "stopped early":
+            return f"stopped early after epoch {self.epoch}"
+        return self.outcome
+
+    @property
+    def text(self) -> str:
+        if self.outcome == "failed":
+            return f"trial {self.trial_id} failed: see {self.error_file}"
+        score = "" if self.value is None else f": {self.metric} {format_value(self.value)}"
+        return f"trial {self.trial_id} {self.how}{score}"
