@@ -1,9 +1,10 @@
-"""What the driver shows while a run starts and trains: the renderer of the progress stream.
+"""What the driver shows while a run starts and trains: the renderer of a run's events.
 
-Rank 0 sends small dicts (``loop.ProgressFeed``: ``ready``, ``first_step``, ``step``) to a
-Ray actor that the driver drains a few times a second (``fit._Printer``); the controller
-adds each committed epoch. This module turns them into output, in one of four modes
-(``--progress``):
+The library (:func:`raytrain_mnist.driver.fitting.fit`) tells its caller what happens as
+:mod:`~raytrain_mnist.driver.events`: start-up phases, notes, rank 0's steps within an
+epoch (``loop.ProgressFeed``, carried by ``driver.monitor``), each committed epoch. The
+command hands them to a :class:`Renderer`, which turns them into output in one of four
+modes (``--progress``):
 
 * ``bar``: start-up phases as lines with elapsed seconds, then a progress bar within each
   epoch (images done, img/s, ETA, running loss), redrawn in place and cleared before the
@@ -20,8 +21,9 @@ from __future__ import annotations
 
 import os
 import sys
-import time
 from typing import Any, TextIO
+
+from raytrain_mnist.driver.events import EpochCommitted, Event, Phase, StepProgress, Stopping
 
 MODES = ("auto", "bar", "lines", "off")
 
@@ -51,17 +53,15 @@ def _duration(seconds: float) -> str:
 
 
 class Renderer:
-    """Phase lines, epoch bars and epoch lines on ``stream`` (default: ``sys.stdout`` as it
-    is when the renderer is made). ``started`` is the ``time.perf_counter()`` the elapsed
-    seconds of the phase lines count from. Called from one thread at a time."""
+    """A run's events as phase lines, epoch bars and epoch lines on ``stream`` (default:
+    ``sys.stdout`` as it is when the renderer is made); a stop on ``err`` (default:
+    ``sys.stderr`` as it is then). Pass it as the run's sink: ``fit(cfg, renderer)``.
+    Called from one thread at a time."""
 
-    def __init__(
-        self, mode: str, epochs: int, started: float, stream: TextIO | None = None
-    ) -> None:
+    def __init__(self, mode: str, stream: TextIO | None = None, err: TextIO | None = None) -> None:
         self.stream = stream if stream is not None else sys.stdout
+        self.err = err if err is not None else sys.stderr
         self.mode = resolve_mode(mode, self.stream)
-        self.epochs = epochs
-        self.started = started
         self._bar = None  # rich Progress while an epoch is drawn
         self._task = None
         self._bar_epoch = 0
@@ -73,16 +73,28 @@ class Renderer:
 
     @property
     def poll_s(self) -> float:
-        """How often the driver should drain the stream: a bar wants its updates promptly."""
+        """How often the driver should collect the run's progress: a bar wants its updates
+        promptly."""
         return 0.25 if self.redraws else 0.5
 
-    def elapsed(self) -> float:
-        return time.perf_counter() - self.started
+    def __call__(self, event: Event) -> None:
+        if isinstance(event, StepProgress):
+            self.step(event.item, event.epochs)
+        elif isinstance(event, EpochCommitted):
+            self.epoch(event.epoch, event.text)
+        elif isinstance(event, Phase):
+            self.phase(event.text, event.elapsed_s)
+        elif isinstance(event, Stopping):
+            # After the terminal's "^C". The bar (on stdout) is left as it is: the run's
+            # last lines and its summary follow.
+            print(f"\n{event.text}", file=self.err, flush=True)
+        else:  # a Note, or any other event: its line
+            self.line(event.text)
 
-    def phase(self, text: str) -> None:
+    def phase(self, text: str, elapsed_s: float) -> None:
         """A start-up phase: ``   3.1 s  text`` (not with ``--progress off``)."""
         if self.mode != "off":
-            self.line(f"{self.elapsed():7.1f} s  {text}")
+            self.line(f"{elapsed_s:7.1f} s  {text}")
 
     def line(self, text: str) -> None:
         """A whole line, after clearing the bar if one is drawn."""
@@ -94,14 +106,14 @@ class Renderer:
         self._done_epoch = max(self._done_epoch, epoch)
         self.line(text)
 
-    def step(self, item: dict[str, Any]) -> None:
+    def step(self, item: dict[str, Any], epochs: int) -> None:
         """Rank 0's progress within an epoch (``epoch``, ``images``, ``total``, ``seconds``,
-        ``loss``): redraws the bar; nothing in the other modes."""
+        ``loss``) of a run of ``epochs``: redraws the bar; nothing in the other modes."""
         epoch = item.get("epoch", 0)
         if not self.redraws or epoch <= self._done_epoch:
             return
         if self._bar is None or epoch != self._bar_epoch:
-            self._open_bar(epoch, item["total"])
+            self._open_bar(epoch, epochs, item["total"])
         rate = item["images"] / item["seconds"] if item.get("seconds") else 0.0
         eta = (item["total"] - item["images"]) / rate if rate else 0.0
         self._bar.update(
@@ -117,15 +129,15 @@ class Renderer:
     def close(self) -> None:
         self._close_bar()
 
-    def _open_bar(self, epoch: int, total: int) -> None:
+    def _open_bar(self, epoch: int, epochs: int, total: int) -> None:
         from rich.console import Console
         from rich.progress import BarColumn, Progress, TextColumn
 
         self._close_bar()
         console = Console(file=self.stream, force_terminal=True, highlight=False)
-        width = len(str(self.epochs))
+        width = len(str(epochs))
         self._bar = Progress(
-            TextColumn(f"epoch {epoch:>{max(3, width)}}/{self.epochs}"),
+            TextColumn(f"epoch {epoch:>{max(3, width)}}/{epochs}"),
             BarColumn(bar_width=24),
             TextColumn("{task.completed:>7,.0f}/{task.total:,.0f} img"),
             TextColumn("{task.fields[rate]:>7,.0f} img/s"),

@@ -225,12 +225,12 @@ def two_nodes():
 def fitted(ray_local, tiny_mnist, tmp_path_factory) -> dict:
     """One 2-worker, 8-epoch `fit` on tiny data on one node, shared by the tests of fit,
     evaluate and tracking, and the uninterrupted reference of the failure scenario (every fit
-    pays Ray Train's start-up; CONTRIBUTING.md): ``cfg``, ``summary`` and ``out``, what it
-    printed."""
+    pays Ray Train's start-up; CONTRIBUTING.md): ``cfg``, ``result`` (the FitResult),
+    ``summary`` and ``out``, what the command printed."""
     import io
 
     from raytrain_mnist.config import FitConfig, RunSettings, TrainConfig
-    from raytrain_mnist.fit import fit
+    from raytrain_mnist.fit import fit_and_show
 
     cfg = FitConfig(
         TrainConfig(epochs=8, batch_size=32, lr=0.05),
@@ -246,8 +246,8 @@ def fitted(ray_local, tiny_mnist, tmp_path_factory) -> dict:
     )
     out = io.StringIO()
     with contextlib.redirect_stdout(out):
-        summary = fit(cfg)
-    return {"cfg": cfg, "summary": summary, "out": out.getvalue()}
+        result = fit_and_show(cfg)  # the library's fit, shown as the command shows it
+    return {"cfg": cfg, "summary": result.summary, "out": out.getvalue(), "result": result}
 
 
 @pytest.fixture

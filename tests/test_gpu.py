@@ -152,7 +152,7 @@ def gpu_ray():
 
 def _fit(tmp_path_factory, name: str, epochs: int = 2, **settings) -> dict:
     from raytrain_mnist.config import FitConfig, TrainConfig
-    from raytrain_mnist.fit import fit
+    from raytrain_mnist.driver.fitting import fit
 
     train = {k: settings.pop(k) for k in ("amp", "sync_bn") if k in settings}
     cfg = FitConfig(
@@ -167,7 +167,7 @@ def _fit(tmp_path_factory, name: str, epochs: int = 2, **settings) -> dict:
         ),
     )
     started = time.monotonic()
-    summary = fit(cfg)
+    summary = fit(cfg).summary
     print(
         f"{name}: {100 * summary['val_accuracy']:.2f} % in {time.monotonic() - started:.1f} s",
         file=sys.stderr,

@@ -1,7 +1,8 @@
 """Live progress: a bar redrawn within each epoch on a terminal, whole lines otherwise.
 
-The renderer is tested on its own (no Ray); one in-process ``fit`` writes to a
-pseudo-terminal on the shared local Ray, and the piped case is the shared ``fitted`` run.
+The renderer is tested on its own (no Ray), fed the library's events; one in-process fit,
+shown as the command shows it, writes to a pseudo-terminal on the shared local Ray, and the
+piped case is the shared ``fitted`` run.
 """
 
 from __future__ import annotations
@@ -17,58 +18,78 @@ import threading
 import time
 
 from raytrain_mnist.console import Renderer, TrialsTable, resolve_mode
+from raytrain_mnist.driver.events import EpochCommitted, Note, Phase, StepProgress, Stopping
 
 _EPOCH = re.compile(r"^epoch +\d+/\d+ ", re.M)
+_METRICS = {
+    "train_loss": 0.5,
+    "val_loss": 0.25,
+    "val_accuracy": 0.9,
+    "images_per_s": 1000.0,
+    "epoch_time_s": 1.5,
+}
+
+
+def _epoch(epoch: int, epochs: int = 2) -> EpochCommitted:
+    return EpochCommitted({"epoch": epoch, **_METRICS}, epochs)
 
 
 def _steps(renderer: Renderer, epoch: int, n: int = 3) -> None:
     for i in range(1, n + 1):
-        renderer.step(
-            {
-                "progress": "step",
-                "epoch": epoch,
-                "images": 100 * i,
-                "total": 300,
-                "seconds": 0.1 * i,
-                "loss": 1.0 / i,
-            }
-        )
+        item = {
+            "progress": "step",
+            "epoch": epoch,
+            "images": 100 * i,
+            "total": 300,
+            "seconds": 0.1 * i,
+            "loss": 1.0 / i,
+        }
+        renderer(StepProgress(item, 2))
         time.sleep(0.3)  # past rich's refresh period: each update is drawn
 
 
+_LINE = "epoch   1/2  train_loss 0.5000  val_loss 0.2500  val_acc  90.00%      1000 img/s     1.5 s"
+
+
 def test_lines_mode_writes_whole_lines_only():
-    out = io.StringIO()
-    renderer = Renderer("auto", 2, time.perf_counter(), out)
+    out, err = io.StringIO(), io.StringIO()
+    renderer = Renderer("auto", out, err)
     assert renderer.mode == "lines" and resolve_mode("auto", out) == "lines"
-    renderer.phase("data loaded")
+    renderer(Phase("data loaded", 3.14))
+    renderer(Note("starting run 'x'"))
     _steps(renderer, 1, 2)
-    renderer.epoch(1, "epoch   1/2  ...")
+    renderer(_epoch(1))
+    renderer(Stopping())
     renderer.close()
     text = out.getvalue()
     assert "\r" not in text and "\x1b" not in text
-    assert re.fullmatch(r" +\d+\.\d s  data loaded\nepoch   1/2  \.\.\.\n", text), text
+    assert text == f"    3.1 s  data loaded\nstarting run 'x'\n{_LINE}\n", text
+    assert err.getvalue() == (
+        "\nCtrl-C: stopping the workers; the last committed checkpoint is kept\n"
+    )
 
 
 def test_off_mode_prints_epoch_lines_only():
     out = io.StringIO()
-    renderer = Renderer("off", 2, time.perf_counter(), out)
-    renderer.phase("data loaded")
+    renderer = Renderer("off", out)
+    renderer(Phase("data loaded", 1.0))
     _steps(renderer, 1, 1)
-    renderer.epoch(1, "epoch   1/2")
-    assert out.getvalue() == "epoch   1/2\n"
+    renderer(_epoch(1))
+    assert out.getvalue() == f"{_LINE}\n"
 
 
 def test_bar_mode_redraws_then_clears_before_the_epoch_line():
     out = io.StringIO()
-    renderer = Renderer("bar", 2, time.perf_counter(), out)
+    renderer = Renderer("bar", out)
     _steps(renderer, 1)
-    renderer.epoch(1, "epoch   1/2  done")
+    renderer(_epoch(1))
     _steps(renderer, 1, 1)  # a late update for a committed epoch draws nothing
     renderer.close()
     text = out.getvalue()
-    before, line, after = text.partition("epoch   1/2  done\n")
+    before, line, after = text.partition(f"{_LINE}\n")
     assert line and after == ""
     assert "\r" in before and "img/s" in before and "ETA" in before and "loss" in before
+    assert "epoch   1/2" in before
     assert "300/300 img" in before or "200/300 img" in before
 
 
@@ -101,8 +122,9 @@ def test_piped_fit_prints_phase_lines_and_no_carriage_return(fitted):
 
 
 def test_fit_on_a_terminal_redraws_a_bar_during_an_epoch(fitted, tmp_path, monkeypatch):
-    """The shared run's settings, one worker, written to a pseudo-terminal."""
-    from raytrain_mnist.fit import fit
+    """The shared run's settings, one worker, as the command shows them on a
+    pseudo-terminal."""
+    from raytrain_mnist.fit import fit_and_show
 
     monkeypatch.setenv("TERM", "xterm")
     cfg = fitted["cfg"]
@@ -126,11 +148,11 @@ def test_fit_on_a_terminal_redraws_a_bar_during_an_epoch(fitted, tmp_path, monke
     reader.start()
     with open(slave, "w", buffering=1, closefd=True) as terminal:
         with contextlib.redirect_stdout(terminal):
-            summary = fit(cfg)
+            result = fit_and_show(cfg)
     reader.join(10)
     os.close(master)
     text = received.decode(errors="replace")
-    assert summary["status"] == "finished"
+    assert result.status == "finished"
     during = text[: text.index("epoch   1/2  train_loss")]
     assert re.search("\r[^\n]", during) and "img/s" in during, during[-2000:]
     assert "first step" in during

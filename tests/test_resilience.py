@@ -245,15 +245,14 @@ import sys
 import ray
 from raytrain_mnist.driver.cluster import start_local
 from raytrain_mnist.config import FitConfig, RunSettings, TrainConfig
-from raytrain_mnist.fit import fit
+from raytrain_mnist.driver import fit
 
 start_local(num_cpus=2)  # the notebook's own Ray, started before fit
 cfg = FitConfig(TrainConfig(epochs=30, batch_size=32),
                 RunSettings(num_workers=1, dataset="mnist", data_dir=sys.argv[1],
                             storage_path=sys.argv[2], name="nb"))
-try:
-    fit(cfg)
-except KeyboardInterrupt:
+result = fit(cfg, on_event=lambda event: print(event.text, flush=True))
+if result.status == "interrupted":
     print("fit interrupted; Ray still up:", ray.is_initialized(),
           ray.cluster_resources().get("CPU"), flush=True)
     ray.shutdown()
