@@ -1,5 +1,6 @@
 # `make fit` trains with the defaults on a local Ray; `make test` runs the test suite.
-# Both create .venv and install the package (with its test extras) on first use.
+# Both create .venv and install the package (with its test extras and MLflow, which the
+# suite exercises) on first use.
 # `make gpu-bundle` packs what the offline GPU machine needs (docs/gpu.md).
 
 PYTHON ?= python3
@@ -26,11 +27,11 @@ test: $(STAMP)
 
 install: $(STAMP)
 
-# Reinstall whenever pyproject.toml changes.
-$(STAMP): pyproject.toml
+# Reinstall whenever pyproject.toml or this recipe changes.
+$(STAMP): pyproject.toml Makefile
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install --quiet --upgrade pip
-	$(BIN)/python -m pip install --quiet -e '.[dev]'
+	$(BIN)/python -m pip install --quiet -e '.[dev,mlflow]'
 	touch $(STAMP)
 
 gpu-bundle: $(GPU_WHEELS)/wheels.tar.xz $(MNIST_FILES:%=$(MNIST_GZ)/%.gz)
