@@ -4,9 +4,10 @@
         [--requests 2000] [--concurrency 16] [--out benchmarks/results]
 
 One local Ray (no dashboard) for the whole benchmark; each configuration is deployed with
-:func:`raytrain_mnist.serve.serving`, exactly as the command deploys it, on 127.0.0.1 only.
-``--concurrency`` asyncio clients (aiohttp, which Ray brings) share ``--requests`` requests,
-one test image each (28x28 integers, the JSON form), after a warm-up that is not counted.
+:func:`raytrain_mnist.driver.deployment.serving`, exactly as the command deploys it, on
+127.0.0.1 only. ``--concurrency`` asyncio clients (aiohttp, which Ray brings) share
+``--requests`` requests, one test image each (28x28 integers, the JSON form), after a
+warm-up that is not counted.
 Latency is measured per request at the client, from send to parsed answer.
 
 Writes ``serve.json`` and ``serve.md`` into ``--out``. The clients run on the same machine
@@ -100,10 +101,12 @@ def main(argv: list[str] | None = None) -> int:
     import ray
 
     from raytrain_mnist.data import load_mnist
-    from raytrain_mnist.serve import ServeConfig, _best_checkpoint, serving
+    from raytrain_mnist.driver.deployment import serving
+    from raytrain_mnist.driver.targets import resolve_target
+    from raytrain_mnist.serving.settings import ServeConfig
 
     logging.getLogger("ray.serve").setLevel(logging.WARNING)  # one line per row is enough
-    checkpoint = _best_checkpoint(args.target)
+    checkpoint = resolve_target(args.target).checkpoint
     data = load_mnist(args.data_dir, "mnist" if args.data_dir else "sample", download=False)
     images, labels = data.test_images.numpy(), data.test_labels.numpy()
     replicas_most = max(r for r, _ in CONFIGS)

@@ -1,5 +1,6 @@
-"""`serve`: request parsing, the CLI's refusals and config file (no Ray); then the shared
-fit's run served in the tests' Ray for the HTTP tests (the accuracy through POST /predict,
+"""`serve`: request parsing (`serving.images`), the CLI's refusals and config file (no Ray);
+then the shared fit's run served in the tests' Ray by `driver.deployment.serving` for the
+HTTP tests (the accuracy through POST /predict,
 bad requests, the page in a headless Chromium); and one real `python -m raytrain_mnist
 serve` from start to Ctrl-C.
 
@@ -29,7 +30,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from raytrain_mnist.serve import MAX_BODY_BYTES
+from raytrain_mnist.serving.images import MAX_BODY_BYTES
 from tests.conftest import MARKER_VAR, REPO, free_ports, kill_marked, marked, run_cli_here
 
 CHROMIUM = "/usr/bin/chromium"
@@ -67,6 +68,12 @@ def png_b64(array: np.ndarray) -> str:
     return base64.b64encode(out.getvalue()).decode()
 
 
+def best_checkpoint(run_dir) -> str:
+    from raytrain_mnist.driver.targets import resolve_target
+
+    return resolve_target(run_dir).checkpoint
+
+
 @pytest.fixture(scope="module")
 def checkpoint_dir(tmp_path_factory) -> Path:
     """An untrained ConvNet's checkpoint: enough for what ends before Ray starts."""
@@ -83,7 +90,7 @@ def checkpoint_dir(tmp_path_factory) -> Path:
 
 
 def test_parse_images_takes_pixels_as_they_are():
-    from raytrain_mnist.serve import parse_images
+    from raytrain_mnist.serving.images import parse_images
 
     images = np.random.default_rng(0).integers(0, 256, (3, 28, 28))
     batch = parse_images(json.dumps({"images": images.tolist()}).encode())
@@ -111,7 +118,7 @@ def test_parse_images_takes_pixels_as_they_are():
     ],
 )
 def test_parse_images_refuses_with_one_line(body, status, words):
-    from raytrain_mnist.serve import BadRequest, parse_images
+    from raytrain_mnist.serving.images import BadRequest, parse_images
 
     with pytest.raises(BadRequest) as info:
         parse_images(body)
@@ -120,7 +127,7 @@ def test_parse_images_refuses_with_one_line(body, status, words):
 
 
 def test_parse_images_limits_count_and_png_size():
-    from raytrain_mnist.serve import BadRequest, parse_images
+    from raytrain_mnist.serving.images import BadRequest, parse_images
 
     with pytest.raises(BadRequest) as info:
         parse_images(json.dumps({"images": [[[0] * 28] * 28] * 3}).encode(), max_images=2)
@@ -136,7 +143,7 @@ def test_png_becomes_an_mnist_digit(sample_digits):
     MNIST's 28x28: digit in a 20x20 box, centred by mass, close to the original."""
     from PIL import Image
 
-    from raytrain_mnist.serve import png_to_mnist
+    from raytrain_mnist.serving.images import png_to_mnist
 
     digit = sample_digits[0][0]
     big = np.asarray(Image.fromarray(digit).resize((280, 280), Image.Resampling.BILINEAR))
@@ -205,7 +212,8 @@ def test_cli_refuses_use_gpu_without_one(checkpoint_dir):
 
 def test_write_config_is_a_valid_serve_deploy_config(checkpoint_dir, tmp_path):
     """The file validates against Ray's own schema, and its import path builds the app
-    from its args (as `serve deploy` would, on the cluster)."""
+    from its args (as `serve deploy` would, on the cluster); so does the import path that
+    configs written before the serving split name."""
     import yaml
     from ray.serve.schema import ServeDeploySchema
 
@@ -226,12 +234,32 @@ def test_write_config_is_a_valid_serve_deploy_config(checkpoint_dir, tmp_path):
     config = ServeDeploySchema.model_validate(yaml.safe_load(path.read_text()))
     assert (config.http_options.host, config.http_options.port) == ("127.0.0.1", 8011)
     (app,) = config.applications
-    module, _, attr = app.import_path.partition(":")
-    built = getattr(importlib.import_module(module), attr)(app.args)
-    deployment = built._bound_deployment
-    assert deployment.num_replicas == 2
-    assert deployment.ray_actor_options["num_cpus"] == 1
+    assert app.import_path == "raytrain_mnist.driver.deployment:build_app"
+    for import_path in (app.import_path, "raytrain_mnist.serve:build_app"):
+        module, _, attr = import_path.partition(":")
+        built = getattr(importlib.import_module(module), attr)(app.args)
+        deployment = built._bound_deployment
+        assert deployment.num_replicas == 2, import_path
+        assert deployment.ray_actor_options["num_cpus"] == 1, import_path
+        assert deployment.max_ongoing_requests == 32, import_path
     assert app.args["checkpoint"] == str(checkpoint_dir.resolve())
+
+
+def test_replica_code_imports_no_ray_torch_driver_or_command():
+    """What a replica imports first pulls in neither Ray nor torch (the replica imports
+    them when it starts), nor the driver side, nor a command module."""
+    probe = (
+        "import sys, raytrain_mnist.serving.app\n"
+        "commands = ('_cli', 'console', 'fit', 'tune', 'evaluate', 'serve', 'submit')\n"
+        "print(sorted(m for m in sys.modules if m.split('.')[0] in ('ray', 'torch')\n"
+        "    or m.startswith('raytrain_mnist.driver')\n"
+        "    or m in [f'raytrain_mnist.{c}' for c in commands]))"
+    )
+    result = subprocess.run(
+        [sys.executable, "-c", probe], capture_output=True, text=True, cwd=REPO, timeout=120
+    )
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip() == "[]", result.stdout
 
 
 def test_submit_accepts_serve():
@@ -257,11 +285,12 @@ def _snapshot(root: Path) -> dict:
 def server(fitted):
     """The shared fit's best checkpoint served in the tests' own Ray (`serving`, as the
     command runs it, minus the Ray start): one Serve application for the HTTP tests."""
-    from raytrain_mnist.serve import ServeConfig, _best_checkpoint, serving
+    from raytrain_mnist.driver.deployment import serving
+    from raytrain_mnist.serving.settings import ServeConfig
 
     run_dir = Path(fitted["summary"]["run_dir"])
     cfg = ServeConfig(port=free_ports(1)[0])
-    with serving(cfg, _best_checkpoint(run_dir)) as url:
+    with serving(cfg, best_checkpoint(run_dir)) as url:
         yield {"url": url, "run_dir": run_dir}
 
 
@@ -328,7 +357,8 @@ def test_bad_requests_get_4xx_and_the_server_stays_up(server):
 
 def test_body_limit_holds_without_a_declared_length():
     """A chunked body (no Content-Length) is cut off once it passes the limit."""
-    from raytrain_mnist.serve import BadRequest, _read_body
+    from raytrain_mnist.serving.app import _read_body
+    from raytrain_mnist.serving.images import BadRequest
 
     class Chunked:
         headers: dict = {}
@@ -346,12 +376,10 @@ def test_body_limit_holds_without_a_declared_length():
 
 
 def test_health_and_page(server):
-    from raytrain_mnist.serve import _best_checkpoint
-
     status, _, body = http(server["url"] + "health")
     health = json.loads(body)
     assert status == 200 and health["status"] == "ok"
-    assert health["checkpoint"] == _best_checkpoint(server["run_dir"])
+    assert health["checkpoint"] == best_checkpoint(server["run_dir"])
     status, headers, page = http(server["url"])
     assert status == 200 and headers["content-type"].startswith("text/html")
     assert "default-src 'none'" in headers["content-security-policy"]
@@ -361,11 +389,12 @@ def test_health_and_page(server):
 
 
 def test_a_second_serve_on_the_same_cluster_is_refused_and_leaves_the_first(server):
-    from raytrain_mnist._cli import UserError
-    from raytrain_mnist.serve import ServeConfig, _best_checkpoint, serving
+    from raytrain_mnist.driver.deployment import serving
+    from raytrain_mnist.errors import UserError
+    from raytrain_mnist.serving.settings import ServeConfig
 
     with pytest.raises(UserError, match="already runs on this cluster's Serve"):
-        with serving(ServeConfig(port=free_ports(1)[0]), _best_checkpoint(server["run_dir"])):
+        with serving(ServeConfig(port=free_ports(1)[0]), best_checkpoint(server["run_dir"])):
             pass
     assert http(server["url"] + "health")[0] == 200
 
