@@ -15,6 +15,7 @@ them: the worker, the driver and Serve replicas may all import it.
 |---|---|---|
 | :func:`single_node_ray` | ``ray._private.ray_constants.ENABLE_RAY_CLUSTER`` | a local Ray's servers listen on every interface |
 | :func:`store_on_master_addr` | ``torch.distributed.rendezvous._create_c10d_store`` | rank 0's TCPStore listens on every interface |
+| :func:`token_auth_chosen` | ``ray._raylet.Config.initialize`` | every local Ray we start prints Ray's WARNING that it chose token authentication |
 | :func:`session_logs_dir` | ``ray._private.worker.global_worker.node`` | a failed run points at Ray's default log folder |
 | :func:`autoscaler_ceiling` | ``ray._private.state.state.get_max_resources_from_cluster_config`` | placement checks cannot count nodes an autoscaler would add |
 | :func:`controller_callback_base` | ``ray.train.v2._internal.execution.callback.ControllerCallback`` | Ctrl-C cannot abort a run's controller: the run stops only with the Ray that runs it |
@@ -53,6 +54,19 @@ def single_node_ray() -> Iterator[None]:
     finally:
         if saved is not None:
             ray_constants.ENABLE_RAY_CLUSTER = saved
+
+
+def token_auth_chosen() -> None:
+    """Before a new local Ray starts in this process with ``RAY_AUTH_MODE`` unset: token
+    authentication, Ray's own default for a new local cluster, chosen explicitly, the way Ray
+    does it (the variable for the processes Ray starts, and a reload of the configuration this
+    process cached when it imported ray, which Ray makes only when it chooses, and then warns
+    that it did). Without the reload this process would still think auth is off, and the
+    local Ray it starts would not come up."""
+    from ray._raylet import Config
+
+    os.environ["RAY_AUTH_MODE"] = "token"
+    Config.initialize("")
 
 
 def session_logs_dir() -> str | None:

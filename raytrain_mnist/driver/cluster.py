@@ -145,6 +145,8 @@ def start_local(
 
     for key, value in LOCAL_TRAIN_ENV.items():
         os.environ.setdefault(key, value)
+    if "RAY_AUTH_MODE" not in os.environ:  # a mode the user set wins
+        compat.token_auth_chosen()  # Ray's default, made explicit: no warning that it chose
     try:
         with loopback_node():
             ray.init(
