@@ -176,12 +176,13 @@ def test_the_worker_policy_grants_objects_under_the_runs_prefix_only(config):
         for resource in resources:
             if actions <= allowed_object_actions:
                 assert resource == f"arn:aws:s3:::{bucket}/{prefix}/*", resource
-            else:  # bucket-level: where the bucket is, and listing the prefix only
+            else:  # bucket-level: where the bucket is, HeadBucket and listing
                 assert actions <= {"s3:ListBucket", "s3:GetBucketLocation"}, actions
                 assert resource == f"arn:aws:s3:::{bucket}", resource
         if "s3:ListBucket" in actions:
-            prefixes = statement["Condition"]["StringLike"]["s3:prefix"]
-            assert set(prefixes) == {prefix, f"{prefix}/*"}, prefixes
+            # Unconditioned: pyarrow's create_dir sends HeadBucket, which AWS authorizes with
+            # s3:ListBucket and which carries no s3:prefix (tests/test_iam.py runs it).
+            assert "Condition" not in statement, statement
     # Checkpoints are written, read back on resume and pruned (--keep-checkpoints).
     assert {"s3:GetObject", "s3:PutObject", "s3:DeleteObject", "s3:ListBucket"} <= granted
 
