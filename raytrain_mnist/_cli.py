@@ -155,11 +155,11 @@ def run_cli(main: Callable[[Sequence[str] | None], int], argv: Sequence[str] | N
 
 
 def setup_logging(verbose: bool = False) -> None:
-    logging.basicConfig(
-        level=logging.DEBUG if verbose else logging.INFO,
-        format="%(message)s",
-        stream=sys.stdout,
-    )
+    """A command's log: this package's INFO lines (DEBUG with ``verbose``) on stdout, other
+    libraries' from WARNING up (their INFO lines, such as matplotlib's "generated new
+    fontManager" on a first run, are nothing a user can act on)."""
+    logging.basicConfig(level=logging.WARNING, format="%(message)s", stream=sys.stdout)
+    logging.getLogger("raytrain_mnist").setLevel(logging.DEBUG if verbose else logging.INFO)
 
 
 @dataclasses.dataclass(frozen=True)
