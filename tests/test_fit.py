@@ -84,9 +84,13 @@ def test_two_workers_train_report_every_epoch_and_write_results(fitted, capsys):
     again = fit_and_show(cfg)
     assert again.already_finished and again.status == "finished" and again.summary == summary
     assert sorted(p.name for p in run_dir.iterdir()) == before
-    assert capsys.readouterr().out == (
+    shown = capsys.readouterr().out.splitlines()
+    assert len(shown) == 2 and shown[0].endswith(
+        " s  data loaded: 2048 train / 203 test images (mnist)"
+    )
+    assert shown[1] == (
         f"run 'fitted' already finished: val_accuracy {100 * summary['val_accuracy']:.2f}% "
-        f"after 8 epoch(s); see {run_dir}/summary.json. Add --fresh to train it again.\n"
+        f"after 8 epoch(s); see {run_dir}/summary.json. Add --fresh to train it again."
     )
     # The library alone says nothing.
     assert fit(cfg).summary == summary
