@@ -74,6 +74,41 @@ def test_no_port_open_to_the_world(config):
     assert "IpPermissions" not in config["provider"].get("security_group", {})
 
 
+def test_every_node_requires_imdsv2_and_encrypts_its_root_volume(config):
+    for name, node_type in config["available_node_types"].items():
+        node = node_type["node_config"]
+        # Session tokens only, one hop (no container or forwarded request gets the role).
+        assert node.get("MetadataOptions") == {
+            "HttpTokens": "required",
+            "HttpPutResponseHopLimit": 1,
+            "HttpEndpoint": "enabled",
+        }, name
+        disks = node.get("BlockDeviceMappings") or []
+        # /dev/sda1: the root device of the Ubuntu DLAMI the file names (other AMIs differ).
+        assert "/dev/sda1" in [disk["DeviceName"] for disk in disks], name
+        for disk in disks:
+            assert disk.get("Ebs", {}).get("Encrypted") is True, (name, disk)
+            assert disk["Ebs"].get("VolumeType") == "gp3", (name, disk)
+
+
+def test_job_drivers_have_a_node_type_with_the_workers_profile(config):
+    """`submit --driver-resource job_driver` places a job's entrypoint on a node that has
+    the resource: never the head, which holds the autoscaler's role."""
+    types = config["available_node_types"]
+    head_type = config["head_node_type"]
+    assert "job_driver" not in types[head_type]["resources"]
+    drivers = {n: t for n, t in types.items() if t["resources"].get("job_driver", 0) >= 1}
+    assert drivers, "no node type offers job_driver"
+    for name, node_type in drivers.items():
+        assert node_type["node_config"]["IamInstanceProfile"] == {
+            "Name": "raytrain-mnist-worker"
+        }, name
+        assert node_type["resources"].get("GPU", 0) == 0, name  # a driver holds no GPU
+        assert node_type["min_workers"] >= 1, name  # a job starts without waiting for a boot
+    workers = sum(t["max_workers"] for n, t in types.items() if n != head_type)
+    assert config["max_workers"] >= workers
+
+
 def test_checkpoints_go_to_shared_storage_and_the_package_is_installed(config):
     setup = _commands(config, "setup_commands")
     assert re.search(r"RAYTRAIN_MNIST_STORAGE_PATH=s3://\S+", setup)
