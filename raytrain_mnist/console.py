@@ -23,7 +23,17 @@ import os
 import sys
 from typing import Any, TextIO
 
-from raytrain_mnist.driver.events import EpochCommitted, Event, Phase, StepProgress, Stopping
+from raytrain_mnist.driver.events import (
+    EpochCommitted,
+    Event,
+    Phase,
+    StepProgress,
+    Stopping,
+    TrialEnded,
+    TrialReported,
+    TrialStarted,
+    format_value,
+)
 
 MODES = ("auto", "bar", "lines", "off")
 
@@ -164,9 +174,11 @@ class Renderer:
 
 
 class TrialsTable:
-    """Tune's trials: on a terminal (``bar``) a table redrawn in place as trials start,
-    report and end; otherwise (``lines``) one line when a trial starts and one when it ends;
-    ``off`` prints the end lines only."""
+    """A search's events (``driver.searching.search``): on a terminal (``bar``) a table of
+    the trials redrawn in place as they start, report and end; otherwise (``lines``) one
+    line when a trial starts and one when it ends; ``off`` prints the end lines only. Other
+    events (the search starting, its space) are their line in every mode. Pass it as the
+    search's sink, and close it when the search returns."""
 
     def __init__(
         self, mode: str, searched: list[str], epochs: int, metric: str, stream: TextIO | None = None
@@ -181,9 +193,17 @@ class TrialsTable:
     def stream(self) -> TextIO:
         return self._stream if self._stream is not None else sys.stdout
 
-    def __getstate__(self) -> dict:
-        # Tune pickles its callbacks with the experiment: no stream, no live display.
-        return {**self.__dict__, "_stream": None, "_live": None}
+    def __call__(self, event: Event) -> None:
+        if isinstance(event, TrialStarted):
+            self.start(event.trial_id, event.config, event.text)
+        elif isinstance(event, TrialReported):
+            self.result(event.trial_id, event.result)
+        elif isinstance(event, TrialEnded):
+            self.end(event.trial_id, event.how, event.text)
+        elif self._live is not None:
+            self._live.console.print(event.text, markup=False, highlight=False)
+        else:
+            self._print(event.text)
 
     def start(self, trial_id: str, values: dict[str, Any], text: str) -> None:
         self.rows[trial_id] = {"values": values, "status": "running", "epoch": 0, "result": {}}
@@ -225,7 +245,7 @@ class TrialsTable:
             acc, loss = result.get("val_accuracy"), result.get("val_loss")
             table.add_row(
                 trial_id,
-                *(_short(row["values"].get(n)) for n in self.searched),
+                *(_value(row["values"].get(n)) for n in self.searched),
                 row["status"],
                 f"{row['epoch']}/{self.epochs}",
                 "" if acc is None else f"{100 * acc:.2f}%",
@@ -253,7 +273,5 @@ class TrialsTable:
             self._live.update(self._table())
 
 
-def _short(value: Any) -> str:
-    if isinstance(value, float):
-        return f"{value:.4g}"
-    return "" if value is None else str(value)
+def _value(value: Any) -> str:
+    return "" if value is None else format_value(value)

@@ -25,7 +25,8 @@ import pytest
 from PIL import Image
 
 from raytrain_mnist.config import ConfigError, TrainConfig
-from raytrain_mnist.driver.search_space import SEARCH_SPACE, SearchSpace, parse_range
+from raytrain_mnist.driver.search_space import SEARCH_SPACE, Param, SearchSpace, parse_range
+from raytrain_mnist.driver.searching import SearchResult
 from raytrain_mnist.worker import checkpoint as ckpt
 from tests.conftest import MARKER_VAR, REPO, kill_marked, run_cli, write_tiny_mnist
 
@@ -157,6 +158,59 @@ def test_search_space_from_the_command_line():
         ), name
     with pytest.raises(ConfigError, match="unknown parameter"):
         parse_range("nope=1,2")
+
+
+def test_a_search_result_is_what_best_json_holds():
+    """best.json: every field but the status, the best metric under its own name, the
+    trials without their per-epoch history."""
+    trial = {"trial_id": "a", "rank": 1, "history": [{"epoch": 1}], "config": {"lr": 0.1}}
+    result = SearchResult(
+        status="interrupted",
+        name="s",
+        experiment_dir="/x/s",
+        metric="val_loss",
+        mode="min",
+        best_trial="a",
+        best_metric=0.25,
+        best_val_accuracy=0.9,
+        best_epoch=1,
+        best_config={"lr": 0.1},
+        best_checkpoint="/x/s/runs/a/checkpoint_000000",
+        fit_command="python -m raytrain_mnist fit --lr 0.1",
+        num_trials=1,
+        num_finished=0,
+        num_stopped_early=0,
+        num_errors=0,
+        num_unfinished=1,
+        search_space={},
+        scheduler="asha",
+        max_epochs=2,
+        num_workers=1,
+        wall_time_s=3.0,
+        trials=[trial],
+    )
+    record = result.to_dict()
+    assert list(record)[:7] == [
+        "name",
+        "experiment_dir",
+        "metric",
+        "mode",
+        "best_trial",
+        "best_val_loss",
+        "best_val_accuracy",
+    ]
+    assert list(record)[-1] == "trials" and record["trials"] == [
+        {"trial_id": "a", "rank": 1, "config": {"lr": 0.1}}
+    ]
+    assert "status" not in record and "best_metric" not in record
+    assert json.loads(json.dumps(record)) == record
+    assert result.trials[0]["history"]  # the result keeps them
+
+
+def test_the_default_space_changed_in_python_is_the_command_lines():
+    space = SearchSpace().with_params(lr=Param("loguniform", 0.02, 0.3))
+    assert space == SearchSpace.from_cli(ranges=["lr=0.02:0.3"])
+    assert SearchSpace().params == SEARCH_SPACE  # unchanged
 
 
 # --------------------------------------------------------------------------- real searches
@@ -359,3 +413,48 @@ def test_asha_stops_a_bad_trial_the_next_still_runs_and_a_killed_search_resumes(
     out = done.stdout
     assert "rank" in out and "stopped early" in out and "reproduce with:" in out
     assert f"best checkpoint: {best['best_checkpoint']}" in out
+
+    # 3. The same search as a library call, from a script: typed settings name the same
+    # experiment (the CLI's fixed --batch-size is a fixed parameter), it resumes it (every
+    # trial ended, so nothing trains), returns what best.json holds and prints nothing.
+    script = f"""
+import json
+from raytrain_mnist.config import RunSettings, TrainConfig
+from raytrain_mnist.driver import search
+from raytrain_mnist.driver.search_space import Param, SearchSpace, TuneSettings
+
+events = []
+result = search(
+    SearchSpace().with_params(
+        lr=Param("choice", values=(1e-6, 0.05)), batch_size=Param("fixed", values=(32,))
+    ),
+    TuneSettings(num_samples=3, max_concurrent_trials=1, search_seed=2, grace_period=1),
+    TrainConfig(epochs=2, batch_size=32),
+    RunSettings(num_workers=1, cpus_per_worker=1, dataset="mnist", data_dir={str(mixed_mnist)!r},
+                storage_path={str(tmp_path)!r}, name="asha"),
+    on_event=lambda event: events.append(type(event).__name__ + ": " + event.text),
+)
+with open({str(tmp_path / "library.json")!r}, "w") as f:
+    json.dump({{"status": result.status, "record": result.to_dict(), "events": events}}, f)
+"""
+    done = subprocess.run(
+        [sys.executable, "-c", script],
+        capture_output=True,
+        text=True,
+        cwd=REPO,
+        env=ray_env,
+        timeout=240,
+    )
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    assert done.stdout == "", done.stdout[-3000:]
+    library = json.loads((tmp_path / "library.json").read_text())
+    assert library["status"] == "finished"
+    assert library["events"][0].startswith("SearchStarting: resuming search 'asha'")
+    assert library["events"][1].startswith("Note: search space: lr choice(1e-06, 0.05)")
+    record = library["record"]
+    assert record == json.loads((exp / "best.json").read_text())
+    assert {k: v for k, v in record.items() if k != "wall_time_s"} == {
+        k: v for k, v in best.items() if k != "wall_time_s"
+    }
+    argv = shlex.split(record["fit_command"])
+    assert argv[argv.index("-m") + 1 : argv.index("-m") + 3] == ["raytrain_mnist", "fit"]

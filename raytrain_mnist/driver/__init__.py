@@ -5,7 +5,7 @@ results, never prints.
 The entry points a notebook uses are importable from here (loaded on first use, so that
 importing a submodule does not pull in the rest)::
 
-    from raytrain_mnist.driver import fit
+    from raytrain_mnist.driver import evaluate_checkpoint, fit, search
 """
 
 from __future__ import annotations
@@ -17,6 +17,12 @@ from typing import Any
 _EXPORTS = {
     "fit": "raytrain_mnist.driver.fitting",
     "FitResult": "raytrain_mnist.driver.fitting",
+    # The Tune search: the module is not named ``search``, or importing it would bind the
+    # package's ``search`` attribute to the module instead of the function.
+    "search": "raytrain_mnist.driver.searching",
+    "SearchResult": "raytrain_mnist.driver.searching",
+    "evaluate_checkpoint": "raytrain_mnist.driver.evaluation",
+    "Evaluation": "raytrain_mnist.driver.evaluation",
 }
 
 __all__ = sorted(_EXPORTS)

@@ -30,6 +30,7 @@ from raytrain_mnist.config import (
 from raytrain_mnist.config import (
     option as _opt_field,
 )
+from raytrain_mnist.errors import EXIT_USAGE, UserError
 
 KINDS = ("loguniform", "uniform", "choice", "fixed")
 SCHEDULER_CHOICES = ("asha", "fifo")
@@ -187,6 +188,11 @@ class SearchSpace:
             params[name] = param
         return cls(params)
 
+    def with_params(self, **params: Param) -> SearchSpace:
+        """This space with ``params`` searched (or fixed) instead, e.g.
+        ``SearchSpace().with_params(lr=Param("loguniform", 0.02, 0.3))``."""
+        return SearchSpace({**self.params, **params})
+
     def check(self, base: TrainConfig, run: RunSettings) -> None:
         """Every value a trial can draw makes a valid :class:`FitConfig`."""
         for name, param in self.params.items():
@@ -309,6 +315,21 @@ class TuneSettings:
     @property
     def resolved_mode(self) -> str:
         return self.mode or ("min" if self.metric.endswith("loss") else "max")
+
+
+def check_search(
+    space: SearchSpace, settings: TuneSettings, train: TrainConfig, run: RunSettings
+) -> None:
+    """The rules of a search that span its parts: every value a trial can draw makes a valid
+    :class:`FitConfig`, ASHA can stop a trial, and ``resume`` and ``fresh`` are not both
+    asked for. One :class:`ConfigError` (or :class:`UserError`) line when broken."""
+    FitConfig(train, run)  # the rules that span training and run settings
+    space.check(train, run)
+    check_budget(settings, train)
+    if settings.resume and run.fresh:
+        raise UserError(
+            "--resume continues a search and --fresh starts it again: keep one", EXIT_USAGE
+        )
 
 
 def check_budget(settings: TuneSettings, train: TrainConfig) -> None:
