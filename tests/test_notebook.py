@@ -27,6 +27,16 @@ def _outputs(nb, kind: str) -> list:
     ]
 
 
+def _stdout(nb, marker: str) -> str:
+    """What the code cell whose source holds ``marker`` wrote to stdout."""
+    cell = next(c for c in nb.cells if c.cell_type == "code" and marker in c.source)
+    return "".join(
+        out.get("text", "")
+        for out in cell.outputs
+        if out.get("output_type") == "stream" and out.get("name") == "stdout"
+    )
+
+
 def _text(nb) -> str:
     parts = []
     for cell in nb.cells:
@@ -86,8 +96,26 @@ def test_quickstart_runs_headless(tmp_path):
     assert summary["status"] == "finished" and summary["dataset"] == "sample"
     evaluations = list((tmp_path / "runs").glob("*/evaluation_checkpoint_*/evaluation.json"))
     assert evaluations, "the notebook's evaluation wrote nothing beside the checkpoint"
+
+    # The library calls print nothing: a cell's stdout is exactly what the cell prints.
+    from raytrain_mnist.driver.evaluation import REPORT_FILES, Evaluation
+    from raytrain_mnist.evaluate import format_report
+
+    out_dir = evaluations[0].parent
+    evaluation = Evaluation(
+        **json.loads(evaluations[0].read_text()),
+        out=out_dir,
+        files=tuple(out_dir / f for f in REPORT_FILES),
+    )
+    assert _stdout(nb, "evaluate_checkpoint(run_dir") == format_report(evaluation) + "\n"
     if tune_ran:
-        assert list((tmp_path / "runs").glob("*/best.json")), "no Tune experiment"
+        experiments = list((tmp_path / "runs").glob("*/best.json"))
+        assert experiments, "no Tune experiment"
+        best = json.loads(experiments[0].read_text())
+        printed = _stdout(nb, "search(").splitlines()
+        assert len(printed) == 1 and printed[0].startswith(f"best trial {best['best_trial']}: "), (
+            printed
+        )
     else:
         pytest.importorskip("raytrain_mnist.tune")  # the cell may skip only without tune
         pytest.fail("the Tune cell skipped although raytrain_mnist.tune exists")
