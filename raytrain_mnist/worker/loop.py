@@ -1,15 +1,18 @@
-"""The per-worker training loop: the only code that calls ``ray.train``.
+"""The per-worker training loop of ``fit`` and ``tune``, run by every Ray Train worker.
 
-``train_func_per_worker`` runs in every Ray Train worker. It is plain PyTorch around four
-Ray calls: ``get_checkpoint`` (resume), ``prepare_model`` (DDP), ``prepare_data_loader``
-(the DistributedSampler) and ``report`` (metrics + checkpoint, every epoch). The data lives
-where the model lives: on a GPU, the uint8 tensors are moved there once and every batch is
-gathered there. ``train_step``, ``train_one_epoch`` and ``evaluate`` take objects, not
-globals, and work without Ray.
+``train_func_per_worker`` reads like Ray's own example loop: set the worker up, get the
+checkpoint, prepare the model and the loader, then for each epoch train, evaluate, report.
+Each of those is a named helper below it. The loop is plain PyTorch around four Ray calls:
+``get_checkpoint`` (resume), ``prepare_model`` (DDP), ``prepare_data_loader`` (the
+DistributedSampler) and ``report`` (metrics + checkpoint, every epoch). The data lives where
+the model lives: on a GPU, the uint8 tensors are moved there once and every batch is gathered
+there. ``train_step``, ``train_one_epoch`` and ``evaluate`` take objects, not globals, and
+work without Ray. Rank 0's progress stream to the driver is :mod:`.feed`.
 """
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import dataclasses
 import logging
@@ -33,6 +36,7 @@ from raytrain_mnist.config import TrainConfig
 from raytrain_mnist.data import MnistData
 from raytrain_mnist.model import ConvNet, normalize
 from raytrain_mnist.worker import checkpoint as ckpt
+from raytrain_mnist.worker.feed import ProgressFeed
 from raytrain_mnist.worker.optim import amp_context, build_optimizer, grad_scaler
 from raytrain_mnist.worker.score import all_reduce_sum, evaluate
 
@@ -245,44 +249,174 @@ def _worker_placement(device: torch.device) -> list[dict[str, Any]]:
     return everyone
 
 
-class ProgressFeed:
-    """Rank 0's stream to the driver: small dicts sent fire-and-forget to ``actor`` (its
-    ``put``), at most one step update every ``every_s`` seconds so the feed costs nothing
-    measurable. Without an actor (Tune trials, other ranks) every call is a no-op."""
+# --------------------------------------------------------------------------- one worker's run
 
-    def __init__(self, actor, batch_size: int, steps_per_epoch: int, every_s: float = 0.5) -> None:
-        self.actor, self.every_s = actor, every_s
-        self.batch_size, self.steps_per_epoch = batch_size, steps_per_epoch
-        self._last = float("-inf")
-        self._epoch_started = 0.0
-        self._first_step_sent = False
 
-    def send(self, kind: str, **item) -> None:
-        if self.actor is not None:
-            self.actor.put.remote({"progress": kind, "at": time.time(), **item})
+@dataclasses.dataclass
+class Training:
+    """What one worker trains with: built by :func:`prepare_training` at every worker-group
+    start, loaded by :func:`restore`, saved by :func:`checkpoint_state`."""
 
-    def epoch_start(self, epoch: int) -> None:
-        self._epoch, self._epoch_started = epoch, time.perf_counter()
+    model: nn.Module  # what the optimizer steps: DDP-wrapped when the world size is > 1
+    module: nn.Module  # the plain ConvNet inside it: evaluated and saved
+    loader: DataLoader  # this rank's share of every global batch
+    optimizer: torch.optim.Optimizer
+    scheduler: torch.optim.lr_scheduler.LRScheduler
+    scaler: torch.amp.GradScaler
+    autocast: contextlib.AbstractContextManager
+    device: torch.device
+    sync_bn: bool
 
-    def step(self, steps: int, sums: torch.Tensor) -> None:
-        if self.actor is None:
-            return
-        if not self._first_step_sent:
-            self._first_step_sent = True
-            self.send("first_step")
-        now = time.perf_counter()
-        if now - self._last < self.every_s and steps < self.steps_per_epoch:
-            return
-        self._last = now
-        loss_sum, _, count = sums.tolist()  # one read of the device a few times a second
-        self.send(
-            "step",
-            epoch=self._epoch,
-            images=steps * self.batch_size,
-            total=self.steps_per_epoch * self.batch_size,
-            seconds=now - self._epoch_started,
-            loss=loss_sum / max(count, 1),
+    def train_one_epoch(self, on_step=None) -> dict[str, float]:
+        """:func:`train_one_epoch` over this rank's loader."""
+        return train_one_epoch(
+            self.model,
+            self.loader,
+            self.optimizer,
+            self.scheduler,
+            self.scaler,
+            self.autocast,
+            self.device,
+            on_step,
         )
+
+    def evaluate(
+        self, images: torch.Tensor, labels: torch.Tensor, rank: int, world_size: int
+    ) -> dict[str, float]:
+        """:func:`evaluate` of the plain module: this rank's shard, the sums all-reduced."""
+        return evaluate(self.module, images, labels, self.device, self.autocast, rank, world_size)
+
+    @property
+    def lr(self) -> float:
+        """The learning rate the schedule has reached."""
+        return self.optimizer.param_groups[0]["lr"]
+
+
+def set_up_worker(rank: int, cpus_per_worker: int) -> torch.device:
+    """Make this process ready to train; returns the device Ray gave it."""
+    # Rank 0 talks; the others only warn. (Ray has already configured the root logger.)
+    logging.getLogger("raytrain_mnist").setLevel(logging.INFO if rank == 0 else logging.WARNING)
+    compat.quiet_train_report_log()
+    keep_freed_memory()
+    torch.set_num_threads(cpus_per_worker)
+    device = ray.train.torch.get_device()
+    if device.type == "cuda":
+        torch.backends.cudnn.benchmark = True  # fixed shapes: the fastest kernels, found once
+    return device
+
+
+def resume_state() -> dict[str, Any] | None:
+    """The state of the checkpoint Ray hands this worker group (None on a fresh start)."""
+    checkpoint = ray.train.get_checkpoint()
+    if checkpoint is None:
+        return None
+    with checkpoint.as_directory() as directory:
+        return ckpt.load(directory)
+
+
+def prepare_training(
+    cfg: TrainConfig, data: MnistData, device: torch.device, world_size: int
+) -> Training:
+    """The model (DDP when ``world_size`` > 1), this rank's loader, the optimizer and its
+    schedule, the scaler and the autocast context: freshly initialised, the same on every
+    rank."""
+    torch.manual_seed(cfg.seed)  # same initial weights on every rank
+    sync_bn = use_sync_bn(cfg.sync_bn, device, world_size)
+    model = ray.train.torch.prepare_model(build_model(sync_bn))
+    # The global batch: each step takes cfg.batch_size images over all ranks, whatever
+    # the world size (a resize changes only the per-worker share).
+    loader = make_train_loader(
+        data.train_images, data.train_labels, cfg.batch_size // world_size, cfg.seed
+    )
+    # Ray's sampler and order; batches come from the data's device, so nothing to move.
+    loader = ray.train.torch.prepare_data_loader(loader, move_to_device=False)
+    optimizer, scheduler = build_optimizer(model, cfg, len(loader))
+    return Training(
+        model=model,
+        module=getattr(model, "module", model),
+        loader=loader,
+        optimizer=optimizer,
+        scheduler=scheduler,
+        scaler=grad_scaler(cfg.amp, device),
+        autocast=amp_context(cfg.amp, device),
+        device=device,
+        sync_bn=sync_bn,
+    )
+
+
+def restore(training: Training, state: dict[str, Any]) -> tuple[int, list[dict], float]:
+    """Load a checkpoint's ``state`` (as :func:`checkpoint_state` wrote it) into
+    ``training`` and the RNG; returns (epochs completed, history, best validation accuracy).
+
+    Every rank loads the same state, so the replicas stay identical; the RNG comes back
+    last, so the next draw is the one the uninterrupted run made.
+    """
+    training.module.load_state_dict(state["model"])
+    training.optimizer.load_state_dict(state["optimizer"])
+    training.scheduler.load_state_dict(state["scheduler"])
+    training.scaler.load_state_dict(state["scaler"])
+    ckpt.set_rng_state(state["rng"])
+    return state["epoch"], state["history"], state["best_val_accuracy"]
+
+
+def epoch_record(
+    epoch: int,
+    train: dict[str, float],
+    val: dict[str, float],
+    started: float,
+    train_s: float,
+    lr: float,
+    world_size: int,
+) -> dict[str, Any]:
+    """One epoch's entry in the history: ``train`` from :func:`train_one_epoch`, ``val`` from
+    :func:`evaluate`, the epoch having begun at ``started`` (``time.perf_counter()``) and
+    spent ``train_s`` seconds training."""
+    return {
+        "epoch": epoch,
+        "train_loss": train["train_loss"],
+        "train_accuracy": train["train_accuracy"],
+        "val_loss": val["val_loss"],
+        "val_accuracy": val["val_accuracy"],
+        "images_per_s": train["train_images"] / train_s,
+        "lr": lr,
+        "epoch_time_s": time.perf_counter() - started,
+        "train_s": train_s,
+        "cpu_s_per_step": train["cpu_s"] / max(train["train_steps"], 1),
+        # Unix times, for the benchmark's start-up and time-to-accuracy end points.
+        "first_step_at": train["first_step_at"],
+        "evaluated_at": time.time(),
+        "world_size": world_size,  # an elastic run's size can change between epochs
+    }
+
+
+def checkpoint_state(
+    training: Training, cfg: TrainConfig, epoch: int, best: float, history: list[dict]
+) -> dict[str, Any]:
+    """Everything a resume needs after ``epoch`` completed epochs (checkpoint.RESUME_KEYS;
+    :func:`restore` reads it back, ``checkpoint.resumable_state`` checks it on the driver)."""
+    return {
+        "model": training.module.state_dict(),
+        "optimizer": training.optimizer.state_dict(),
+        "scheduler": training.scheduler.state_dict(),
+        "scaler": training.scaler.state_dict(),
+        "epoch": epoch,
+        "best_val_accuracy": best,
+        "history": history,
+        "config": cfg.to_dict(),
+        "rng": ckpt.rng_state(),
+    }
+
+
+def report_epoch(metrics: dict[str, Any], state: dict[str, Any] | None) -> None:
+    """Report one epoch's ``metrics`` to Ray Train, with ``state`` as its checkpoint when
+    given (rank 0's; the other ranks pass None). Every rank calls this once per epoch:
+    ``ray.train.report`` is a barrier."""
+    with tempfile.TemporaryDirectory() as directory:
+        checkpoint = None
+        if state is not None:
+            ckpt.save(directory, state)
+            checkpoint = ray.train.Checkpoint.from_directory(directory)
+        ray.train.report(metrics, checkpoint=checkpoint)
 
 
 def train_func_per_worker(config: dict[str, Any]) -> None:
@@ -293,135 +427,62 @@ def train_func_per_worker(config: dict[str, Any]) -> None:
     cfg = TrainConfig.from_dict(config["train"])
     ctx = ray.train.get_context()
     rank, world_size = ctx.get_world_rank(), ctx.get_world_size()
-    # Rank 0 talks; the others only warn. (Ray has already configured the root logger.)
-    logging.getLogger("raytrain_mnist").setLevel(logging.INFO if rank == 0 else logging.WARNING)
-    compat.quiet_train_report_log()
-    keep_freed_memory()
-    torch.set_num_threads(config["cpus_per_worker"])
-    device = ray.train.torch.get_device()
-    if device.type == "cuda":
-        torch.backends.cudnn.benchmark = True  # fixed shapes: the fastest kernels, found once
+    device = set_up_worker(rank, config["cpus_per_worker"])
     # The object store, not a download per worker; then onto the GPU, once.
     data: MnistData = to_device(ray.get(config["data"]), device)
 
-    torch.manual_seed(cfg.seed)  # same initial weights on every rank
-    sync_bn = use_sync_bn(cfg.sync_bn, device, world_size)
-    model = build_model(sync_bn)
-
-    state = None
-    checkpoint = ray.train.get_checkpoint()
-    if checkpoint is not None:
-        with checkpoint.as_directory() as directory:
-            state = ckpt.load(directory)
-        model.load_state_dict(state["model"])
-    model = ray.train.torch.prepare_model(model)  # DDP when world_size > 1
-    module = getattr(model, "module", model)  # the plain ConvNet, for eval and saving
-
-    loader = make_train_loader(
-        data.train_images, data.train_labels, cfg.batch_size // world_size, cfg.seed
-    )
-    # Ray's sampler and order; batches come from the data's device, so nothing to move.
-    loader = ray.train.torch.prepare_data_loader(loader, move_to_device=False)
-    optimizer, scheduler = build_optimizer(model, cfg, len(loader))
-    scaler = grad_scaler(cfg.amp, device)
-    autocast = amp_context(cfg.amp, device)
-
-    start_epoch, history, best = 0, [], 0.0
-    if state is not None:
-        optimizer.load_state_dict(state["optimizer"])
-        scheduler.load_state_dict(state["scheduler"])
-        scaler.load_state_dict(state["scaler"])
-        ckpt.set_rng_state(state["rng"])
-        start_epoch, history, best = state["epoch"], state["history"], state["best_val_accuracy"]
-        if rank == 0:
-            logger.info("resumed from the checkpoint of epoch %d", start_epoch)
+    state = resume_state()
+    training = prepare_training(cfg, data, device, world_size)
+    start_epoch, history, best = (0, [], 0.0) if state is None else restore(training, state)
+    resumed_from = None if state is None else start_epoch
     placement = _worker_placement(device)
     if rank == 0:
-        logger.info(
-            "%d worker(s) on %s, process group %s, SyncBatchNorm %s, AMP %s",
-            world_size,
-            device.type,
-            _backend() or "none",
-            "on" if sync_bn else "off",
-            cfg.amp,
-        )
-    # The global batch: each step takes cfg.batch_size images over all ranks, whatever
-    # the world size (a resize changes only the per-worker share).
-    feed = ProgressFeed(config.get("progress") if rank == 0 else None, cfg.batch_size, len(loader))
-    feed.send(
-        "ready",
-        world_size=world_size,
-        started_at=started_at,
-        resumed_from_epoch=None if state is None else state["epoch"],
-        device=device.type,
-        backend=_backend(),
+        _log_start(training, cfg, device, world_size, resumed_from)
+    feed = ProgressFeed(
+        config.get("progress") if rank == 0 else None, cfg.batch_size, len(training.loader)
     )
+    feed.ready(world_size, started_at, resumed_from, device.type, _backend())
 
     for epoch in range(start_epoch, cfg.epochs):
-        set_epoch(loader, epoch, cfg.seed)
+        set_epoch(training.loader, epoch, cfg.seed)
         started = time.perf_counter()
         feed.epoch_start(epoch + 1)
-        train = train_one_epoch(
-            model,
-            loader,
-            optimizer,
-            scheduler,
-            scaler,
-            autocast,
-            device,
-            on_step=feed.step if feed.actor is not None else None,
-        )
+        train = training.train_one_epoch(on_step=feed.on_step)
         train_s = time.perf_counter() - started
         # DDP syncs BatchNorm buffers from rank 0 at the start of each forward, so after the
         # last step every rank holds its own running stats: evaluate rank 0's, the saved ones.
-        broadcast_buffers(module)
-        val = evaluate(
-            module, data.test_images, data.test_labels, device, autocast, rank, world_size
-        )
+        broadcast_buffers(training.module)
+        val = training.evaluate(data.test_images, data.test_labels, rank, world_size)
         best = max(best, val["val_accuracy"])
-        history.append(
-            {
-                "epoch": epoch + 1,
-                "train_loss": train["train_loss"],
-                "train_accuracy": train["train_accuracy"],
-                "val_loss": val["val_loss"],
-                "val_accuracy": val["val_accuracy"],
-                "images_per_s": train["train_images"] / train_s,
-                "lr": optimizer.param_groups[0]["lr"],
-                "epoch_time_s": time.perf_counter() - started,
-                "train_s": train_s,
-                "cpu_s_per_step": train["cpu_s"] / max(train["train_steps"], 1),
-                # Unix times, for the benchmark's start-up and time-to-accuracy end points.
-                "first_step_at": train["first_step_at"],
-                "evaluated_at": time.time(),
-                "world_size": world_size,  # an elastic run's size can change between epochs
-            }
-        )
+        record = epoch_record(epoch + 1, train, val, started, train_s, training.lr, world_size)
+        history.append(record)
         metrics = {
-            **history[-1],
+            **record,
             "val_total": val["val_total"],
             "best_val_accuracy": best,
-            "resumed_from_epoch": None if state is None else state["epoch"],
+            "resumed_from_epoch": resumed_from,
             "started_at": started_at,
             "workers": placement,
         }  # per epoch only: the driver builds the history
-        # Rank 0 writes the checkpoint; every rank reports (report is a barrier).
-        with tempfile.TemporaryDirectory() as directory:
-            report_checkpoint = None
-            if rank == 0:
-                ckpt.save(
-                    directory,
-                    {
-                        "model": module.state_dict(),
-                        "optimizer": optimizer.state_dict(),
-                        "scheduler": scheduler.state_dict(),
-                        "scaler": scaler.state_dict(),
-                        "epoch": epoch + 1,
-                        "best_val_accuracy": best,
-                        "history": history,
-                        "config": cfg.to_dict(),
-                        "rng": ckpt.rng_state(),
-                    },
-                )
-                report_checkpoint = ray.train.Checkpoint.from_directory(directory)
-            ray.train.report(metrics, checkpoint=report_checkpoint)
+        # Rank 0 writes the checkpoint; every rank reports.
+        saved = checkpoint_state(training, cfg, epoch + 1, best, history) if rank == 0 else None
+        report_epoch(metrics, saved)
+
+
+def _log_start(
+    training: Training,
+    cfg: TrainConfig,
+    device: torch.device,
+    world_size: int,
+    resumed_from: int | None,
+) -> None:
+    if resumed_from is not None:
+        logger.info("resumed from the checkpoint of epoch %d", resumed_from)
+    logger.info(
+        "%d worker(s) on %s, process group %s, SyncBatchNorm %s, AMP %s",
+        world_size,
+        device.type,
+        _backend() or "none",
+        "on" if training.sync_bn else "off",
+        cfg.amp,
+    )
