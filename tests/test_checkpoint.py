@@ -154,7 +154,7 @@ def _momentum_of_wrong_shape(state):
 )
 def test_a_checkpoint_the_worker_wrote_is_resumable(tmp_path, cfg):
     ckpt.save(tmp_path, _resume_state(cfg))
-    assert ckpt.check_resumable(tmp_path, cfg.to_dict()) == 1
+    assert ckpt.resumable_state(tmp_path, cfg.to_dict())["epoch"] == 1
 
 
 @pytest.mark.parametrize(
@@ -183,7 +183,7 @@ def test_any_mistyped_content_is_one_checkpoint_error(tmp_path, mutate, fragment
     mutate(state)
     ckpt.save(tmp_path, state)
     with pytest.raises(ckpt.CheckpointError, match=re.escape(fragment)) as info:
-        ckpt.check_resumable(tmp_path, CFG.to_dict())
+        ckpt.resumable_state(tmp_path, CFG.to_dict())
     assert "\n" not in str(info.value)
 
 
@@ -193,7 +193,7 @@ def test_a_bad_scaler_state_is_caught_for_fp16(tmp_path):
     state["scaler"] = {"scale": "big"}
     ckpt.save(tmp_path, state)
     with pytest.raises(ckpt.CheckpointError, match="its scaler state does not fit"):
-        ckpt.check_resumable(tmp_path, cfg.to_dict())
+        ckpt.resumable_state(tmp_path, cfg.to_dict())
 
 
 @pytest.mark.parametrize(
@@ -211,5 +211,65 @@ def test_a_bad_scaler_state_is_caught_for_fp16(tmp_path):
 def test_malformed_streams_are_one_checkpoint_error(tmp_path, payload):
     (tmp_path / ckpt.STATE_FILE).write_bytes(payload)
     with pytest.raises(ckpt.CheckpointError) as info:
-        ckpt.check_resumable(tmp_path, CFG.to_dict())
+        ckpt.resumable_state(tmp_path, CFG.to_dict())
     assert "\n" not in str(info.value)
+
+
+# --------------------------------------------------------------------------- the loop's own checkpoint
+
+CPU = torch.device("cpu")
+
+
+def _training(cfg: TrainConfig, images, labels, seed: int):
+    """One worker's training objects as the loop builds them, on one process without Ray."""
+    from raytrain_mnist.worker.loop import Training, build_model, make_train_loader
+    from raytrain_mnist.worker.optim import amp_context, build_optimizer, grad_scaler
+
+    torch.manual_seed(seed)
+    model = build_model(sync_bn=False)
+    loader = make_train_loader(images, labels, cfg.batch_size, cfg.seed)
+    optimizer, scheduler = build_optimizer(model, cfg, len(loader))
+    return Training(
+        model=model,
+        module=model,
+        loader=loader,
+        optimizer=optimizer,
+        scheduler=scheduler,
+        scaler=grad_scaler(cfg.amp, CPU),
+        autocast=amp_context(cfg.amp, CPU),
+        device=CPU,
+        sync_bn=False,
+    )
+
+
+def test_the_loops_checkpoint_passes_the_resume_check_and_resumes_the_uninterrupted_run(
+    tmp_path, sample_digits
+):
+    from raytrain_mnist.worker.loop import checkpoint_state, restore, set_epoch
+
+    cfg = TrainConfig(epochs=2, batch_size=16, lr=0.05)
+    images, labels = (torch.from_numpy(a[:64].copy()) for a in sample_digits)
+    run = _training(cfg, images, labels, cfg.seed)
+    set_epoch(run.loader, 0, cfg.seed)
+    run.train_one_epoch()
+    history = [{"epoch": 1, "val_accuracy": 0.5}]
+    ckpt.save(tmp_path, checkpoint_state(run, cfg, 1, 0.5, history))
+    set_epoch(run.loader, 1, cfg.seed)  # the uninterrupted second epoch
+    run.train_one_epoch()
+    draws = torch.rand(3)
+
+    # The driver's check accepts it (it builds a model, so it draws: after the draws above).
+    state = ckpt.resumable_state(tmp_path, cfg.to_dict())
+    assert set(state) == {"format", *ckpt.RESUME_KEYS}
+
+    # New objects, initialised from another seed: only what restore loads can match.
+    resumed = _training(cfg, images, labels, cfg.seed + 1)
+    assert restore(resumed, state) == (1, history, 0.5)
+    set_epoch(resumed.loader, 1, cfg.seed)
+    resumed.train_one_epoch()
+    assert torch.equal(torch.rand(3), draws)
+    assert resumed.lr == run.lr
+    expected, got = run.module.state_dict(), resumed.module.state_dict()
+    assert list(got) == list(expected)
+    for name, value in expected.items():
+        assert torch.equal(got[name], value), name

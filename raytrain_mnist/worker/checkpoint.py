@@ -1,14 +1,19 @@
-"""Save and load the full resume state of a run. Pure torch, no Ray.
+"""Save, load and check the full resume state of a run. Pure torch, no Ray.
 
 A checkpoint is a directory holding one file, ``state.pt``: model, optimizer, scheduler and
 grad-scaler state, completed epochs, best validation accuracy, per-epoch history, the
-training config and the RNG state. Loading uses ``torch.load(weights_only=True)``: a file
-that would run code when unpickled is refused, never executed. That refusal is only as good
-as torch's: releases before 2.10 have known bypasses, so loading needs at least that.
+training config and the RNG state (:data:`RESUME_KEYS`; the worker builds it in
+``loop.checkpoint_state``). :func:`resumable_state` checks on the driver, before any worker
+starts, that a checkpoint will load where the worker loads it.
+
+Loading uses ``torch.load(weights_only=True)``: a file that would run code when unpickled is
+refused, never executed. That refusal is only as good as torch's: releases before 2.10 have
+known bypasses, so loading needs at least that.
 """
 
 from __future__ import annotations
 
+import copy
 import math
 import os
 import pickle
@@ -19,7 +24,8 @@ from typing import Any
 
 import torch
 
-from raytrain_mnist.errors import UserError, first_line
+from raytrain_mnist.config import TrainConfig
+from raytrain_mnist.errors import ConfigError, UserError, first_line
 from raytrain_mnist.model import ConvNet
 from raytrain_mnist.worker.optim import build_optimizer
 
@@ -58,9 +64,8 @@ def load(path: str | os.PathLike) -> dict[str, Any]:
         state = torch.load(path, map_location="cpu", weights_only=True)
     except pickle.UnpicklingError as exc:
         # weights_only refuses globals it does not know: a pickle that would call code.
-        first = str(exc).strip().splitlines()[0] if str(exc).strip() else "unsafe content"
         raise CheckpointError(
-            f"refusing to load {path}: it is not a plain tensor checkpoint ({first[:160]})"
+            f"refusing to load {path}: it is not a plain tensor checkpoint ({first_line(exc)})"
         ) from exc
     except Exception as exc:  # a malformed stream fails in many ways; none is a bug of ours
         raise CheckpointError(f"{path} is corrupt or truncated ({exc.__class__.__name__})") from exc
@@ -103,6 +108,7 @@ def model_from(state: dict[str, Any], path: str | os.PathLike) -> ConvNet:
     return model
 
 
+#: What a checkpoint that can resume a run holds (besides ``format``).
 RESUME_KEYS = (
     "model",
     "optimizer",
@@ -114,11 +120,6 @@ RESUME_KEYS = (
     "rng",
     "config",
 )
-
-
-def check_resumable(path: str | os.PathLike, train_config: dict[str, Any]) -> int:
-    """The epoch of the checkpoint at ``path``, once :func:`resumable_state` accepts it."""
-    return resumable_state(path, train_config)["epoch"]
 
 
 def resumable_state(path: str | os.PathLike, train_config: dict[str, Any]) -> dict[str, Any]:
@@ -136,8 +137,6 @@ def resumable_state(path: str | os.PathLike, train_config: dict[str, Any]) -> di
     model = model_from(state, path)
     if state["config"] != train_config:
         raise CheckpointError(f"{path} was written by a run with other training settings")
-    from raytrain_mnist.config import ConfigError, TrainConfig
-
     try:
         cfg = TrainConfig.from_dict(train_config)
     except (ConfigError, TypeError) as exc:
@@ -160,14 +159,17 @@ def resumable_state(path: str | os.PathLike, train_config: dict[str, Any]) -> di
     return state
 
 
-def _check_training_state(state: dict[str, Any], cfg, model: ConvNet, path) -> None:
+def _check_training_state(
+    state: dict[str, Any], cfg: TrainConfig, model: ConvNet, path: str | os.PathLike
+) -> None:
     """Load optimizer, schedule and scaler state as the worker does, then take one step."""
     optimizer, scheduler = build_optimizer(model, cfg, 1)
     for part, target in (("optimizer", optimizer), ("scheduler", scheduler)):
         try:
             if not isinstance(state[part], dict):
                 raise TypeError(f"a {type(state[part]).__name__}, not a dict")
-            target.load_state_dict(state[part])
+            # A copy: loading shares the state's tensors, and the step below moves them.
+            target.load_state_dict(copy.deepcopy(state[part]))
             if part == "optimizer":
                 # Shapes and types of the per-parameter state (momentum buffers) show only
                 # when they are used: one step with zero gradients uses them all.
@@ -198,7 +200,7 @@ def _check_training_state(state: dict[str, Any], cfg, model: ConvNet, path) -> N
         ) from exc
 
 
-def _check_rng(rng: Any, path) -> None:
+def _check_rng(rng: Any, path: str | os.PathLike) -> None:
     try:
         if not isinstance(rng, dict) or not isinstance(rng.get("torch"), torch.Tensor):
             raise TypeError("no torch generator state")
@@ -211,6 +213,7 @@ def _check_rng(rng: Any, path) -> None:
 
 
 def rng_state() -> dict[str, Any]:
+    """This process's torch generator states (CPU, and CUDA once it is in use)."""
     state = {"torch": torch.get_rng_state()}
     if torch.cuda.is_available() and torch.cuda.is_initialized():
         state["cuda"] = torch.cuda.get_rng_state()
@@ -218,6 +221,7 @@ def rng_state() -> dict[str, Any]:
 
 
 def set_rng_state(state: dict[str, Any]) -> None:
+    """Put back what :func:`rng_state` returned: the next draws are the ones it would make."""
     torch.set_rng_state(state["torch"])
     if "cuda" in state and torch.cuda.is_available():
         torch.cuda.set_rng_state(state["cuda"])
