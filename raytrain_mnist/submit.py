@@ -78,6 +78,8 @@ ACTIONS = ("status", "logs", "stop", "list")
 _CONNECT_TIMEOUT_S = 5.0
 _SETTLE_TIMEOUT_S = 60.0  # a job whose log stream ended reaches a final status within this
 _PACKAGE_DIR = Path(__file__).resolve().parent
+#: The environment's default for --driver-resource (docs/cluster.md: where drivers run).
+DRIVER_RESOURCE_VAR = "RAYTRAIN_MNIST_DRIVER_RESOURCE"
 
 
 def build_parser() -> ArgumentParser:
@@ -105,6 +107,14 @@ def build_parser() -> ArgumentParser:
         "--no-wait",
         action="store_true",
         help="print the job id and return instead of following the job",
+    )
+    parser.add_argument(
+        "--driver-resource",
+        metavar="NAME",
+        default=os.environ.get(DRIVER_RESOURCE_VAR) or None,
+        help="run the job's driver on a node that offers the custom resource NAME "
+        "(cluster.yaml: job_driver, its ray.driver.cpu node with the workers' IAM role) "
+        f"instead of the head; default: ${DRIVER_RESOURCE_VAR}, else off",
     )
     parser.add_argument(
         "-f",
@@ -367,9 +377,13 @@ def runtime_env() -> dict:
     return {"py_modules": [str(_PACKAGE_DIR)], "excludes": EXCLUDES}
 
 
-def submit(client, url: str, entry: str, wait: bool) -> int:
+def submit(client, url: str, entry: str, wait: bool, driver_resource: str | None = None) -> int:
+    # Without entrypoint resources Ray pins the driver to the head (and the head's role).
+    resources = {driver_resource: 1} if driver_resource else None
     with _one_line_errors(url):
-        job_id = client.submit_job(entrypoint=entry, runtime_env=runtime_env())
+        job_id = client.submit_job(
+            entrypoint=entry, runtime_env=runtime_env(), entrypoint_resources=resources
+        )
     if not wait:
         print(job_id)
         print(
@@ -521,6 +535,7 @@ class SubmitOptions:
     no_wait: bool
     address: str  # the Jobs API: --address, else the environment's, else the default
     entrypoint: str | None  # the shell command the job runs, its flags checked
+    driver_resource: str | None = None  # the custom resource the driver's node must offer
 
 
 def parse(argv: Sequence[str]) -> SubmitOptions:
@@ -547,16 +562,34 @@ def parse(argv: Sequence[str]) -> SubmitOptions:
         parser.error("--follow goes with logs")
     if args.no_wait and not command:
         parser.error("--no-wait goes with submitting a command")
+    resource = args.driver_resource
+    if resource is not None and (
+        not re.fullmatch(r"[A-Za-z0-9_.:/-]+", resource)
+        or resource in ("CPU", "GPU", "memory", "object_store_memory")
+    ):
+        raise UserError(
+            f"--driver-resource {resource!r} (or ${DRIVER_RESOURCE_VAR}) is not a custom "
+            "resource name; name one that a node offers, e.g. job_driver",
+            EXIT_USAGE,
+        )
     entry = entrypoint(command) if command else None
     address = resolve_address(args.address)
     check_address(address)
-    return SubmitOptions(args.action, args.job_id, args.follow, args.no_wait, address, entry)
+    return SubmitOptions(
+        args.action, args.job_id, args.follow, args.no_wait, address, entry, resource
+    )
 
 
 def run(options: SubmitOptions) -> int:
     client, url = connect(options.address)
     if options.entrypoint:
-        return submit(client, url, options.entrypoint, wait=not options.no_wait)
+        return submit(
+            client,
+            url,
+            options.entrypoint,
+            wait=not options.no_wait,
+            driver_resource=options.driver_resource,
+        )
     if options.action == "status":
         return status(client, url, options.job_id)
     if options.action == "logs":

@@ -1,0 +1,166 @@
+"""`submit --driver-resource job_driver` runs the job's driver on a node that offers the
+resource, as on cluster.yaml's ray.driver.cpu, instead of on the head; without it, on the head.
+
+A real two-node Ray on this machine, on 127.0.0.1: a head with 0 CPUs and no job_driver (its
+dashboard and Jobs API on loopback) and a node with ``resources={"job_driver": 1}``.
+The job is a real submit of `evaluate` of a run that does not exist (it fails in seconds;
+where its driver ran is the point): the Jobs API records the driver's node. Every process
+carries a marker and is killed by it; nothing else is touched.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+import uuid
+from pathlib import Path
+
+import pytest
+
+from raytrain_mnist import submit
+from raytrain_mnist.errors import UserError
+
+from .conftest import MARKER_VAR, REPO, free_ports, kill_marked
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    from ray.cluster_utils import Cluster
+    from ray.util.state import list_nodes
+
+    from raytrain_mnist.driver.cluster import loopback_node
+
+    root = Path(tempfile.mkdtemp(prefix="rtjp", dir="/tmp"))  # short: Ray's socket paths
+    marker = uuid.uuid4().hex
+    (dashboard,) = free_ports(1)
+    url = f"http://127.0.0.1:{dashboard}"
+    os.environ[MARKER_VAR] = marker  # inherited by every process of both nodes, and drivers
+    try:
+        with loopback_node():  # both nodes on 127.0.0.1, listening on nothing else
+            cluster = Cluster(
+                initialize_head=True,
+                head_node_args={
+                    "num_cpus": 0,  # as cluster.yaml's head: no CPU, no job_driver
+                    "include_dashboard": True,
+                    "dashboard_host": "127.0.0.1",
+                    "dashboard_port": dashboard,
+                    "temp_dir": str(root),
+                },
+            )
+            cluster.add_node(num_cpus=1, resources={"job_driver": 1})
+    finally:
+        del os.environ[MARKER_VAR]
+    try:
+        cluster.wait_for_nodes()
+        deadline = time.monotonic() + 120
+        nodes: dict[str, str] = {}
+        while len(nodes) < 2:
+            try:
+                urllib.request.urlopen(f"{url}/api/jobs/", timeout=5).close()
+                alive = list_nodes(address=url, filters=[("state", "=", "ALIVE")])
+                nodes = {"head" if n.is_head_node else "driver": n.node_id for n in alive}
+            except Exception:
+                pass
+            assert time.monotonic() < deadline, "the Jobs API or the driver node never came"
+            time.sleep(0.5)
+        from ray.job_submission import JobSubmissionClient
+
+        while True:  # the head's job agent answers some seconds after the dashboard
+            try:
+                JobSubmissionClient(url).submit_job(entrypoint="true")
+                break
+            except RuntimeError as exc:
+                assert "No available agent" in str(exc), exc
+                assert time.monotonic() < deadline, exc
+                time.sleep(1)
+        yield {"url": url, **nodes}
+    finally:
+        cluster.shutdown()
+        kill_marked(marker)  # the job drivers, if any outlived their nodes: ours only
+        shutil.rmtree(root, ignore_errors=True)
+
+
+def _submit(cluster, *flags: str, env: dict | None = None) -> str:
+    """Submit `evaluate` of a missing run with ``flags``; the node its driver ran on."""
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "raytrain_mnist",
+            "submit",
+            "--address",
+            cluster["url"],
+            "--no-wait",
+            *flags,
+            "--",
+            "evaluate",
+            "/nonexistent/run",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=REPO,
+        env={**os.environ, **(env or {})},
+        stdin=subprocess.DEVNULL,
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    job_id = proc.stdout.strip()
+    from ray.job_submission import JobStatus, JobSubmissionClient
+
+    jobs = JobSubmissionClient(cluster["url"])
+    deadline = time.monotonic() + 120
+    while True:
+        info = jobs.get_job_info(job_id)
+        if info.status in (JobStatus.SUCCEEDED, JobStatus.FAILED, JobStatus.STOPPED):
+            break
+        assert time.monotonic() < deadline, info
+        time.sleep(0.5)
+    # It ran (evaluate refused the missing run), and the Jobs API says where.
+    assert info.driver_exit_code not in (None, 0), info
+    return info.driver_node_id
+
+
+def test_the_driver_runs_where_the_driver_resource_is_and_on_the_head_without_it(cluster):
+    assert _submit(cluster, "--driver-resource", "job_driver") == cluster["driver"]
+    assert (
+        _submit(cluster, env={"RAYTRAIN_MNIST_DRIVER_RESOURCE": "job_driver"}) == cluster["driver"]
+    )
+    # Off by default: Ray pins the driver to the head (what a local Ray without the
+    # resource needs: asking for it there would leave the job pending).
+    assert _submit(cluster) == cluster["head"]
+
+
+@pytest.mark.parametrize("name", ["CPU", "GPU", "memory", "", "job driver"])
+def test_a_driver_resource_ray_would_refuse_is_one_line_before_anything_is_sent(name):
+    with pytest.raises(UserError, match="--driver-resource") as info:
+        submit.parse(["--driver-resource", name, "--", "fit"])
+    assert info.value.exit_code == 2
+
+
+def test_the_default_is_off_and_the_environment_can_set_it(monkeypatch):
+    monkeypatch.delenv("RAYTRAIN_MNIST_DRIVER_RESOURCE", raising=False)
+    assert submit.parse(["--", "fit"]).driver_resource is None
+    monkeypatch.setenv("RAYTRAIN_MNIST_DRIVER_RESOURCE", "job_driver")
+    assert submit.parse(["--", "fit"]).driver_resource == "job_driver"
+    assert submit.parse(["--driver-resource", "other", "--", "fit"]).driver_resource == "other"
+
+
+def test_cluster_yaml_offers_the_resource_the_docs_tell_submit_to_ask_for():
+    import yaml
+
+    config = yaml.safe_load((REPO / "cluster.yaml").read_text())
+    offered = {
+        name
+        for node_type in config["available_node_types"].values()
+        for name in node_type["resources"]
+        if name not in ("CPU", "GPU")
+    }
+    docs = (REPO / "docs" / "cluster.md").read_text()
+    asked = set(re.findall(r"--driver-resource (\w+)", docs))
+    assert asked and asked <= offered, (asked, offered)
