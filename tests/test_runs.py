@@ -1,4 +1,4 @@
-"""The run's one home (runs.py): names, identity, claims, and ``s3://`` with the guarantees
+"""The run's one home (driver/runs/): names, identity, claims, and ``s3://`` with the guarantees
 of a local path, against a real S3-compatible server (moto) on 127.0.0.1."""
 
 from __future__ import annotations
@@ -14,10 +14,10 @@ import uuid
 
 import pytest
 
-from raytrain_mnist._cli import UserError
 from raytrain_mnist.config import FitConfig, RunSettings, TrainConfig
 from raytrain_mnist.driver import runs
 from raytrain_mnist.driver.runs import Run
+from raytrain_mnist.errors import UserError
 from tests.conftest import MARKER_VAR, REPO, kill_marked
 
 # --------------------------------------------------------------------------- S3 server
@@ -123,7 +123,7 @@ def test_an_s3_lease_refuses_a_second_and_a_dead_owners_is_taken_over(s3):
         assert time.monotonic() - started < 10
     import pyarrow.fs
 
-    fs, base = run.fs
+    fs, base = run.files.filesystem, run.files.base
     lease = f"{base.rpartition('/')[0]}/.r.lease"
     assert fs.get_file_info(lease).type == pyarrow.fs.FileType.NotFound  # released
     # A lease whose process is gone from this host is stale at once.

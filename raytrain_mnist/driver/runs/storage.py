@@ -1,0 +1,254 @@
+"""Where a run lives, as files: a local directory or a prefix on an object store.
+
+:class:`RunStorage` decides once whether ``<storage>/<name>`` is a local path or a URI, opens
+the one pyarrow file system that reaches it, and gives a local path and a URI the same
+guarantees: atomic writes (temp + fsync + rename locally, a single put on object stores),
+reads that fail in one line, moving a run aside. Nothing here knows what the files mean
+(:mod:`.records`) or who holds the run (:mod:`.claim`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import tempfile
+from collections.abc import Iterator
+from pathlib import Path
+from urllib.parse import urlsplit
+
+from raytrain_mnist.errors import EXIT_USAGE, UserError, first_line
+
+
+def is_uri(path: str) -> bool:
+    """The one test of "is this a URI or a local path"."""
+    return "://" in str(path)
+
+
+def check_no_credentials(uri: str, flag: str) -> None:
+    """Refuse ``scheme://user:secret@host``: secrets never travel in flags, files or logs."""
+    if is_uri(uri) and urlsplit(uri).password is not None:
+        raise UserError(
+            f"{flag}: the URI carries credentials; pass them through the "
+            "environment instead (AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY for "
+            "s3://, MLFLOW_TRACKING_USERNAME / _PASSWORD for MLflow)",
+            EXIT_USAGE,
+        )
+
+
+def storage_root(storage_path: str) -> str:
+    """What Ray gets: an absolute local path, or the URI as given (credentials refused)."""
+    if is_uri(storage_path):
+        check_no_credentials(storage_path, "--storage-path")
+        return storage_path.rstrip("/")
+    return str(Path(storage_path).expanduser().resolve())
+
+
+class RunStorage:
+    """The directory ``<root>/<name>``; ``root`` as :func:`storage_root` returns it.
+
+    ``dir`` is how the directory is named to users and to Ray (a local path or a URI);
+    ``filesystem`` and ``base`` are the pyarrow file system that holds it and its path there,
+    opened on first use.
+    """
+
+    def __init__(self, root: str, name: str) -> None:
+        self.root = root
+        self.name = name
+        self.dir = f"{root.rstrip('/')}/{name}"
+        self.local = not is_uri(root)
+        self._filesystem = None
+        self._base = ""
+
+    def sibling(self, name: str) -> RunStorage:
+        """The directory ``<root>/<name>``, beside this one."""
+        return RunStorage(self.root, name)
+
+    # ----------------------------------------------------------------- the file system
+
+    @property
+    def filesystem(self):
+        """The pyarrow file system that holds this directory."""
+        self._open()
+        return self._filesystem
+
+    @property
+    def base(self) -> str:
+        """This directory's path inside :attr:`filesystem`."""
+        self._open()
+        return self._base
+
+    def _open(self) -> None:
+        if self._filesystem is not None:
+            return
+        import pyarrow.fs
+
+        if self.local:
+            self._filesystem, self._base = pyarrow.fs.LocalFileSystem(), self.dir
+            return
+        try:
+            self._filesystem, self._base = pyarrow.fs.FileSystem.from_uri(self.dir)
+        except (ValueError, OSError) as exc:
+            raise UserError(f"--storage-path {self.root}: {first_line(exc)}", EXIT_USAGE) from exc
+
+    def path(self, name: str = "") -> str:
+        """The path of ``name`` (a file in this directory) inside :attr:`filesystem`."""
+        return f"{self.base}/{name}" if name else self.base
+
+    def _type(self, path: str):
+        try:
+            return self.filesystem.get_file_info(path).type
+        except OSError as exc:
+            raise UserError(f"cannot reach {self.dir}: {first_line(exc)}") from exc
+
+    # ----------------------------------------------------------------- files
+
+    def exists(self, name: str = "") -> bool:
+        import pyarrow.fs
+
+        return self._type(self.path(name)) != pyarrow.fs.FileType.NotFound
+
+    def is_file(self, name: str) -> bool:
+        import pyarrow.fs
+
+        return self._type(self.path(name)) == pyarrow.fs.FileType.File
+
+    def has_files(self) -> bool:
+        """Whether anything is in this directory."""
+        if self.local:
+            return Path(self.dir).is_dir() and any(Path(self.dir).iterdir())
+        return self.exists()
+
+    def read_bytes(self, name: str) -> bytes | None:
+        """The file's bytes, None when it does not exist."""
+        if not self.is_file(name):
+            return None
+        try:
+            with self.filesystem.open_input_stream(self.path(name)) as f:
+                return f.read()
+        except OSError as exc:
+            raise UserError(f"{self.dir}/{name} is unreadable ({first_line(exc)})") from exc
+
+    def read_json(self, name: str) -> dict | None:
+        """A JSON record of the run; None when absent, one-line error when not ours."""
+        raw = self.read_bytes(name)
+        if raw is None:
+            return None
+        try:
+            value = json.loads(raw)
+        except ValueError as exc:
+            raise UserError(
+                f"{self.dir}/{name} is unreadable ({exc.__class__.__name__}); "
+                "move the run away or pick another --name"
+            ) from exc
+        if not isinstance(value, dict):
+            raise UserError(
+                f"{self.dir}/{name} is not a run file of raytrain_mnist; pick another --name"
+            )
+        return value
+
+    def write_bytes(self, name: str, payload: bytes) -> str:
+        """Atomically: a reader sees the old file or the new one, never half of one."""
+        if self.local:
+            target = Path(self.dir) / name
+            target.parent.mkdir(parents=True, exist_ok=True)
+            with tempfile.NamedTemporaryFile(
+                dir=target.parent, prefix=f".{target.name}.", delete=False
+            ) as tmp:
+                tmp.write(payload)
+                tmp.flush()
+                os.fsync(tmp.fileno())
+            os.replace(tmp.name, target)
+            return str(target)
+        # An object store's single PUT is atomic: the object appears whole or not at all.
+        with self.filesystem.open_output_stream(self.path(name)) as f:
+            f.write(payload)
+        return f"{self.dir}/{name}"
+
+    def write_json(self, name: str, record: dict) -> str:
+        return self.write_bytes(name, json.dumps(record, indent=2).encode())
+
+    # ----------------------------------------------------------------- the directory
+
+    def contains(self, path: str) -> bool:
+        """Whether ``path`` lies inside this directory."""
+        if is_uri(path) != (not self.local):
+            return False
+        if self.local:
+            try:
+                Path(path).resolve().relative_to(Path(self.dir).resolve())
+                return True
+            except ValueError:
+                return False
+        return path.rstrip("/").startswith(self.dir + "/")
+
+    def check_writable(self) -> None:
+        """Refuse (exit 2), in one line, a local storage path where this directory cannot
+        be made: a file, or a directory this user cannot write. Object stores answer when
+        written to."""
+        if not self.local:
+            return
+        path = Path(self.dir)
+        storage = path.parent
+        if storage.exists() and not storage.is_dir():
+            raise UserError(f"--storage-path {storage} is a file, not a directory", EXIT_USAGE)
+        if path.exists() and not path.is_dir():
+            raise UserError(
+                f"{path} exists and is not a run directory; pick another --name", EXIT_USAGE
+            )
+        try:
+            storage.mkdir(parents=True, exist_ok=True)
+            with tempfile.TemporaryFile(dir=storage):
+                pass
+        except OSError as exc:
+            raise UserError(
+                f"--storage-path {storage} is not writable ({exc.strerror}); "
+                "pick another directory",
+                EXIT_USAGE,
+            ) from exc
+
+    def move_aside(self) -> str:
+        """Move this directory to the first free ``NAME.previous-N`` beside it; returns that
+        name."""
+        n = 1
+        while self.sibling(f"{self.name}.previous-{n}").exists():
+            n += 1
+        kept = self.sibling(f"{self.name}.previous-{n}")
+        if self.local:
+            Path(self.dir).rename(kept.dir)
+        else:
+            # Object stores cannot rename a prefix: copy every object, then drop the originals.
+            import pyarrow.fs
+
+            fs, base = self.filesystem, self.base
+            files = [
+                info
+                for info in fs.get_file_info(pyarrow.fs.FileSelector(base, recursive=True))
+                if info.type == pyarrow.fs.FileType.File
+            ]
+            for info in files:
+                fs.copy_file(info.path, kept.path() + info.path[len(base) :])
+            fs.delete_dir(base)
+        return kept.name
+
+
+@contextlib.contextmanager
+def local_copy(checkpoint: str) -> Iterator[Path]:
+    """A local directory holding ``checkpoint`` (itself, or a download of it)."""
+    if not is_uri(checkpoint):
+        yield Path(checkpoint)
+        return
+    import pyarrow.fs
+
+    fs, path = pyarrow.fs.FileSystem.from_uri(checkpoint)
+    with tempfile.TemporaryDirectory(prefix="raytrain_mnist-ckpt-") as tmp:
+        try:
+            pyarrow.fs.copy_files(
+                path,
+                tmp,
+                source_filesystem=fs,
+                destination_filesystem=pyarrow.fs.LocalFileSystem(),
+            )
+        except OSError as exc:
+            raise UserError(f"cannot read checkpoint {checkpoint}: {first_line(exc)}") from exc
+        yield Path(tmp)
