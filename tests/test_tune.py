@@ -458,3 +458,58 @@ with open({str(tmp_path / "library.json")!r}, "w") as f:
     }
     argv = shlex.split(record["fit_command"])
     assert argv[argv.index("-m") + 1 : argv.index("-m") + 3] == ["raytrain_mnist", "fit"]
+
+
+def test_ctrl_c_stops_the_search_prints_its_table_and_resume_command_and_exits_130(
+    mixed_mnist, tmp_path, ray_env
+):
+    """Tune turns the first SIGINT into a graceful stop: the library returns an interrupted
+    result (it raises nothing), the command prints the trials, the resume line and
+    ``raytrain-mnist: interrupted``, and exits 130, as a Ctrl-C of fit does."""
+    command = _tune_command(
+        mixed_mnist,
+        tmp_path,
+        "stopped",
+        "--num-samples",
+        "2",
+        "--max-epochs",
+        "20",
+        "--max-concurrent-trials",
+        "1",
+        "--scheduler",
+        "fifo",
+    )
+    driver = subprocess.Popen(
+        command,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        cwd=REPO,
+        env=ray_env,
+        start_new_session=True,
+    )
+    seen: list[str] = []
+    try:
+        for line in driver.stdout:  # the trial starts inside Tune's fit: stop it there
+            seen.append(line)
+            if line.startswith("trial ") and " started: " in line:
+                break
+        assert any(" started: " in line for line in seen), "".join(seen)
+        driver.send_signal(signal.SIGINT)
+        out, err = driver.communicate(timeout=240)
+    finally:
+        if driver.poll() is None:
+            os.killpg(driver.pid, signal.SIGKILL)
+            driver.wait(timeout=30)
+    out = "".join(seen) + out
+    assert driver.returncode == 130, out[-3000:] + err[-3000:]
+    lines = [line for line in err.splitlines() if line.strip()]
+    assert lines[-1] == "raytrain-mnist: interrupted", err[-3000:]
+    assert (
+        lines[-2].startswith("search interrupted with ")
+        and " unfinished; resume with: " in (lines[-2])
+    ), err[-3000:]
+    assert "--name stopped" in lines[-2] and "Traceback" not in err
+    assert "rank" in out and "unfinished" in out, out[-3000:]
+    best = json.loads((tmp_path / "stopped" / "best.json").read_text())
+    assert best["num_unfinished"] >= 1 and best["num_finished"] == 0
