@@ -26,7 +26,7 @@ import threading
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Literal
 
 from raytrain_mnist.config import (
     DEFAULT_EPOCHS,
@@ -53,7 +53,7 @@ logger = logging.getLogger(__name__)
 
 #: What a run ended as: ``finished`` (every epoch trained), ``interrupted`` (stopped with
 #: Ctrl-C; it resumes) or ``failed`` (Ray Train gave up; it resumes too).
-STATUSES = ("finished", "interrupted", "failed")
+Status = Literal["finished", "interrupted", "failed"]
 
 
 @dataclass(frozen=True)
@@ -61,7 +61,7 @@ class FitResult:
     """What :func:`fit` did."""
 
     #: ``finished``, ``interrupted`` or ``failed``.
-    status: str
+    status: Status
     #: What ``summary.json`` holds (a run that had already finished: its summary then).
     summary: dict[str, Any] = field(hash=False)
     run_dir: str
