@@ -32,7 +32,7 @@ import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 from raytrain_mnist.config import (
     FitConfig,
@@ -71,8 +71,11 @@ PLOT_FILE = "val_accuracy.png"
 TRIAL_CPU = 0.01
 #: A trial whose actor dies (its node, say) is retried once; its Train run resumes.
 TRIAL_RETRIES = 1
-#: What ``search`` returns as ``status``.
-FINISHED, INTERRUPTED, FAILED = "finished", "interrupted", "failed"
+#: What a search ended as (``SearchResult.status``).
+SearchStatus = Literal["finished", "interrupted", "failed"]
+FINISHED: SearchStatus = "finished"
+INTERRUPTED: SearchStatus = "interrupted"
+FAILED: SearchStatus = "failed"
 
 
 @dataclass(frozen=True)
@@ -86,7 +89,7 @@ class SearchResult:
     each trial (ranked, best first), with its per-epoch ``history``.
     """
 
-    status: str
+    status: SearchStatus
     name: str
     experiment_dir: str
     metric: str
