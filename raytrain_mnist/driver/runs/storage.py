@@ -184,9 +184,19 @@ class RunStorage:
 
     def check_writable(self) -> None:
         """Refuse (exit 2), in one line, a local storage path where this directory cannot
-        be made: a file, or a directory this user cannot write. Object stores answer when
-        written to."""
+        be made: a file, or a directory this user cannot write. On an object store, make
+        the storage directory the way Ray Train makes the run's and every checkpoint's
+        (pyarrow's ``create_dir``, which on S3 first sends HeadBucket: that needs
+        ``s3:ListBucket`` on the bucket, docs/iam/README.md), so that credentials Ray Train
+        could not checkpoint with fail here in one line (exit 1), before any Ray starts."""
         if not self.local:
+            try:
+                self.filesystem.create_dir(self.base.rpartition("/")[0])
+            except OSError as exc:
+                raise UserError(
+                    f"cannot create {self.dir}, where the run keeps its checkpoints: "
+                    f"{first_line(exc)}"
+                ) from exc
             return
         path = Path(self.dir)
         storage = path.parent

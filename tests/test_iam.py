@@ -1,0 +1,377 @@
+"""docs/iam/worker-policy.json, held by an IAM user, against an S3 server that enforces IAM:
+`fit --storage-path s3://...` checkpoints and resumes; nothing outside the runs prefix is
+reachable; a policy without an unconditioned ``s3:ListBucket`` on the bucket fails the run in
+one line.
+
+The server is moto (``python -m moto.server``) on 127.0.0.1, in its own process, started with
+``INITIAL_NO_AUTH_ACTION_COUNT=3``: the first three requests (create an admin user, give it
+``*``, make its key) pass unauthenticated, every later one is checked the way moto checks
+IAM (moto/core/authorization.py, moto/iam/access_control.py). What that enforcement covers,
+and where it parts from AWS (moto 5.2):
+
+* Signatures and keys are checked: an unknown key is refused (``InvalidAccessKeyId``).
+* Object requests are authorized as ``s3:GetObject`` (GET and HEAD), ``s3:PutObject`` (PUT,
+  multipart, copy), ``s3:DeleteObject``, ``s3:AbortMultipartUpload``,
+  ``s3:ListMultipartUploadParts`` against ``arn:aws:s3:::BUCKET/KEY``; ListObjects(V2) as
+  ``s3:ListBucket`` against the bucket: as on AWS.
+* **HeadBucket differs.** AWS authorizes HeadBucket with ``s3:ListBucket`` on the bucket
+  (there is no ``s3:HeadBucket`` permission); moto checks an action it calls
+  ``s3:HeadBucket``, which no real policy grants, so exactly the file would be refused
+  HeadBucket whatever it says. The user therefore holds the file plus ``s3:HeadBucket`` on
+  each statement where AWS would let HeadBucket through: an ``Allow`` of ``s3:ListBucket``
+  on the bucket without a ``Condition`` (:func:`as_moto_checks_it`; nothing else is added).
+* **Conditions are not evaluated** on S3 requests: moto passes no request context (no
+  ``s3:prefix``), and a condition with no value to test passes. A prefix-conditioned
+  ``s3:ListBucket`` therefore lists the whole bucket in moto (on AWS only the prefix), and
+  only the rule above makes it fail HeadBucket, as on AWS.
+
+So the prefix confinement of object reads and writes is enforced by moto itself; that the
+fixed policy lets HeadBucket through, and that the old prefix-conditioned one does not, rests
+on the HeadBucket rule above (AWS's documented rule for HeadBucket, apache/arrow#49949).
+
+Where the planted policies fail: Ray Train makes the run directory and every checkpoint
+directory with pyarrow's ``create_dir`` (HeadBucket first). ``fit`` makes the storage
+directory with the same call when it claims the run (runs/storage.py ``check_writable``), so
+the run stops there, in one line, before Ray starts; without that check the Train controller
+dies on the same HeadBucket and the line says only ``ActorDiedError``.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import os
+import re
+import shlex
+import signal
+import subprocess
+import sys
+import time
+import urllib.request
+import uuid
+
+import pytest
+
+from tests.conftest import MARKER_VAR, REPO, free_ports, kill_marked
+
+POLICY = REPO / "docs" / "iam" / "worker-policy.json"
+PLACEHOLDER = "REPLACE_ME-bucket"
+
+
+def _actions(statement: dict) -> list[str]:
+    actions = statement["Action"]
+    return [actions] if isinstance(actions, str) else list(actions)
+
+
+def _prefix(policy: dict) -> str:
+    """The runs prefix the policy's object statement is confined to."""
+    for statement in policy["Statement"]:
+        resources = statement["Resource"]
+        for resource in [resources] if isinstance(resources, str) else resources:
+            found = re.fullmatch(rf"arn:aws:s3:::{PLACEHOLDER}/(.+)/\*", resource)
+            if found:
+                return found[1]
+    raise AssertionError("no object statement under a prefix")
+
+
+def the_policy(bucket: str) -> dict:
+    """Exactly docs/iam/worker-policy.json, for ``bucket``."""
+    return json.loads(POLICY.read_text().replace(PLACEHOLDER, bucket))
+
+
+def as_moto_checks_it(policy: dict) -> dict:
+    """``policy`` plus moto's name for HeadBucket wherever AWS would allow HeadBucket: in
+    every Allow statement of ``s3:ListBucket`` on a bucket with no Condition (module
+    docstring)."""
+    policy = copy.deepcopy(policy)
+    for statement in policy["Statement"]:
+        actions = _actions(statement)
+        unconditioned = "Condition" not in statement
+        if statement["Effect"] == "Allow" and "s3:ListBucket" in actions and unconditioned:
+            statement["Action"] = [*actions, "s3:HeadBucket"]
+    return policy
+
+
+def _client(url: str, service: str, key: tuple[str, str]):
+    import boto3
+
+    return boto3.client(
+        service,
+        endpoint_url=url,
+        aws_access_key_id=key[0],
+        aws_secret_access_key=key[1],
+        region_name="us-east-1",
+    )
+
+
+class IamS3:
+    """The server, an admin, one bucket, and IAM users made on demand."""
+
+    def __init__(self, url: str, admin: tuple[str, str]) -> None:
+        self.url, self.admin = url, admin
+        self.bucket = f"runs-{uuid.uuid4().hex[:8]}"
+        self.client("s3", admin).create_bucket(Bucket=self.bucket)
+
+    def client(self, service: str, key: tuple[str, str]):
+        return _client(self.url, service, key)
+
+    def user(self, policy: dict) -> tuple[str, str]:
+        """A new IAM user that holds ``policy`` (inline) and nothing else; its key."""
+        iam = self.client("iam", self.admin)
+        name = f"worker-{uuid.uuid4().hex[:8]}"
+        iam.create_user(UserName=name)
+        iam.put_user_policy(
+            UserName=name, PolicyName="runs-prefix", PolicyDocument=json.dumps(policy)
+        )
+        key = iam.create_access_key(UserName=name)["AccessKey"]
+        return key["AccessKeyId"], key["SecretAccessKey"]
+
+    def env(self, key: tuple[str, str]) -> dict[str, str]:
+        """The environment of a command that holds ``key`` (as a node's instance profile
+        would give it), the endpoint the way tests/test_runs.py passes it."""
+        return {
+            **{k: v for k, v in os.environ.items() if not k.startswith("AWS_")},
+            "AWS_ENDPOINT_URL": self.url,
+            "AWS_ACCESS_KEY_ID": key[0],
+            "AWS_SECRET_ACCESS_KEY": key[1],
+            "AWS_REGION": "us-east-1",
+            "AWS_EC2_METADATA_DISABLED": "true",
+            "AWS_CONFIG_FILE": os.devnull,
+            "AWS_SHARED_CREDENTIALS_FILE": os.devnull,
+        }
+
+
+@pytest.fixture(scope="module")
+def iam_s3(tmp_path_factory):
+    pytest.importorskip("moto.server")
+    pytest.importorskip("boto3")
+    (port,) = free_ports(1)
+    url = f"http://127.0.0.1:{port}"
+    log = tmp_path_factory.mktemp("moto") / "server.log"
+    with open(log, "wb") as out:
+        server = subprocess.Popen(
+            [sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)],
+            env={**os.environ, "INITIAL_NO_AUTH_ACTION_COUNT": "3"},
+            stdout=out,
+            stderr=subprocess.STDOUT,
+        )
+    try:
+        deadline = time.monotonic() + 60
+        while True:  # /moto-api/ is not an S3 or IAM action: it spends none of the three
+            try:
+                urllib.request.urlopen(f"{url}/moto-api/", timeout=5).close()
+                break
+            except OSError:
+                if server.poll() is not None or time.monotonic() > deadline:
+                    raise AssertionError(log.read_text()) from None
+                time.sleep(0.2)
+        iam = _client(url, "iam", ("testing", "testing"))
+        iam.create_user(UserName="admin")  # the three unauthenticated requests
+        iam.put_user_policy(
+            UserName="admin",
+            PolicyName="everything",
+            PolicyDocument=json.dumps(
+                {
+                    "Version": "2012-10-17",
+                    "Statement": [{"Effect": "Allow", "Action": "*", "Resource": "*"}],
+                }
+            ),
+        )
+        key = iam.create_access_key(UserName="admin")["AccessKey"]
+        yield IamS3(url, (key["AccessKeyId"], key["SecretAccessKey"]))
+    finally:
+        server.kill()
+        server.wait(timeout=30)
+
+
+def _storage(iam_s3: IamS3) -> str:
+    return f"s3://{iam_s3.bucket}/{_prefix(json.loads(POLICY.read_text()))}"
+
+
+def _fit_args(iam_s3: IamS3, tiny_mnist, name: str, epochs: int) -> list[str]:
+    return [
+        "--epochs",
+        str(epochs),
+        "--num-workers",
+        "1",
+        "--cpus-per-worker",
+        "1",
+        "--batch-size",
+        "64",
+        "--dataset",
+        "mnist",
+        "--data-dir",
+        str(tiny_mnist),
+        "--storage-path",
+        _storage(iam_s3),
+        "--name",
+        name,
+    ]
+
+
+# --------------------------------------------------------------------------- what is enforced
+
+
+def test_the_server_enforces_iam(iam_s3):
+    """Without this, every test below could pass against a server that allows everything."""
+    from botocore.exceptions import ClientError
+
+    stranger = iam_s3.client("s3", ("AKIAEXAMPLEEXAMPLE00", "not-a-secret"))
+    with pytest.raises(ClientError, match="InvalidAccessKeyId"):
+        stranger.list_objects_v2(Bucket=iam_s3.bucket)
+    unrelated = {"Effect": "Allow", "Action": "s3:GetObject", "Resource": "arn:aws:s3:::x/*"}
+    nobody = iam_s3.client("s3", iam_s3.user({"Version": "2012-10-17", "Statement": [unrelated]}))
+    with pytest.raises(ClientError, match="AccessDenied"):
+        nobody.put_object(Bucket=iam_s3.bucket, Key="raytrain-mnist/x", Body=b"x")
+
+
+def test_the_worker_policy_reaches_the_runs_prefix_and_nothing_else(iam_s3):
+    from botocore.exceptions import ClientError
+
+    prefix = _prefix(json.loads(POLICY.read_text()))
+    admin = iam_s3.client("s3", iam_s3.admin)
+    admin.put_object(Bucket=iam_s3.bucket, Key="elsewhere/secret", Body=b"secret")
+    admin.create_bucket(Bucket=f"{iam_s3.bucket}-other")
+    s3 = iam_s3.client("s3", iam_s3.user(as_moto_checks_it(the_policy(iam_s3.bucket))))
+
+    s3.head_bucket(Bucket=iam_s3.bucket)  # what pyarrow's create_dir sends first
+    s3.put_object(Bucket=iam_s3.bucket, Key=f"{prefix}/probe", Body=b"ok")
+    assert s3.get_object(Bucket=iam_s3.bucket, Key=f"{prefix}/probe")["Body"].read() == b"ok"
+    s3.delete_object(Bucket=iam_s3.bucket, Key=f"{prefix}/probe")
+    denied = [
+        lambda: s3.put_object(Bucket=iam_s3.bucket, Key="elsewhere/x", Body=b"x"),
+        lambda: s3.put_object(Bucket=iam_s3.bucket, Key=f"{prefix}-evil/x", Body=b"x"),
+        lambda: s3.put_object(Bucket=iam_s3.bucket, Key="top-level", Body=b"x"),
+        lambda: s3.get_object(Bucket=iam_s3.bucket, Key="elsewhere/secret"),
+        lambda: s3.delete_object(Bucket=iam_s3.bucket, Key="elsewhere/secret"),
+        lambda: s3.put_object(Bucket=f"{iam_s3.bucket}-other", Key=f"{prefix}/x", Body=b"x"),
+        lambda: s3.list_objects_v2(Bucket=f"{iam_s3.bucket}-other"),
+        lambda: s3.head_bucket(Bucket=f"{iam_s3.bucket}-other"),
+        lambda: s3.create_bucket(Bucket=f"{iam_s3.bucket}-new"),
+        lambda: s3.delete_bucket(Bucket=iam_s3.bucket),
+        lambda: s3.list_buckets(),
+    ]
+    for call in denied:
+        with pytest.raises(ClientError) as info:
+            call()
+        assert info.value.response["Error"]["Code"] in ("AccessDenied", "403"), info.value
+    # The one thing beyond the prefix: key *names* of the whole bucket can be listed (what
+    # an unconditioned s3:ListBucket means on AWS too): hence a dedicated runs bucket.
+    listed = s3.list_objects_v2(Bucket=iam_s3.bucket)["Contents"]
+    assert "elsewhere/secret" in {o["Key"] for o in listed}
+    assert admin.get_object(Bucket=iam_s3.bucket, Key="elsewhere/secret")["Body"].read()
+
+
+# --------------------------------------------------------------------------- fit end to end
+
+
+def test_a_fit_with_the_worker_policy_checkpoints_and_resumes(iam_s3, tiny_mnist):
+    """One tiny fit, stopped with Ctrl-C after its first epoch, resumed by the command it
+    prints: every byte Ray Train and the run records write goes through the policy."""
+    env = iam_s3.env(iam_s3.user(as_moto_checks_it(the_policy(iam_s3.bucket))))
+    marker = uuid.uuid4().hex
+    first = subprocess.Popen(
+        [sys.executable, "-m", "raytrain_mnist", "fit", *_fit_args(iam_s3, tiny_mnist, "iam", 6)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        cwd=REPO,
+        env={**env, "PYTHONUNBUFFERED": "1", MARKER_VAR: marker},
+    )
+    try:
+        seen = []
+        for line in first.stdout:
+            seen.append(line)
+            if line.startswith("epoch   1/6"):
+                break
+        else:
+            raise AssertionError("".join(seen))
+        first.send_signal(signal.SIGINT)
+        out, _ = first.communicate(timeout=300)
+        out = "".join(seen) + out
+        assert first.returncode == 130, out
+        resume = out.split("resume with: ")[1].splitlines()[0]
+        resumed = subprocess.run(
+            shlex.split(resume),
+            capture_output=True,
+            text=True,
+            cwd=REPO,
+            timeout=600,
+            env={**env, MARKER_VAR: marker},
+        )
+    finally:
+        kill_marked(marker)
+    assert resumed.returncode == 0, resumed.stdout + resumed.stderr
+
+    admin = iam_s3.client("s3", iam_s3.admin)
+    prefix = _prefix(json.loads(POLICY.read_text()))
+    summary = json.loads(
+        admin.get_object(Bucket=iam_s3.bucket, Key=f"{prefix}/iam/summary.json")["Body"].read()
+    )
+    assert summary["status"] == "finished" and summary["resumed_from_epoch"] >= 1, summary
+    assert [h["epoch"] for h in summary["history"]] == list(range(1, 7))
+    assert summary["best_checkpoint"].startswith(f"{_storage(iam_s3)}/iam/checkpoint_")
+    keys = {
+        o["Key"]
+        for page in admin.get_paginator("list_objects_v2").paginate(Bucket=iam_s3.bucket)
+        for o in page.get("Contents", [])
+    }
+    assert any(k.startswith(f"{prefix}/iam/checkpoint_") for k in keys), keys
+    assert all(k.startswith(f"{prefix}/") or k.startswith("elsewhere/") for k in keys), keys
+
+
+def _without_list_bucket(policy: dict) -> dict:
+    policy = copy.deepcopy(policy)
+    for statement in policy["Statement"]:
+        statement["Action"] = [a for a in _actions(statement) if a != "s3:ListBucket"]
+    policy["Statement"] = [s for s in policy["Statement"] if s["Action"]]
+    return policy
+
+
+def _list_bucket_under_the_prefix_only(policy: dict) -> dict:
+    """The policy this file had before: listing allowed only with ``s3:prefix`` under the
+    runs prefix, which no HeadBucket carries."""
+    prefix = _prefix(json.loads(POLICY.read_text()))
+    bucket_arn = next(s["Resource"] for s in policy["Statement"] if "s3:ListBucket" in _actions(s))
+    policy = _without_list_bucket(policy)
+    policy["Statement"].append(
+        {
+            "Effect": "Allow",
+            "Action": "s3:ListBucket",
+            "Resource": bucket_arn,
+            "Condition": {"StringLike": {"s3:prefix": [prefix, f"{prefix}/*"]}},
+        }
+    )
+    return policy
+
+
+@pytest.mark.parametrize("plant", [_without_list_bucket, _list_bucket_under_the_prefix_only])
+def test_without_list_bucket_on_the_bucket_the_run_fails_in_one_line(iam_s3, tiny_mnist, plant):
+    policy = the_policy(iam_s3.bucket)
+    planted = plant(policy)
+    assert planted != policy
+    env = iam_s3.env(iam_s3.user(as_moto_checks_it(planted)))
+    name = f"planted-{plant.__name__.strip('_')}"
+    marker = uuid.uuid4().hex
+    try:
+        result = subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "raytrain_mnist",
+                "fit",
+                *_fit_args(iam_s3, tiny_mnist, name, 2),
+            ],
+            capture_output=True,
+            text=True,
+            cwd=REPO,
+            timeout=300,
+            env={**env, MARKER_VAR: marker},
+        )
+    finally:
+        kill_marked(marker)
+    assert result.returncode == 1, result.stdout + result.stderr
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and "Traceback" not in result.stderr, result.stderr
+    assert "HeadBucket" in lines[0] and "ACCESS_DENIED" in lines[0], lines[0]
+    assert f"{_storage(iam_s3)}/{name}" in lines[0], lines[0]
