@@ -1,8 +1,9 @@
 """Data-parallel MNIST training on Ray Train: the reference implementation.
 
-The command line is ``python -m raytrain_mnist.fit`` (or ``raytrain-mnist fit``). Library
-entry points are imported lazily, so the CLI answers ``--help`` and bad flags without
-loading torch or ray.
+The command line is ``python -m raytrain_mnist.fit`` (or ``raytrain-mnist fit``). The library
+calls, which return results and never print, are ``raytrain_mnist.driver.fit``, ``.search`` and
+``.evaluate_checkpoint``. Entry points are imported lazily, so the CLI answers ``--help`` and
+bad flags without loading torch or ray.
 """
 
 from __future__ import annotations
@@ -15,7 +16,8 @@ from raytrain_mnist.config import ConfigError, FitConfig, RunSettings, TrainConf
 __all__ = ["ConfigError", "ConvNet", "FitConfig", "RunSettings", "TrainConfig", "load_mnist"]
 __version__ = "0.1.0"
 
-# (``fit`` is not re-exported: ``raytrain_mnist.fit`` is the module of the same name.)
+# (``fit`` is not re-exported here: ``raytrain_mnist.fit`` is the command module; the library
+# call is ``raytrain_mnist.driver.fit``.)
 _LAZY = {"ConvNet": "raytrain_mnist.model", "load_mnist": "raytrain_mnist.data"}
 
 
