@@ -2,7 +2,7 @@
 
 The library (:func:`raytrain_mnist.driver.fitting.fit`) tells its caller what happens as
 :mod:`~raytrain_mnist.driver.events`: start-up phases, notes, rank 0's steps within an
-epoch (``loop.ProgressFeed``, carried by ``driver.monitor``), each committed epoch. The
+epoch (``worker.feed.ProgressFeed``, carried by ``driver.monitor``), each committed epoch. The
 command hands them to a :class:`Renderer`, which turns them into output in one of four
 modes (``--progress``):
 

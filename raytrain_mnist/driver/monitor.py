@@ -3,7 +3,7 @@
 Three pieces, one per process that takes part:
 
 * :class:`RunChannel`, a small actor on the driver's node. Rank 0's
-  :class:`~raytrain_mnist.worker.loop.ProgressFeed` puts its stream there (``ready``,
+  :class:`~raytrain_mnist.worker.feed.ProgressFeed` puts its stream there (``ready``,
   ``first_step``, ``step``), the Train controller puts each committed epoch and its own
   handle (to abort the run on Ctrl-C). Nothing waits on the driver: every put is fire and
   forget.
