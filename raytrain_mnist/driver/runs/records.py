@@ -14,10 +14,13 @@ checkpoints it committed. Reads and writes go through :class:`.storage.RunStorag
 from __future__ import annotations
 
 import hashlib
+import json
+import os
+import time
 from typing import Any
 
 from raytrain_mnist.config import CHECKPOINT_METRIC, FitConfig, settings_digest
-from raytrain_mnist.driver.runs.storage import RunStorage
+from raytrain_mnist.driver.runs.storage import RunStorage, is_safe_name
 from raytrain_mnist.errors import EXIT_USAGE, UserError
 
 RUN_FILE = "run.json"
@@ -127,33 +130,126 @@ class RunRecords:
 # --------------------------------------------------------------------------- checkpoints
 
 
+class CorruptSnapshot(UserError):
+    """Ray Train's record of the run's checkpoints cannot be trusted: not JSON, not the
+    shape Ray writes, or naming a checkpoint that is not one folder inside the run. Never
+    read as "no checkpoints" (a resume would silently start again at epoch 0), never
+    followed (Ray would load, and later delete, what it names)."""
+
+    def __init__(self, path: str, reason: str) -> None:
+        self.path, self.reason = path, reason
+        super().__init__(
+            f"cannot resume: {path} is corrupt ({reason}); move it away or pass --fresh"
+        )
+
+
+#: The snapshot's fields that hold one checkpoint's record each, lists of them, and lists of
+#: checkpoint folder names (Ray Train V2's ``_CheckpointManagerState``). All optional here.
+_ENTRY_FIELDS = ("latest_checkpoint_result",)
+_ENTRY_LIST_FIELDS = ("checkpoint_results", "pending_training_results")
+_NAME_LIST_FIELDS = (
+    "validated_checkpoint_dir_names",
+    "timed_out_validation_checkpoint_dir_names",
+    "failed_validation_checkpoint_dir_names",
+)
+#: A read that finds a half-written snapshot (Ray rewrites it in place at every commit, and
+#: ``evaluate`` may read a run that is still training) is tried again this often, this far
+#: apart, before the file is called corrupt.
+_SNAPSHOT_READS, _SNAPSHOT_RETRY_S = 3, 0.25
+
+
 class CheckpointRecord:
     """Ray Train's record of the checkpoints a run committed (``checkpoint_manager_snapshot
-    .json``), read afresh at every call: Ray rewrites it at every commit."""
+    .json``), read afresh at every call: Ray rewrites it at every commit.
+
+    Every checkpoint it names is checked before anything follows it: one safe path segment
+    (:func:`~.storage.is_safe_name`), and on a local disk a folder whose resolved path stays
+    inside the run (no link out of it). A snapshot that fails is :class:`CorruptSnapshot`.
+    """
 
     def __init__(self, files: RunStorage) -> None:
         self.files = files
 
+    @property
+    def _where(self) -> str:
+        return f"{self.files.dir}/{SNAPSHOT_FILE}"
+
     def snapshot(self) -> dict:
-        """Ray Train's record of the committed checkpoints ({} before the first)."""
-        try:
-            return self.files.read_json(SNAPSHOT_FILE) or {}
-        except UserError:
-            return {}  # Ray writes it; a torn read while it commits is not ours to report
+        """Ray Train's record of the committed checkpoints ({} before the first), checked;
+        :class:`CorruptSnapshot` when it cannot be trusted."""
+        for attempt in range(_SNAPSHOT_READS):
+            raw = self.files.read_bytes(SNAPSHOT_FILE)  # one line when unreadable
+            if raw is None:
+                return {}
+            try:
+                value = json.loads(raw)
+                break
+            except ValueError as exc:
+                reason = f"not JSON: {exc.__class__.__name__}"
+                if attempt + 1 < _SNAPSHOT_READS:
+                    time.sleep(_SNAPSHOT_RETRY_S)
+        else:
+            raise CorruptSnapshot(self._where, reason)
+        self._check(value)
+        return value
+
+    def _check(self, value: Any) -> None:
+        if not isinstance(value, dict):
+            raise CorruptSnapshot(self._where, f"a JSON {type(value).__name__}, not an object")
+        entries = []
+        for field in _ENTRY_FIELDS:
+            if value.get(field) is not None:
+                entries.append((field, value[field]))
+        for field in _ENTRY_LIST_FIELDS:
+            listed = value.get(field)
+            if listed is None:
+                continue
+            if not isinstance(listed, list):
+                raise CorruptSnapshot(self._where, f"{field} is not a list")
+            entries += [(f"{field}[{i}]", entry) for i, entry in enumerate(listed)]
+        names = []
+        for field, entry in entries:
+            if not isinstance(entry, dict) or "checkpoint_dir_name" not in entry:
+                raise CorruptSnapshot(self._where, f"{field} is not a checkpoint's record")
+            if not isinstance(entry.get("metrics", {}), dict):
+                raise CorruptSnapshot(self._where, f"{field}.metrics is not an object")
+            names.append(entry["checkpoint_dir_name"])
+        for field in _NAME_LIST_FIELDS:
+            listed = value.get(field)
+            if listed is None:
+                continue
+            if not isinstance(listed, list):
+                raise CorruptSnapshot(self._where, f"{field} is not a list")
+            names += listed
+        for name in names:
+            self._inside(name)
+
+    def _inside(self, name: Any) -> str:
+        """The checkpoint folder ``name`` names, when it is one inside this run."""
+        if not is_safe_name(name):
+            raise CorruptSnapshot(
+                self._where, f"checkpoint {name!r} is not one folder inside the run"
+            )
+        path = f"{self.files.dir}/{name}"
+        if self.files.local:
+            run, real = os.path.realpath(self.files.dir), os.path.realpath(path)
+            if real == run or os.path.commonpath([run, real]) != run:
+                raise CorruptSnapshot(
+                    self._where, f"checkpoint {name!r} leads outside the run, to {real}"
+                )
+        return path
 
     def checkpoints(self) -> list[tuple[str, dict]]:
         """(checkpoint directory, its metrics) of every committed, kept checkpoint."""
         return [
-            (f"{self.files.dir}/{r['checkpoint_dir_name']}", r.get("metrics") or {})
+            (self._inside(r["checkpoint_dir_name"]), r.get("metrics") or {})
             for r in self.snapshot().get("checkpoint_results") or []
-            if r.get("checkpoint_dir_name")
         ]
 
     def latest_checkpoint(self) -> str | None:
         """The checkpoint a resume starts from."""
-        latest = self.snapshot().get("latest_checkpoint_result") or {}
-        name = latest.get("checkpoint_dir_name")
-        return f"{self.files.dir}/{name}" if name else None
+        latest = self.snapshot().get("latest_checkpoint_result")
+        return self._inside(latest["checkpoint_dir_name"]) if latest else None
 
     def latest_metrics(self) -> dict:
         return (self.snapshot().get("latest_checkpoint_result") or {}).get("metrics") or {}
@@ -163,7 +259,7 @@ class CheckpointRecord:
         scored = [
             (m[metric], i, path)
             for i, (path, m) in enumerate(self.checkpoints())
-            if isinstance(m.get(metric), (int, float))
+            if isinstance(m.get(metric), (int, float)) and not isinstance(m.get(metric), bool)
         ]
         if not scored:
             return self.latest_checkpoint()
@@ -171,12 +267,19 @@ class CheckpointRecord:
         sign = 1 if mode == "max" else -1
         return pick(scored, key=lambda s: (s[0], sign * s[1]))[2]
 
-    def relocate(self, recorded: str | None) -> str | None:
-        """A checkpoint path recorded in this run's files, where it is now (the run may
-        have moved since), or None when it does not lie inside this run."""
-        if not recorded:
+    def relocate(self, recorded: Any) -> str | None:
+        """A checkpoint path recorded in this run's files (``summary.json``), where it is
+        now (the run may have moved since), or None when it does not lie inside this run:
+        a path inside it as it stands, else a ``checkpoint_*`` folder of that name inside
+        it (a safe name, no link out of the run)."""
+        if not recorded or not isinstance(recorded, str):
             return None
         if self.files.contains(recorded):
             return recorded
         name = recorded.rstrip("/").rpartition("/")[2]
-        return f"{self.files.dir}/{name}" if name.startswith("checkpoint_") else None
+        if not name.startswith("checkpoint_"):
+            return None
+        try:
+            return self._inside(name)
+        except CorruptSnapshot:
+            return None

@@ -15,9 +15,18 @@ import os
 import tempfile
 from collections.abc import Iterator
 from pathlib import Path
-from urllib.parse import urlsplit
 
+from raytrain_mnist.config import ConfigError, check_run_name
 from raytrain_mnist.errors import EXIT_USAGE, UserError, first_line
+
+#: The most a checkpoint directory downloaded from an object store may hold. Ours hold one
+#: ``state.pt`` of the ConvNet (under 2 MB with its optimizer state); 256 MiB leaves room for
+#: a model a hundred times larger, while a planted or runaway prefix can neither fill the
+#: local disk nor keep a command downloading for an hour.
+MAX_CHECKPOINT_BYTES = 256 * 2**20
+#: What a URI reads as more than a path (a query, a fragment, an escape, a Windows
+#: separator): never inside a name recorded in a run's files.
+_URI_SPECIAL = frozenset("?#%\\")
 
 
 def is_uri(path: str) -> bool:
@@ -26,14 +35,54 @@ def is_uri(path: str) -> bool:
 
 
 def check_no_credentials(uri: str, flag: str) -> None:
-    """Refuse ``scheme://user:secret@host``: secrets never travel in flags, files or logs."""
-    if is_uri(uri) and urlsplit(uri).password is not None:
-        raise UserError(
-            f"{flag}: the URI carries credentials; pass them through the "
-            "environment instead (AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY for "
-            "s3://, MLFLOW_TRACKING_USERNAME / _PASSWORD for MLflow)",
-            EXIT_USAGE,
-        )
+    """Refuse a URI that carries credentials (:func:`raytrain_mnist.config.check_no_credentials`:
+    user info, secret query parameters; the message redacts them), as a usage error."""
+    from raytrain_mnist.config import ConfigError
+    from raytrain_mnist.config import check_no_credentials as check
+
+    try:
+        check(uri, flag)
+    except ConfigError as exc:
+        raise UserError(str(exc), EXIT_USAGE) from None
+
+
+def is_safe_name(name: object) -> bool:
+    """Whether ``name`` is one safe path segment, on a local disk and in a URI: what a run
+    name may be (:func:`raytrain_mnist.config.check_run_name`: no ``/``, no ``.`` or ``..``,
+    printable), and nothing a URI reads as more than a path. Names recorded in a run's
+    files (checkpoints, trials) are followed only then."""
+    if not isinstance(name, str) or any(c in _URI_SPECIAL for c in name):
+        return False
+    try:
+        check_run_name(name)
+    except ConfigError:
+        return False
+    return True
+
+
+def atomic_write(target: Path, payload: bytes) -> None:
+    """Write ``payload`` to the local file ``target`` through a temporary file beside it
+    (created anew, never through a link) and a rename: a reader sees the old file or the
+    new one, never half of one. On any error (a full disk included) the temporary file is
+    removed and the previous file is left as it was; the error is raised. A link at
+    ``target`` is replaced by the file, never written through."""
+    fd, tmp = tempfile.mkstemp(dir=target.parent, prefix=f".{target.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(payload)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, target)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise
+    with contextlib.suppress(OSError):  # the rename itself, durable (not every FS can)
+        directory = os.open(target.parent, os.O_RDONLY)
+        try:
+            os.fsync(directory)
+        finally:
+            os.close(directory)
 
 
 def storage_root(storage_path: str) -> str:
@@ -148,21 +197,26 @@ class RunStorage:
         return value
 
     def write_bytes(self, name: str, payload: bytes) -> str:
-        """Atomically: a reader sees the old file or the new one, never half of one."""
+        """Atomically: a reader sees the old file or the new one, never half of one. A
+        write that fails (a full disk) leaves the previous file intact and no temporary
+        file behind, and is one line (:class:`UserError`)."""
         if self.local:
             target = Path(self.dir) / name
-            target.parent.mkdir(parents=True, exist_ok=True)
-            with tempfile.NamedTemporaryFile(
-                dir=target.parent, prefix=f".{target.name}.", delete=False
-            ) as tmp:
-                tmp.write(payload)
-                tmp.flush()
-                os.fsync(tmp.fileno())
-            os.replace(tmp.name, target)
+            try:
+                target.parent.mkdir(parents=True, exist_ok=True)
+                atomic_write(target, payload)
+            except OSError as exc:
+                raise UserError(
+                    f"cannot write {target} ({exc.strerror or first_line(exc)}); "
+                    f"the previous {target.name}, if any, is kept"
+                ) from exc
             return str(target)
         # An object store's single PUT is atomic: the object appears whole or not at all.
-        with self.filesystem.open_output_stream(self.path(name)) as f:
-            f.write(payload)
+        try:
+            with self.filesystem.open_output_stream(self.path(name)) as f:
+                f.write(payload)
+        except OSError as exc:
+            raise UserError(f"cannot write {self.dir}/{name} ({first_line(exc)})") from exc
         return f"{self.dir}/{name}"
 
     def write_json(self, name: str, record: dict) -> str:
@@ -171,16 +225,21 @@ class RunStorage:
     # ----------------------------------------------------------------- the directory
 
     def contains(self, path: str) -> bool:
-        """Whether ``path`` lies inside this directory."""
-        if is_uri(path) != (not self.local):
+        """Whether ``path`` lies inside this directory: locally once every link is
+        resolved; in a URI, below this directory by safe segments only (no ``..``, nothing
+        a URI reads as more than a path, so never another bucket or host)."""
+        if not isinstance(path, str) or is_uri(path) != (not self.local):
             return False
         if self.local:
             try:
                 Path(path).resolve().relative_to(Path(self.dir).resolve())
                 return True
-            except ValueError:
+            except (ValueError, OSError):
                 return False
-        return path.rstrip("/").startswith(self.dir + "/")
+        prefix = self.dir + "/"
+        if not path.startswith(prefix):
+            return False
+        return all(is_safe_name(part) for part in path[len(prefix) :].rstrip("/").split("/"))
 
     def check_writable(self) -> None:
         """Refuse (exit 2), in one line, a local storage path where this directory cannot
@@ -243,22 +302,58 @@ class RunStorage:
 
 
 @contextlib.contextmanager
-def local_copy(checkpoint: str) -> Iterator[Path]:
-    """A local directory holding ``checkpoint`` (itself, or a download of it)."""
+def local_copy(checkpoint: str, limit: int | None = None) -> Iterator[Path]:
+    """A local directory holding ``checkpoint`` (itself, or a download of it).
+
+    A download is bounded: a checkpoint that lists more than ``limit`` bytes (default
+    :data:`MAX_CHECKPOINT_BYTES`) is refused before anything is fetched, the bytes are
+    counted while copying (an object that grows meanwhile is cut off), and an object whose
+    key would lead outside the directory (``..``, empty segments) is refused.
+    :class:`UserError`, one line."""
     if not is_uri(checkpoint):
         yield Path(checkpoint)
         return
     import pyarrow.fs
 
-    fs, path = pyarrow.fs.FileSystem.from_uri(checkpoint)
+    limit = MAX_CHECKPOINT_BYTES if limit is None else limit
+
+    def refused(why: str) -> UserError:
+        return UserError(f"refusing to download checkpoint {checkpoint}: {why}")
+
+    try:
+        fs, base = pyarrow.fs.FileSystem.from_uri(checkpoint)
+        base = base.rstrip("/")
+        listing = fs.get_file_info(pyarrow.fs.FileSelector(base, recursive=True))
+    except (OSError, ValueError) as exc:
+        raise UserError(f"cannot read checkpoint {checkpoint}: {first_line(exc)}") from exc
+    files: list[tuple[str, list[str]]] = []
+    total = 0
+    for info in listing:
+        if info.type != pyarrow.fs.FileType.File:
+            continue
+        relative = info.path[len(base) + 1 :] if info.path.startswith(base + "/") else ""
+        parts = relative.split("/")
+        if not relative or any(part in ("", ".", "..") for part in parts):
+            raise refused(f"it holds {info.path!r}, which leads outside it")
+        files.append((info.path, parts))
+        total += max(info.size or 0, 0)
+    if total > limit:
+        raise refused(
+            f"it holds {total} bytes, more than the {limit} bytes a checkpoint of "
+            "raytrain_mnist may hold"
+        )
     with tempfile.TemporaryDirectory(prefix="raytrain_mnist-ckpt-") as tmp:
+        copied = 0
         try:
-            pyarrow.fs.copy_files(
-                path,
-                tmp,
-                source_filesystem=fs,
-                destination_filesystem=pyarrow.fs.LocalFileSystem(),
-            )
+            for source, parts in files:
+                local = Path(tmp, *parts)
+                local.parent.mkdir(parents=True, exist_ok=True)
+                with fs.open_input_stream(source) as src, open(local, "xb") as dst:
+                    while chunk := src.read(1 << 20):
+                        copied += len(chunk)
+                        if copied > limit:
+                            raise refused(f"it grew past {limit} bytes while downloading")
+                        dst.write(chunk)
         except OSError as exc:
             raise UserError(f"cannot read checkpoint {checkpoint}: {first_line(exc)}") from exc
         yield Path(tmp)
