@@ -24,9 +24,9 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
+from raytrain_mnist.config import check_no_credentials, python_command
 from raytrain_mnist.config import command_line as command_line  # re-exported
 from raytrain_mnist.config import flags_of as flags_of  # re-exported
-from raytrain_mnist.config import python_command
 from raytrain_mnist.errors import (
     EXIT_FAILURE,
     EXIT_INTERRUPTED,
@@ -98,11 +98,21 @@ def add_target_argument(parser: argparse.ArgumentParser) -> None:
     """RUN_DIR_OR_CHECKPOINT, as ``driver.targets.resolve_target`` takes it (evaluate, serve)."""
     parser.add_argument(
         "target",
+        type=_target,
         metavar="RUN_DIR_OR_CHECKPOINT",
         help="a run directory (its best checkpoint), a Tune experiment (its "
         "best trial's), a checkpoint directory or a state.pt file; a "
         "local path or a URI such as s3://bucket/runs/NAME",
     )
+
+
+def _target(text: str) -> str:
+    """RUN_DIR_OR_CHECKPOINT without credentials in it (refused, redacted, at parse time)."""
+    try:
+        check_no_credentials(text, "RUN_DIR_OR_CHECKPOINT")
+    except ConfigError as exc:  # argparse would echo the value after a ValueError
+        raise argparse.ArgumentTypeError(str(exc).removeprefix("RUN_DIR_OR_CHECKPOINT ")) from None
+    return text
 
 
 def dataclass_from_args(

@@ -18,6 +18,7 @@ import hashlib
 import json
 import math
 import os
+import re
 import shlex
 import shutil
 import sys
@@ -40,6 +41,7 @@ _opt = option
 AMP_CHOICES = ("off", "bf16", "fp16")
 SYNC_BN_CHOICES = ("auto", "on", "off")
 SCHEDULE_CHOICES = ("onecycle", "constant")
+OPTIMIZER_CHOICES = ("sgd", "adamw")
 BACKEND_CHOICES = ("auto", "nccl", "gloo")
 INIT_METHOD_CHOICES = ("env", "tcp")
 DATASET_CHOICES = ("auto", "mnist", "sample")
@@ -62,6 +64,13 @@ class TrainConfig:
     """Hyperparameters of one training run; identical on every worker."""
 
     epochs: int = _opt(2, "number of passes over the training set")
+    optimizer: str = _opt("sgd", "optimizer", OPTIMIZER_CHOICES)
+    beta2: float = _opt(0.999, "AdamW beta2")
+    warmup_pct: float = _opt(0.25, "one-cycle warm-up share")
+    cycle_momentum: int = _opt(1, "cycle momentum")
+    div_factor: float = _opt(25.0, "div")
+    final_div_factor: float = _opt(1e4, "final div")
+    label_smoothing: float = _opt(0.0, "label smoothing")
     batch_size: int = _opt(128, "global batch size, split evenly across the workers")
     lr: float = _opt(0.1, "peak learning rate of SGD (the one-cycle schedule warms up to it)")
     momentum: float = _opt(0.9, "SGD momentum (Nesterov)")
@@ -228,6 +237,9 @@ class RunSettings:
         _check_int("keep-checkpoints", self.keep_checkpoints, 1)
         if not self.storage_path:
             raise ConfigError("--storage-path must not be empty")
+        check_no_credentials(self.storage_path, "--storage-path")
+        if self.data_dir is not None:
+            check_no_credentials(self.data_dir, "--data-dir")
         if self.name is not None:
             check_run_name(self.name)
         if self.socket_ifname is not None and not self.socket_ifname.strip():
@@ -404,18 +416,20 @@ def epochs_for(train: TrainConfig, train_size: int) -> int:
     return max(default, math.ceil(default * (FULL_TRAIN_SIZE // train.batch_size) / steps))
 
 
-def check_run_name(name: str) -> None:
-    if (
-        not name
-        or name in (".", "..")
-        or "/" in name
-        or os.sep in name
-        or name.startswith("-")
-        or not name.isprintable()
-        or len(name) > NAME_MAX
-    ):
+#: A run name: one path segment that means the same on every storage (a local directory, an
+#: S3 key, a URI): ASCII letters, digits, '.', '_' and '-', never first '.' or '-'. Nothing a
+#: URI gives a meaning to ('?', '#', '%', '/', '\\'), no blanks, no control characters.
+RUN_NAME_RULE = "letters, digits, '.', '_' and '-', not starting with '.' or '-'"
+_RUN_NAME = re.compile(r"[A-Za-z0-9_][A-Za-z0-9._-]*", re.ASCII)
+
+
+def check_run_name(name: str, flag: str = "--name") -> None:
+    """Refuse a run name that is not a safe path segment on every storage (:data:`RUN_NAME_RULE`,
+    at most :data:`NAME_MAX` characters)."""
+    if not isinstance(name, str) or len(name) > NAME_MAX or not _RUN_NAME.fullmatch(name):
+        shown = repr(name if not isinstance(name, str) or len(name) <= 60 else name[:60] + "...")
         raise ConfigError(
-            f"--name {name!r} is not a valid run name: use letters, digits, '-', '_' or '.' "
+            f"{flag} {shown} is not a valid run name: use {RUN_NAME_RULE} "
             f"(at most {NAME_MAX} characters)"
         )
 
@@ -429,6 +443,11 @@ def check_ray_address(address: str, flag: str = "--address") -> None:
         raise ConfigError(
             f"{flag} is empty; drop it to train on a local Ray, or give "
             "HOST:PORT of the cluster's head (e.g. 10.0.0.1:6379)"
+        )
+    if "@" in address:  # not echoed: the part before '@' may be a password
+        raise ConfigError(
+            f"{flag}: a Ray address holds no user name or password; give HOST:PORT "
+            "(e.g. 10.0.0.1:6379), ray://HOST:PORT or auto"
         )
     rest = address[len("ray://") :] if address.startswith("ray://") else address
     if "://" in rest:
@@ -458,18 +477,95 @@ def split_host_port(text: str) -> tuple[str | None, int | None]:
 
 def check_mlflow_uri(uri: str) -> None:
     """A tracking URI is written into run records and printed: credentials stay out of it."""
-    from urllib.parse import urlsplit
+    check_no_credentials(uri, "--mlflow-uri")
 
-    try:
-        parts = urlsplit(uri)
-        has_credentials = parts.username is not None or parts.password is not None
-    except ValueError as exc:
-        raise ConfigError(f"--mlflow-uri is not a URI ({exc})") from None
-    if has_credentials:
+
+#: URI schemes whose user part (``abfs://CONTAINER@ACCOUNT...``, ``hdfs://USER@HOST``) names
+#: a container, an account or a user: not a credential unless it holds a password.
+_NAMED_USER_SCHEMES = ("abfs", "abfss", "hdfs", "viewfs")
+#: Query parameters that carry secrets, matched case-insensitively as parts of a parameter's
+#: name: pyarrow's S3 ``access_key``, ``secret_key``, ``session_token``; Azure's
+#: ``account_key``, ``client_secret``, SAS ``sig``; any server's token or password.
+_SECRET_PARAMETERS = ("key", "secret", "token", "passw", "pwd", "credential", "sig", "auth")
+_SCHEME = re.compile(r"([A-Za-z][A-Za-z0-9+.-]*):")
+
+
+def _uri_parts(uri: str) -> tuple[str, str | None, str, str]:
+    """``(scheme, user info or None, query, fragment)`` of ``uri``, split by hand: the same
+    for a URI urllib refuses (a bad IPv6 host), so that nothing slips past in one."""
+    found = _SCHEME.match(uri)
+    scheme = found[1].lower() if found else ""
+    rest = uri[found.end() :] if found else uri
+    rest, _, fragment = rest.partition("#")
+    rest, _, query = rest.partition("?")
+    userinfo = None
+    if rest.startswith("//"):
+        authority = re.split(r"[/\\]", rest[2:], maxsplit=1)[0]
+        port = authority.rpartition(":")[2]
+        if "@" in authority:
+            userinfo = authority.rpartition("@")[0]
+        elif ":" in authority and not authority.startswith("[") and not port.isdigit():
+            # KEY:SECRET@ where the secret holds a '/' (AWS secrets may): no port follows
+            # the ':', an '@' does.
+            userinfo = rest[2:].partition("@")[0] if "@" in rest else None
+    return scheme, userinfo, query, fragment
+
+
+def redact_uri(uri: str) -> str:
+    """``uri`` as an error message may show it: its user info and its query string (and
+    fragment) replaced by ``***``, e.g. ``s3://***@bucket/runs?***``."""
+    uri = str(uri)
+    _, userinfo, query, fragment = _uri_parts(uri)
+    shown = uri.partition("#")[0].partition("?")[0]
+    if userinfo is not None:
+        head, _, tail = shown.partition("//")
+        shown = f"{head}//***@{tail[len(userinfo) + 1 :]}"
+    return shown + ("?***" if query else "") + ("#***" if fragment else "")
+
+
+def uri_credentials(uri: str) -> str | None:
+    """What in ``uri`` is a credential ("a password", "a user name", "the query parameter
+    'secret_key'"), or None: a local path (no scheme) has none."""
+    from urllib.parse import parse_qsl
+
+    uri = str(uri)
+    scheme, userinfo, query, _ = _uri_parts(uri)
+    if not scheme:
+        return None
+    if userinfo is not None:
+        if ":" in userinfo:
+            return "a password"
+        if scheme not in _NAMED_USER_SCHEMES:
+            return "a user name or token"
+    for name, _ in parse_qsl(query, keep_blank_values=True):
+        key = name.lower()
+        if any(secret in key for secret in _SECRET_PARAMETERS):
+            return f"the query parameter {name[:40]!r}"
+    return None
+
+
+def _credential_hint(flag: str, scheme: str) -> str:
+    if flag == "--mlflow-uri":
+        return "MLFLOW_TRACKING_USERNAME and MLFLOW_TRACKING_PASSWORD, or MLFLOW_TRACKING_TOKEN"
+    if scheme == "s3":
+        return "AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY, or AWS_PROFILE"
+    if scheme in ("gs", "gcs"):
+        return "GOOGLE_APPLICATION_CREDENTIALS"
+    if scheme in ("abfs", "abfss"):
+        return "AZURE_CLIENT_ID, AZURE_TENANT_ID and AZURE_CLIENT_SECRET"
+    return "the store's own environment variables or configuration files"
+
+
+def check_no_credentials(uri: str, flag: str) -> None:
+    """Refuse a URI that carries a secret (``s3://KEY:SECRET@bucket``, ``https://token@host``,
+    ``?secret_key=...``): flags travel into job tables, run records and logs. The message
+    shows the URI redacted (:func:`redact_uri`)."""
+    what = uri_credentials(uri)
+    if what is not None:
         raise ConfigError(
-            "--mlflow-uri must not hold credentials (user:password@); give them through the "
-            "environment: MLFLOW_TRACKING_USERNAME and MLFLOW_TRACKING_PASSWORD (or "
-            "MLFLOW_TRACKING_TOKEN)"
+            f"{flag} {redact_uri(uri)}: the URI carries credentials; pass them through the "
+            f"environment instead ({_credential_hint(flag, _uri_parts(str(uri))[0])}); "
+            f"it holds {what}"
         )
 
 

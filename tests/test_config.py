@@ -149,10 +149,109 @@ def test_an_mlflow_uri_without_credentials_passes(uri):
     RunSettings(mlflow_uri=uri)
 
 
-@pytest.mark.parametrize("name", ["a\nb", "tab\there", "x" * 201])
-def test_names_that_are_no_file_name_are_refused(name):
-    with pytest.raises(ConfigError, match="--name"):
+@pytest.mark.parametrize(
+    "name",
+    [
+        "a\nb",
+        "tab\there",
+        "x" * 201,
+        "",
+        ".",
+        "..",
+        ".hidden",
+        "-rf",
+        "a/b",
+        "a\\b",
+        "run?x=1",
+        "run#2",
+        "100%",
+        "a b",
+        "a\x1b[2J",
+        "a\x00b",
+        "caf\u00e9",
+        "a$b",
+        "a:b",
+    ],
+)
+def test_names_that_are_no_safe_path_segment_are_refused_with_the_rule(name):
+    with pytest.raises(ConfigError, match="--name") as info:
         RunSettings(name=name)
+    message = str(info.value)
+    assert "letters, digits, '.', '_' and '-', not starting with '.' or '-'" in message
+    assert "at most 200 characters" in message and "\n" not in message and "\x1b" not in message
+
+
+@pytest.mark.parametrize("name", ["r", "mnist-2w-0a1b2c3d", "tune-2-4w-x.previous-3", "_a", "A9"])
+def test_safe_run_names_pass(name):
+    assert RunSettings(name=name).name == name
+
+
+# --------------------------------------------------------------------------- secrets in URIs
+
+SECRET = "wJalrXUtnFEMIK7MDENG"
+
+
+@pytest.mark.parametrize(
+    "field, uri",
+    [
+        ("storage_path", f"s3://AKIAEXAMPLE:{SECRET}@bucket/runs"),
+        ("storage_path", f"s3://AKIAEXAMPLE:{SECRET[:8]}/{SECRET[8:]}@bucket/runs"),
+        ("storage_path", f"s3://{SECRET}@bucket/runs"),  # a key alone is a credential
+        ("storage_path", f"s3://bucket/runs?access_key=AKIAEXAMPLE&secret_key={SECRET}"),
+        ("storage_path", f"s3://bucket/runs?region=us-east-1&session_token={SECRET}"),
+        ("storage_path", f"gs://bucket/runs?Access_Token={SECRET}"),
+        ("storage_path", f"abfs://container:{SECRET}@account.dfs.core.windows.net/runs"),
+        ("storage_path", f"abfs://c@account.dfs.core.windows.net/runs?account_key={SECRET}"),
+        ("storage_path", f"abfs://c@account.dfs.core.windows.net/runs?sv=2022&sig={SECRET}"),
+        ("mlflow_uri", f"https://user:{SECRET}@mlflow.example"),
+        ("mlflow_uri", f"https://mlflow.example/?token={SECRET}"),
+        ("data_dir", f"s3://K:{SECRET}@bucket/mnist"),
+    ],
+)
+def test_credentials_in_a_uri_are_refused_and_never_echoed(field, uri):
+    flag = "--" + field.replace("_", "-")
+    with pytest.raises(ConfigError, match="carries credentials; pass them through the env") as info:
+        RunSettings(**{field: uri})
+    message = str(info.value)
+    assert message.startswith(f"{flag} ") and SECRET not in message and SECRET[8:] not in message
+    assert "AKIAEXAMPLE" not in message
+
+
+@pytest.mark.parametrize(
+    "uri, shown",
+    [
+        (f"s3://KEY:{SECRET}@bucket/runs", "s3://***@bucket/runs"),
+        (f"s3://bucket/runs?secret_key={SECRET}", "s3://bucket/runs?***"),
+        (f"https://u:{SECRET}@h:5000/x?t=1#frag", "https://***@h:5000/x?***#***"),
+        ("s3://bucket/runs", "s3://bucket/runs"),
+        ("runs", "runs"),
+    ],
+)
+def test_redact_uri(uri, shown):
+    from raytrain_mnist.config import redact_uri
+
+    assert redact_uri(uri) == shown
+
+
+@pytest.mark.parametrize(
+    "field, uri",
+    [
+        ("storage_path", "s3://bucket/runs"),
+        ("storage_path", "s3://bucket/a@b"),  # an '@' in a key, not in the host part
+        ("storage_path", "s3://bucket/runs?region=us-east-1&endpoint_override=127.0.0.1:9000"),
+        ("storage_path", "abfs://container@account.dfs.core.windows.net/runs"),  # a container
+        ("storage_path", "/tmp/me@host/runs"),  # a local path
+        ("data_dir", "/data/mnist"),
+    ],
+)
+def test_uris_without_credentials_pass(field, uri):
+    RunSettings(**{field: uri})
+
+
+def test_a_ray_address_with_a_user_part_is_refused_without_echo():
+    with pytest.raises(ConfigError, match="--address: a Ray address holds no user") as info:
+        RunSettings(address=f"ray://me:{SECRET}@head:10001")
+    assert SECRET not in str(info.value)
 
 
 @pytest.mark.parametrize(
