@@ -3,6 +3,8 @@
 import os
 import pickle
 import re
+import struct
+import zipfile
 
 import pytest
 import torch
@@ -273,3 +275,100 @@ def test_the_loops_checkpoint_passes_the_resume_check_and_resumes_the_uninterrup
     assert list(got) == list(expected)
     for name, value in expected.items():
         assert torch.equal(got[name], value), name
+
+
+# --------------------------------------------------------------------------- bounded loading
+
+
+def _zip_sizes(path) -> tuple[int, int]:
+    """How many records a zip archive lists, and what they unpack to."""
+    with zipfile.ZipFile(path) as archive:
+        infos = archive.infolist()
+    return len(infos), sum(i.file_size for i in infos)
+
+
+def _recompressed(source, target, compression=None):
+    """``source`` (a torch.save archive) written again with its records compressed: an
+    archive torch itself loads, but one whose records inflate."""
+    compression = zipfile.ZIP_DEFLATED if compression is None else compression
+    with zipfile.ZipFile(source) as old, zipfile.ZipFile(target, "w", compression) as new:
+        for info in old.infolist():
+            new.writestr(info.filename, old.read(info.filename))
+    return target
+
+
+def test_a_checkpoint_with_compressed_records_is_refused_before_torch_reads_it(tmp_path):
+    ckpt.save(tmp_path, {"model": ConvNet().state_dict()})
+    planted = _recompressed(tmp_path / ckpt.STATE_FILE, tmp_path / "planted.pt")
+    assert "model" in torch.load(planted, weights_only=True)  # torch would inflate it
+    with pytest.raises(ckpt.CheckpointError, match="is compressed") as info:
+        ckpt.load(planted)
+    assert str(info.value).startswith(f"refusing to load {planted}: its record ")
+    assert "\n" not in str(info.value)
+
+
+def test_a_zip_bomb_is_refused_without_inflating_it(tmp_path):
+    """One record that deflates 64 MiB of zeros into a few KiB: refused from the central
+    directory, with no memory spent on it."""
+    import tracemalloc
+
+    bomb = tmp_path / ckpt.STATE_FILE
+    with zipfile.ZipFile(bomb, "w", zipfile.ZIP_DEFLATED) as archive:
+        with archive.open("archive/data.pkl", "w") as f:
+            chunk = bytes(1 << 20)
+            for _ in range(64):
+                f.write(chunk)
+    assert bomb.stat().st_size < 1 << 20
+    tracemalloc.start()
+    try:
+        with pytest.raises(ckpt.CheckpointError, match="is compressed"):
+            ckpt.load(tmp_path)
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert peak < 8 << 20, peak
+
+
+def test_the_size_and_record_bounds(tmp_path, monkeypatch):
+    path = ckpt.save(tmp_path, {"model": ConvNet().state_dict()})
+    ckpt.load(path)  # the package's own checkpoint is within every bound
+    records, total = _zip_sizes(path)
+    monkeypatch.setattr(ckpt, "MAX_RECORDS", records - 1)
+    with pytest.raises(ckpt.CheckpointError, match=f"its archive lists {records} records"):
+        ckpt.load(path)
+    monkeypatch.setattr(ckpt, "MAX_RECORDS", records)
+    monkeypatch.setattr(ckpt, "MAX_STATE_BYTES", total - 1)
+    # The file itself is larger than what its records unpack to: the file's size first.
+    with pytest.raises(ckpt.CheckpointError, match=r"bytes, more than a checkpoint holds"):
+        ckpt.load(path)
+
+
+def test_a_stored_archive_whose_records_unpack_past_the_bound_is_refused(tmp_path, monkeypatch):
+    """Stored records that all point at the same bytes (a non-recursive zip bomb needs no
+    compression): the sum of their sizes is bounded, whatever the file's size."""
+    path = ckpt.save(tmp_path, {"model": ConvNet().state_dict()})
+    raw = bytearray(path.read_bytes())
+    with zipfile.ZipFile(path) as archive:
+        infos = archive.infolist()
+    records = len(infos)
+    # Point every central directory entry at the largest record's data and size.
+    first = max(infos, key=lambda i: i.file_size)
+    at = raw.find(b"PK\x01\x02")
+    while at >= 0:
+        raw[at + 20 : at + 28] = struct.pack("<LL", first.compress_size, first.file_size)
+        raw[at + 42 : at + 46] = struct.pack("<L", first.header_offset)
+        at = raw.find(b"PK\x01\x02", at + 4)
+    planted = tmp_path / "overlapping.pt"
+    planted.write_bytes(bytes(raw))
+    expected = first.file_size * records
+    monkeypatch.setattr(ckpt, "MAX_STATE_BYTES", max(len(raw), expected - 1))
+    with pytest.raises(ckpt.CheckpointError, match=f"its records unpack to {expected} bytes"):
+        ckpt.load(planted)
+
+
+def test_a_sparse_giant_state_file_is_refused_by_its_size(tmp_path):
+    path = ckpt.save(tmp_path, {"model": ConvNet().state_dict()})
+    with path.open("r+b") as f:
+        f.truncate(ckpt.MAX_STATE_BYTES + 1)  # sparse: costs no disk
+    with pytest.raises(ckpt.CheckpointError, match=f"{ckpt.MAX_STATE_BYTES + 1} bytes, more than"):
+        ckpt.load(tmp_path)

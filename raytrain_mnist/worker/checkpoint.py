@@ -8,7 +8,10 @@ starts, that a checkpoint will load where the worker loads it.
 
 Loading uses ``torch.load(weights_only=True)``: a file that would run code when unpickled is
 refused, never executed. That refusal is only as good as torch's: releases before 2.10 have
-known bypasses, so loading needs at least that.
+known bypasses, so loading needs at least that. Before torch reads anything, the archive is
+checked with :mod:`zipfile` (sizes from its central directory): the records ``torch.save``
+writes are stored uncompressed, so a compressed one (which could inflate without bound), more
+than :data:`MAX_RECORDS` records, or more than :data:`MAX_STATE_BYTES` in all is refused.
 """
 
 from __future__ import annotations
@@ -18,7 +21,9 @@ import math
 import os
 import pickle
 import re
+import struct
 import warnings
+import zipfile
 from pathlib import Path
 from typing import Any
 
@@ -34,6 +39,17 @@ FORMAT = "raytrain_mnist/1"
 #: The oldest torch whose ``weights_only`` loading has no known bypass (CVE-2025-32434 covers
 #: releases before 2.6, a later advisory those before 2.10); pyproject.toml requires it too.
 MIN_TORCH = (2, 10)
+
+
+#: The most a ``state.pt`` may hold, on disk and unpacked. Ours hold the ConvNet with its
+#: optimizer state (under 2 MB); this leaves room for a model a hundred times larger.
+MAX_STATE_BYTES = 256 * 2**20
+#: The most records its archive may list (torch.save writes one per tensor storage, plus a
+#: few: ours hold under a hundred). Bounds the central directory zipfile reads.
+MAX_RECORDS = 10_000
+_EOCD = struct.Struct("<4s4H2LH")  # the end of central directory record
+_ZIP64_LOCATOR = struct.Struct("<4sLQL")
+_ZIP64_EOCD = struct.Struct("<4sQ2H2L4Q")
 
 
 class CheckpointError(UserError):
@@ -60,6 +76,7 @@ def load(path: str | os.PathLike) -> dict[str, Any]:
         path = path / STATE_FILE
     if not path.is_file():
         raise CheckpointError(f"no checkpoint at {path}")
+    check_archive(path)
     try:
         state = torch.load(path, map_location="cpu", weights_only=True)
     except pickle.UnpicklingError as exc:
@@ -72,6 +89,81 @@ def load(path: str | os.PathLike) -> dict[str, Any]:
     if not isinstance(state, dict) or state.get("format") != FORMAT:
         raise CheckpointError(f"{path} is not a raytrain_mnist checkpoint")
     return state
+
+
+def check_archive(path: str | os.PathLike) -> None:
+    """Refuse, before torch inflates a byte of it, a ``state.pt`` that is not the plain zip
+    archive ``torch.save`` writes: larger than :data:`MAX_STATE_BYTES`, a central directory of
+    more than :data:`MAX_RECORDS` records, a compressed or encrypted record, or records that
+    unpack to more than :data:`MAX_STATE_BYTES` (overlapping records included)."""
+    path = Path(path)
+    refused = f"refusing to load {path}:"
+    corrupt = f"{path} is corrupt or truncated (not the zip archive torch.save writes)"
+    try:
+        with path.open("rb") as f:
+            size = os.fstat(f.fileno()).st_size
+            if size > MAX_STATE_BYTES:
+                raise CheckpointError(
+                    f"{refused} {size} bytes, more than a checkpoint holds "
+                    f"({MAX_STATE_BYTES} at most)"
+                )
+            count = _record_count(f, size)
+            if count is None:
+                raise CheckpointError(corrupt)
+            if count > MAX_RECORDS:
+                raise CheckpointError(
+                    f"{refused} its archive lists {count} records ({MAX_RECORDS} at most)"
+                )
+            f.seek(0)
+            with zipfile.ZipFile(f) as archive:
+                records = archive.infolist()
+    except (zipfile.BadZipFile, zipfile.LargeZipFile, EOFError, ValueError) as exc:
+        raise CheckpointError(corrupt) from exc
+    except OSError as exc:
+        raise CheckpointError(f"cannot read {path} ({exc.strerror or exc})") from exc
+    if len(records) > MAX_RECORDS:
+        raise CheckpointError(f"{refused} its archive lists {len(records)} records")
+    total = 0
+    for record in records:
+        if record.compress_type != zipfile.ZIP_STORED or record.flag_bits & 0x1:
+            kind = "encrypted" if record.flag_bits & 0x1 else "compressed"
+            raise CheckpointError(
+                f"{refused} its record {record.filename[:80]!r} is {kind} (torch.save "
+                "stores every record as it is; one that inflates is never unpacked)"
+            )
+        if record.file_size != record.compress_size or record.header_offset > size:
+            raise CheckpointError(corrupt)
+        total += record.file_size
+    if total > MAX_STATE_BYTES:
+        raise CheckpointError(
+            f"{refused} its records unpack to {total} bytes, more than a checkpoint "
+            f"holds ({MAX_STATE_BYTES} at most)"
+        )
+
+
+def _record_count(f, size: int) -> int | None:
+    """The number of records the zip archive ``f`` says it holds (its end of central
+    directory record, or the zip64 one it points to), read before zipfile reads them all;
+    None when there is no such record."""
+    f.seek(max(0, size - _EOCD.size - 0xFFFF))  # the record, then a comment of 64 KiB at most
+    tail = f.read()
+    at = tail.rfind(b"PK\x05\x06")
+    if at < 0 or len(tail) - at < _EOCD.size:
+        return None
+    count, directory_size = _EOCD.unpack_from(tail, at)[4:6]
+    if count != 0xFFFF and directory_size != 0xFFFFFFFF:
+        return count
+    locator = at - _ZIP64_LOCATOR.size
+    if locator < 0 or tail[locator : locator + 4] != b"PK\x06\x07":
+        return None
+    offset = _ZIP64_LOCATOR.unpack_from(tail, locator)[2]
+    if offset + _ZIP64_EOCD.size > size:
+        return None
+    f.seek(offset)
+    record = f.read(_ZIP64_EOCD.size)
+    if len(record) < _ZIP64_EOCD.size or record[:4] != b"PK\x06\x06":
+        return None
+    return _ZIP64_EOCD.unpack(record)[7]
 
 
 def check_torch(version: str | None = None) -> None:
