@@ -31,7 +31,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 from raytrain_mnist.config import CHECKPOINT_METRIC
-from raytrain_mnist.driver.runs.claim import LEASE_TTL_S, hold
+from raytrain_mnist.driver.runs.claim import LEASE_TTL_S, Claim, hold
 from raytrain_mnist.driver.runs.records import (
     BEST_FILE,
     CURVES_FILE,
@@ -99,6 +99,9 @@ class Run:
         self.record = record  # the identity record: run.json, or a search's search.json
         self._records = RunRecords(self.files, record)
         self._checkpoints = CheckpointRecord(self.files)
+        #: Inside :meth:`claim`: the :class:`~.claim.Claim` held (its ``lost`` event is set
+        #: when the hold is taken from this command, which must then stop), else None.
+        self.held: Claim | None = None
 
     @classmethod
     def at(cls, run_dir: str | os.PathLike, record: str = RUN_FILE) -> Run:
@@ -195,7 +198,12 @@ class Run:
         """Hold the run for one command: refuse a second while the first runs.
 
         With ``fresh`` the previous run, if any, is kept as ``NAME.previous-N`` and a
-        new one starts. The run directory exists inside the block.
+        new one starts. The run directory exists inside the block; :attr:`held` is the
+        claim. A claim that is lost sets ``held.lost``: the command must stop its run.
         """
-        with hold(self.files, fresh, what):
-            yield self
+        with hold(self.files, fresh, what) as held:
+            self.held = held
+            try:
+                yield self
+            finally:
+                self.held = None

@@ -1,10 +1,13 @@
 """One command at a time per run: who holds ``<storage>/<name>``.
 
-On a local disk the run directory itself is ``flock``-ed (the kernel releases the lock if
-the command dies); an object store has no locks, so the run holds a *lease* object with an
-owner and a heartbeat beside it (a lease whose owner stopped beating, or whose process is
-gone from this host, is taken over). ``--fresh`` keeps the previous run as
-``NAME.previous-N``.
+On a local (or network) disk the command holds an exclusive ``flock`` on a lock file
+``.claim.lock`` inside the run directory, opened for writing (NFSv4 and EFS refuse a lock on
+a descriptor opened read-only); the kernel drops it when the command dies. An object store has
+no locks: the run holds a *lease* object beside it, renewed every few seconds, and a rival
+judges it stale only on its own monotonic clock (unchanged for ``LEASE_TTL_S`` while it
+watched), never by comparing the lease's wall-clock time with its own. A command whose lease
+is taken from it is told through :class:`Claim` and stops its run. ``--fresh`` keeps the
+previous run as ``NAME.previous-N``. docs/design.md ("The claim") says why.
 """
 
 from __future__ import annotations
@@ -18,7 +21,7 @@ import socket
 import threading
 import time
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 from raytrain_mnist.driver.runs.storage import RunStorage
@@ -26,15 +29,36 @@ from raytrain_mnist.errors import UserError, first_line
 
 logger = logging.getLogger(__name__)
 
-#: A lease on an object store is stale once its owner has not renewed it for this long.
+#: A rival takes a lease over once it has watched it unchanged for this long.
 LEASE_TTL_S = 30.0
-_LEASE_BEAT_S = 5.0
+#: The file inside a local run directory that its command holds locked.
+LOCK_FILE = ".claim.lock"
 #: Between writing a lease and reading it back: a rival who wrote at the same moment is seen.
 _LEASE_SETTLE_S = 0.5
+#: How long taking and releasing a lease retry a store that answers with errors.
+_RETRY_S = 10.0
+
+
+class Claim:
+    """What :func:`hold` yields: ``lost`` is set (and ``reason`` says why, in one line) when
+    the command's hold on the run was taken from it (another command's token in its lease,
+    or renewals failing for most of the TTL). The command must then stop its run: another
+    may be writing it. A caller that stops on ``lost`` and reports the loss itself sets
+    ``handled``; otherwise the loss is logged as a warning."""
+
+    def __init__(self) -> None:
+        self.lost = threading.Event()
+        self.reason: str | None = None
+        self.handled = False
+
+    def lose(self, reason: str) -> None:
+        self.reason = reason
+        self.lost.set()
+        (logger.debug if self.handled else logger.warning)("%s", reason)
 
 
 @contextlib.contextmanager
-def hold(files: RunStorage, fresh: bool = False, what: str = "run") -> Iterator[None]:
+def hold(files: RunStorage, fresh: bool = False, what: str = "run") -> Iterator[Claim]:
     """Hold the run in ``files`` for one command: refuse a second while the first runs.
 
     With ``fresh`` the previous run, if any, is kept as ``NAME.previous-N`` and a
@@ -42,140 +66,392 @@ def hold(files: RunStorage, fresh: bool = False, what: str = "run") -> Iterator[
     """
     files.check_writable()
     created = not files.exists()
-    holder = DirLock(files) if files.local else Lease(files)
+    claim = Claim()
+    holder: DirLock | Lease = DirLock(files) if files.local else Lease(files, claim.lose)
     holder.acquire(what)
     try:
-        if fresh and not created and files.has_files():
+        if fresh and not created and _has_run_files(files):
             kept = files.move_aside()
             logger.info("--fresh: the previous %s is kept in %s", what, kept)
-            holder.release()  # the lock went with the old directory
+            if isinstance(holder, DirLock):  # its lock file went with the old directory
+                old, holder = holder, DirLock(files)
+                old.moved_to(files.sibling(kept))
+                try:
+                    holder.acquire(what)  # the new directory, before the old lock goes
+                finally:
+                    old.release()
             created = True
-            holder.acquire(what)
-        yield
+        yield claim
     finally:
         try:
-            if created and files.local and not files.has_files():
-                Path(files.dir).rmdir()  # refused before anything was written
-        finally:
             holder.release()
+        finally:
+            if created and files.local and not _has_run_files(files):
+                with contextlib.suppress(OSError):  # refused before anything was written
+                    Path(files.dir).rmdir()
+
+
+def _has_run_files(files: RunStorage) -> bool:
+    """Whether the run directory holds anything but the claim's lock file."""
+    if not files.local:
+        return files.has_files()
+    path = Path(files.dir)
+    return path.is_dir() and any(p.name != LOCK_FILE for p in path.iterdir())
+
+
+# --------------------------------------------------------------------------- local disks
 
 
 class DirLock:
-    """A local run: an exclusive ``flock`` on the run directory itself. The kernel releases
-    it when the command dies, and no lock file is left behind."""
+    """A local run: an exclusive ``flock`` on ``<run>/.claim.lock``, opened for writing.
+
+    Inside the run directory, not beside it: a command that is refused finds the file there
+    already (its holder made it) and changes nothing; the holder removes it on release. The
+    kernel drops the lock when the command dies (a killed command leaves the file, which the
+    next one locks). ``flock`` rather than POSIX ``lockf``: a POSIX lock belongs to the
+    process, so a second claim from the same process would not be refused.
+    """
 
     def __init__(self, files: RunStorage) -> None:
         self.files = files
+        self.path = Path(files.dir) / LOCK_FILE
         self.fd: int | None = None
 
     def acquire(self, what: str) -> None:
-        path = Path(self.files.dir)
-        path.mkdir(exist_ok=True)
-        fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            os.close(fd)
-            raise UserError(
-                f"{what} '{self.files.name}' is already running in "
-                f"{self.files.root}; wait for it, or pick another --name"
-            ) from None
-        self.fd = fd
+        directory = Path(self.files.dir)
+        for _ in range(20):
+            made_dir = not directory.exists()
+            try:
+                directory.mkdir(exist_ok=True)
+                fd, made = _open_lock_file(self.path)
+            except FileNotFoundError:  # a claim that ended removed the directory meanwhile
+                continue
+            except OSError as exc:
+                if made_dir:
+                    with contextlib.suppress(OSError):
+                        directory.rmdir()
+                raise self._error(exc) from exc
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                os.close(fd)
+                raise UserError(
+                    f"{what} '{self.files.name}' is already running in "
+                    f"{self.files.root}; wait for it, or pick another --name"
+                ) from None
+            except OSError as exc:  # ENOLCK, EBADF, EINVAL: a file system without locks
+                os.close(fd)
+                with contextlib.suppress(OSError):
+                    if made:
+                        self.path.unlink()
+                    if made_dir:
+                        directory.rmdir()
+                raise self._error(exc) from exc
+            if _same_file(fd, self.path):
+                self.fd = fd
+                return
+            os.close(fd)  # its holder removed it between our open and our lock: again
+        raise UserError(f"cannot lock {self.files.dir}: its lock file keeps being replaced")
+
+    def _error(self, exc: OSError) -> UserError:
+        return UserError(f"cannot lock {self.files.dir}: {exc.strerror or first_line(exc)}")
+
+    def moved_to(self, files: RunStorage) -> None:
+        """The run directory was renamed to ``files`` (``--fresh``): release removes the
+        lock file there."""
+        self.path = Path(files.dir) / LOCK_FILE
 
     def release(self) -> None:
-        if self.fd is not None:
+        if self.fd is None:
+            return
+        try:
+            if _same_file(self.fd, self.path):  # still ours: remove it while holding it
+                with contextlib.suppress(OSError):
+                    self.path.unlink()
+        finally:
             os.close(self.fd)  # closing the descriptor drops the lock
             self.fd = None
 
 
+def _open_lock_file(path: Path) -> tuple[int, bool]:
+    """A descriptor of ``path`` opened for writing (made if absent, never through a
+    symbolic link) and whether this call made the file."""
+    flags = os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC
+    while True:
+        try:
+            return os.open(path, flags | os.O_CREAT | os.O_EXCL, 0o644), True
+        except FileExistsError:
+            pass
+        try:
+            return os.open(path, flags), False
+        except FileNotFoundError:  # removed between the two opens: make it
+            if not path.parent.is_dir():
+                raise
+
+
+def _same_file(fd: int, path: Path) -> bool:
+    """Whether ``path`` still names the file open as ``fd``."""
+    try:
+        here = os.stat(path, follow_symlinks=False)
+    except OSError:
+        return False
+    mine = os.fstat(fd)
+    return (here.st_dev, here.st_ino) == (mine.st_dev, mine.st_ino)
+
+
+# --------------------------------------------------------------------------- object stores
+
+
+def host_id() -> str:
+    """Which process table a pid belongs to: the kernel's boot id and this process's PID
+    namespace (containers that share a hostname differ in the namespace), or the hostname
+    where ``/proc`` says neither."""
+    try:
+        boot = Path("/proc/sys/kernel/random/boot_id").read_text().strip()
+        return f"{boot}/{os.readlink('/proc/self/ns/pid')}"
+    except OSError:
+        return socket.gethostname()
+
+
 class Lease:
     """An object store has no locks: the run holds a lease object ``.NAME.lease`` beside it,
-    naming its owner and renewed every few seconds. A second command refuses while the lease
-    is fresh; a lease left by a dead command is taken over (at once when its process is gone
-    from this host, after ``LEASE_TTL_S`` otherwise)."""
+    naming its owner and renewed every ``beat_s`` seconds (each renewal a new object: its
+    counter goes up).
 
-    def __init__(self, files: RunStorage) -> None:
+    A second command refuses at once when the owner's process is alive on its own host
+    (:func:`host_id`), takes over at once when it is gone, and otherwise watches the lease:
+    it refuses as soon as the lease changes, and takes it over once the lease stayed
+    unchanged for ``ttl_s`` on its own monotonic clock. The time recorded in the lease is
+    for people; no clock is compared with another host's. Only "not found" means no lease:
+    a store that answers with errors is retried, and the heartbeat never stops for them.
+    ``on_lost(reason)`` is called (from the heartbeat's thread) when another command's
+    token is found in the lease, or when renewals have failed for two thirds of the TTL
+    (before a rival could take over). ``filesystem``: the pyarrow file system to reach the
+    lease through (default: the run's).
+    """
+
+    def __init__(
+        self,
+        files: RunStorage,
+        on_lost: Callable[[str], None] | None = None,
+        *,
+        ttl_s: float = LEASE_TTL_S,
+        beat_s: float | None = None,
+        filesystem=None,
+    ) -> None:
         self.files = files
-        self.fs = files.filesystem
+        self.fs = filesystem if filesystem is not None else files.filesystem
         self.path = f"{files.base.rpartition('/')[0]}/.{files.name}.lease"
         self.token = uuid.uuid4().hex
+        self.on_lost = on_lost
+        self.ttl_s = ttl_s
+        self.beat_s = beat_s if beat_s is not None else ttl_s / 10
+        self.give_up_s = ttl_s * 2 / 3
+        #: Renewals written (the counter in the lease).
+        self.beats = 0
+        self._renewed = 0.0  # monotonic start of the last write that succeeded
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
 
-    def _record(self) -> dict:
+    @property
+    def uri(self) -> str:
+        return f"{self.files.root}/.{self.files.name}.lease"
+
+    # ----------------------------------------------------------------- store access
+
+    def _record(self) -> bytes:
         import psutil
 
-        return {
-            "token": self.token,
-            "host": socket.gethostname(),
-            "pid": os.getpid(),
-            "pid_started": psutil.Process().create_time(),
-            "renewed": time.time(),
-            "run": self.files.name,
-        }
+        return json.dumps(
+            {
+                "token": self.token,
+                "beat": self.beats,
+                "host": socket.gethostname(),
+                "host_id": host_id(),
+                "pid": os.getpid(),
+                "pid_started": psutil.Process().create_time(),
+                "renewed": time.time(),  # for people: no host's clock is compared with it
+                "run": self.files.name,
+            }
+        ).encode()
 
-    def _read(self) -> dict | None:
+    def _read_once(self) -> bytes | None:
+        """The lease's bytes; None only when the store says there is none."""
         try:
             with self.fs.open_input_stream(self.path) as f:
-                value = json.loads(f.read())
-        except (OSError, ValueError):  # absent, or not a lease: nobody holds the run
+                return f.read()
+        except FileNotFoundError:
             return None
-        return value if isinstance(value, dict) else None
 
-    def _write(self) -> None:
+    def _write_once(self) -> None:
+        payload = self._record()
         with self.fs.open_output_stream(self.path) as f:
-            f.write(json.dumps(self._record()).encode())
+            f.write(payload)
+        self.beats += 1
+
+    def _retried(self, call: Callable, doing: str):
+        """``call()``, retried with backoff while the store answers with errors, for up to
+        :data:`_RETRY_S`; then one line."""
+        deadline, pause = time.monotonic() + _RETRY_S, 0.2
+        while True:
+            try:
+                return call()
+            except FileNotFoundError:
+                raise
+            except OSError as exc:
+                if time.monotonic() + pause > deadline:
+                    raise UserError(f"cannot {doing} {self.uri}: {first_line(exc)}") from exc
+                logger.debug("%s %s failed, retrying: %s", doing, self.uri, first_line(exc))
+                time.sleep(pause)
+                pause = min(pause * 2, 2.0)
+
+    # ----------------------------------------------------------------- taking it
 
     def acquire(self, what: str) -> None:
-        held = self._read()
-        if held and held.get("token") != self.token and not _stale(held):
-            age = time.time() - float(held.get("renewed", 0))
-            raise UserError(
-                f"{what} '{self.files.name}' is already running in {self.files.root} "
-                f"(held by pid {held.get('pid')} on {held.get('host')}, renewed {age:.0f} s "
-                f"ago); wait for it, or pick another --name"
-            )
-        self._write()
+        held = self._retried(self._read_once, "read the lease")
+        if held is not None and _parse(held).get("token") != self.token:
+            self._wait_out(held, what)
+        written = time.monotonic()
+        self._retried(self._write_once, "write the lease")
         time.sleep(_LEASE_SETTLE_S)
-        if (self._read() or {}).get("token") != self.token:
+        back = self._retried(self._read_once, "read the lease")
+        if back is None or _parse(back).get("token") != self.token:
             raise UserError(
                 f"{what} '{self.files.name}' was claimed by another command at the "
                 "same moment; wait for it, or pick another --name"
             )
-        self._stop.clear()  # a claim re-acquires after --fresh moved the old run aside
-        self._thread = threading.Thread(target=self._renew, name="lease", daemon=True)
+        self._renewed = written
+        self._stop.clear()
+        self._thread = threading.Thread(target=self._heartbeat, name="lease", daemon=True)
         self._thread.start()
 
-    def _renew(self) -> None:
-        while not self._stop.wait(_LEASE_BEAT_S):
+    def _wait_out(self, held: bytes, what: str) -> None:
+        """Return once the lease ``held`` is free to take; refuse while its owner lives."""
+        lease = _parse(held)
+        if lease.get("host_id") == host_id():  # the owner's process table is ours
+            if _alive(lease):
+                raise self._refusal(lease, what, "")
+            logger.info(
+                "taking over the lease of %s '%s': its process (pid %s) is gone",
+                what,
+                self.files.name,
+                lease.get("pid"),
+            )
+            return
+        logger.info(
+            "%s '%s' has a lease (pid %s on %s): watching it for up to %.0f s to see "
+            "whether it is renewed",
+            what,
+            self.files.name,
+            lease.get("pid"),
+            lease.get("host"),
+            self.ttl_s,
+        )
+        since = time.monotonic()
+        while (waited := time.monotonic() - since) < self.ttl_s:
+            time.sleep(min(self.beat_s / 3, self.ttl_s - waited))
+            now = self._retried(self._read_once, "read the lease")
+            if now is None:
+                return  # released meanwhile
+            if now != held:
+                raise self._refusal(_parse(now), what, ", renewed while this command watched")
+        logger.info(
+            "taking over the lease of %s '%s': not renewed for %.0f s",
+            what,
+            self.files.name,
+            self.ttl_s,
+        )
+
+    def _refusal(self, lease: dict, what: str, how: str) -> UserError:
+        return UserError(
+            f"{what} '{self.files.name}' is already running in {self.files.root} "
+            f"(held by pid {lease.get('pid')} on {lease.get('host')}{how}); wait for it, "
+            "or pick another --name"
+        )
+
+    # ----------------------------------------------------------------- keeping it
+
+    def _heartbeat(self) -> None:
+        wait, pause, warned = self.beat_s, 0.25, False
+        while not self._stop.wait(wait):
+            attempt = time.monotonic()
             try:
-                if (self._read() or {}).get("token") != self.token:
-                    logger.warning("the lease on %s was taken by another command", self.files.dir)
+                raw = self._read_once()
+                if raw is not None and (lease := _parse(raw)).get("token") != self.token:
+                    self._lose(
+                        f"the lease on run '{self.files.name}' ({self.uri}) was taken by "
+                        f"another command (pid {lease.get('pid')} on {lease.get('host')})"
+                    )
                     return
-                self._write()
-            except Exception as exc:  # a store hiccup: the next beat retries
-                logger.warning(
-                    "could not renew the lease on %s (%s)", self.files.dir, first_line(exc)
-                )
+                if raw is None:
+                    logger.warning("the lease %s had vanished; writing it again", self.uri)
+                if self._stop.is_set():
+                    return
+                self._write_once()
+            except Exception as exc:  # a store hiccup: retried sooner, never the end
+                failing = attempt - self._renewed
+                if failing > self.give_up_s:
+                    self._lose(
+                        f"could not renew the lease on run '{self.files.name}' ({self.uri}) "
+                        f"for {failing:.0f} s ({first_line(exc)}); another command may "
+                        "take it over"
+                    )
+                    return
+                if not warned:
+                    logger.warning(
+                        "could not renew the lease %s (%s); retrying", self.uri, first_line(exc)
+                    )
+                    warned = True
+                wait, pause = min(pause, self.beat_s), pause * 2
+                continue
+            self._renewed = attempt
+            wait, pause, warned = self.beat_s, 0.25, False
+
+    def _lose(self, reason: str) -> None:
+        if self.on_lost is not None:
+            self.on_lost(reason)
+        else:
+            logger.warning("%s", reason)
+
+    # ----------------------------------------------------------------- letting it go
 
     def release(self) -> None:
+        """Stop renewing and delete the lease if it is still this command's (read back
+        first: a lease another command has taken is left alone)."""
         self._stop.set()
-        if self._thread is not None:
-            self._thread.join(timeout=30)
-        if (self._read() or {}).get("token") == self.token:
-            with contextlib.suppress(OSError):
-                self.fs.delete_file(self.path)
+        if self._thread is None:
+            return
+        self._thread.join(timeout=self.beat_s + _RETRY_S)
+        self._thread = None
+        try:
+            held = self._retried(self._read_once, "read the lease")
+            if held is not None and _parse(held).get("token") == self.token:
+                with contextlib.suppress(FileNotFoundError):
+                    self._retried(lambda: self.fs.delete_file(self.path), "delete the lease")
+        except UserError as exc:
+            logger.warning("%s; it expires %.0f s after its last renewal", exc, self.ttl_s)
 
 
-def _stale(lease: dict) -> bool:
-    """A lease whose owner stopped renewing it, or whose process no longer exists here."""
-    if time.time() - float(lease.get("renewed", 0)) > LEASE_TTL_S:
-        return True
-    if lease.get("host") != socket.gethostname():
-        return False
+def _parse(raw: bytes) -> dict:
+    """A lease's record ({} for bytes that are not one: still someone's, still watched)."""
+    try:
+        value = json.loads(raw)
+    except ValueError:
+        return {}
+    return value if isinstance(value, dict) else {}
+
+
+def _alive(lease: dict) -> bool:
+    """Whether the lease's process (pid and start time) still runs in this process table."""
     import psutil
 
     try:
-        return psutil.Process(int(lease["pid"])).create_time() != lease.get("pid_started")
+        process = psutil.Process(int(lease["pid"]))
+        return (
+            process.create_time() == lease.get("pid_started")
+            and process.status() != psutil.STATUS_ZOMBIE
+        )
     except (psutil.NoSuchProcess, KeyError, ValueError, TypeError):
+        return False
+    except psutil.AccessDenied:  # someone else's process: it runs
         return True
