@@ -1,4 +1,9 @@
-"""Pictures of a run, drawn headless (matplotlib's Agg backend). Each returns PNG bytes."""
+"""Pictures of a run, drawn headless (matplotlib's Agg backend). Each returns PNG bytes.
+
+Titles hold run names and paths, which are text, never markup: they are drawn with
+matplotlib's mathtext and TeX off (:data:`PLAIN`), so a ``$`` in a name neither raises nor
+turns the rest of the title into math.
+"""
 
 from __future__ import annotations
 
@@ -6,6 +11,9 @@ import io
 from collections.abc import Sequence
 
 import numpy as np
+
+#: Text properties of every title: drawn as it is written (no ``$...$`` mathtext, no TeX).
+PLAIN = {"parse_math": False, "usetex": False}
 
 
 def _pyplot():
@@ -65,7 +73,7 @@ def training_curves_png(history: Sequence[dict], title: str) -> bytes:
         ax.grid(True, alpha=0.3)
     loss_ax.legend(loc="upper right")
     acc_ax.legend(loc="lower right")  # the curves rise: keep the legend out of their way
-    fig.suptitle(title)
+    fig.suptitle(title, **PLAIN)
     return _png(fig)
 
 
@@ -105,7 +113,8 @@ def confusion_matrix_png(counts: np.ndarray, title: str) -> bytes:
     ax.set_xticks(range(n))
     ax.set_yticks(range(n))
     ax.set_yticklabels([f"{c}  ({100 * counts[c, c] / max(totals[c], 1):.1f} %)" for c in range(n)])
-    ax.set(xlabel="predicted digit", ylabel="true digit  (per-class accuracy)", title=title)
+    ax.set(xlabel="predicted digit", ylabel="true digit  (per-class accuracy)")
+    ax.set_title(title, **PLAIN)
     ax.tick_params(top=False, bottom=True)
     colorbar = fig.colorbar(image, ax=ax, shrink=0.8, ticks=[0, 0.01, 0.05, 0.2, 0.5, 1])
     colorbar.ax.set_yticklabels(["0", "1 %", "5 %", "20 %", "50 %", "100 %"])
@@ -149,7 +158,7 @@ def misclassified_png(
         fig, ax = plt.subplots(figsize=(6, 2), constrained_layout=True)
         ax.axis("off")
         ax.text(0.5, 0.5, "no misclassified test digits", ha="center", va="center", fontsize=14)
-        ax.set_title(title)
+        ax.set_title(title, **PLAIN)
         return _png(fig)
     cols = min(columns, len(order))
     rows = -(-len(order) // cols)
@@ -168,5 +177,6 @@ def misclassified_png(
     fig.suptitle(
         f"{title}\ntrue → predicted, confidence, test index ({len(order)} of {num_wrong} errors)",
         fontsize=11,
+        **PLAIN,
     )
     return _png(fig)
