@@ -13,7 +13,9 @@ comes back with it, for the confusion matrix and the most confidently wrong digi
 
 The report is ``evaluation.json`` (:meth:`Evaluation.to_dict`), ``confusion_matrix.png`` and
 ``misclassified.png``, in ``out`` (default: ``evaluation_<checkpoint>/`` beside the
-checkpoint).
+checkpoint), each written through a temporary file beside it and an atomic rename; a folder or
+a report path that is a symbolic link is refused (evaluate never writes through a link it did
+not make).
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ from typing import Any
 
 from raytrain_mnist.config import DATASET_CHOICES, ConfigError, RunSettings
 from raytrain_mnist.driver.runs import STATE_FILE, Run, data_identity, is_uri
+from raytrain_mnist.driver.runs.storage import atomic_write
 from raytrain_mnist.driver.targets import Target, quietly, resolve_target
 from raytrain_mnist.errors import EXIT_USAGE, UserError, cause_line
 
@@ -115,6 +118,7 @@ def evaluate_checkpoint(
     data = load_test_data(resolved.summary, data_dir, dataset)
     _check_same_data(resolved, data)
     out_dir = _out_dir(resolved, out)
+    _check_no_links(out_dir)
     if not overwrite:
         existing = [f for f in REPORT_FILES if (out_dir / f).exists()]
         if existing:
@@ -167,7 +171,17 @@ def load_test_data(summary: dict | None, data_dir: str | None, dataset: str | No
     if trained_on == "sample":
         data = load_mnist(None, "sample")
     else:
-        recorded = ((summary.get("config") or {}).get("run") or {}).get("data_dir")
+        # The run's own record of where it read MNIST is followed, when nothing else was
+        # asked for: it is the data the run was scored on. A planted summary.json can name
+        # any directory, but that reads no arbitrary file: load_mnist opens only the four
+        # fixed IDX names (train-/t10k-images-idx3-ubyte, -labels-idx1-ubyte, or .gz) in
+        # DIR/MNIST/raw, DIR/raw or DIR, parses them as IDX with its size bounds, and the
+        # data must then match the fingerprint of the run's identity (_check_same_data).
+        # A string that names no directory here is an error asking for --data-dir; a value
+        # that is not a string is not followed at all.
+        recorded = _field(_field(summary, "config"), "run").get("data_dir")
+        if not isinstance(recorded, str) or not recorded:
+            recorded = None
         if data_dir is None and recorded is not None and not Path(recorded).is_dir():
             raise UserError(
                 f"the run read MNIST from {recorded}, which is not a directory "
@@ -176,7 +190,7 @@ def load_test_data(summary: dict | None, data_dir: str | None, dataset: str | No
             )
         data = load_mnist(data_dir or recorded, "mnist")
     expected = summary.get("test_size")
-    if expected is not None and data.test_size != expected:
+    if isinstance(expected, int) and data.test_size != expected:
         raise UserError(
             f"the run was scored on {expected} test images, {data.source} holds "
             f"{data.test_size}; pass the --data-dir it trained with",
@@ -184,7 +198,11 @@ def load_test_data(summary: dict | None, data_dir: str | None, dataset: str | No
         )
     published = "checksums match the published MNIST"
     trained_source = summary.get("data_source")
-    if trained_source and (published in trained_source) != (published in data.source):
+    if (
+        isinstance(trained_source, str)
+        and trained_source
+        and (published in trained_source) != (published in data.source)
+    ):
         raise UserError(
             f"the run trained on {summary.get('data_source')}, this is "
             f"{data.source}; pass the --data-dir it trained with",
@@ -193,19 +211,26 @@ def load_test_data(summary: dict | None, data_dir: str | None, dataset: str | No
     return data
 
 
+def _field(record: Any, key: str) -> dict:
+    """``record[key]`` when both are JSON objects, else {}: a run's files are read, never
+    trusted to have our shape."""
+    value = record.get(key) if isinstance(record, dict) else None
+    return value if isinstance(value, dict) else {}
+
+
 def _check_same_data(resolved: Target, data) -> None:
     """The run's identity record names the data it trained and was scored on."""
     if resolved.run is None:
         return
-    record = (quietly(resolved.run.identity) or resolved.summary or {}).get("data")
-    if not record or "sha1" not in record:
+    record = _field(quietly(resolved.run.identity) or resolved.summary, "data")
+    if "sha1" not in record:
         return
     found = data_identity(data)
     if found["sha1"] != record["sha1"]:
         raise UserError(
             f"{data.source} is not the data run '{resolved.run.name}' trained on "
-            f"({record['kind']}, {record['train_size']} train / "
-            f"{record['test_size']} test images); pass the --data-dir it "
+            f"({record.get('kind')}, {record.get('train_size')} train / "
+            f"{record.get('test_size')} test images); pass the --data-dir it "
             "trained with",
             EXIT_USAGE,
         )
@@ -225,6 +250,20 @@ def _out_dir(resolved: Target, out: str | os.PathLike | None) -> Path:
     name = parts[-1] if parts[-1] != STATE_FILE else parts[-2]
     run = resolved.run.name if resolved.run is not None else "checkpoint"
     return Path.cwd() / f"evaluation_{run}_{name}"
+
+
+def _check_no_links(out_dir: Path) -> None:
+    """Refuse (exit 2) a report folder, or a report file in it, that is a symbolic link:
+    the report is written only where its path says, never through a link someone else
+    planted (a checkpoint's default report folder lies inside a run anyone with access to
+    the storage may write)."""
+    for path in (out_dir, *(out_dir / name for name in REPORT_FILES)):
+        if path.is_symlink():
+            raise UserError(
+                f"{path} is a symbolic link; evaluate does not write through links: "
+                "remove it or pass --out DIR",
+                EXIT_USAGE,
+            )
 
 
 def _score_on_ray(weights: dict, data, amp: str, run: RunSettings) -> dict[str, Any]:
@@ -313,6 +352,7 @@ def _write_report(
         f"{evaluation.test_size} test images ({data.kind})"
     )
     try:
+        _check_no_links(out_dir)
         out_dir.mkdir(parents=True, exist_ok=True)
         files = {
             EVALUATION_FILE: json.dumps(evaluation.to_dict(), indent=2).encode(),
@@ -326,8 +366,9 @@ def _write_report(
                 limit=TOP_WRONG,
             ),
         }
+        _check_no_links(out_dir)  # again: the folder may have been made meanwhile
         for file_name, payload in files.items():
-            (out_dir / file_name).write_bytes(payload)
+            atomic_write(out_dir / file_name, payload)
     except OSError as exc:
         raise UserError(
             f"cannot write the evaluation into {out_dir} ({exc.strerror or exc}); pass --out DIR",

@@ -5,7 +5,10 @@ names the best checkpoint), a Tune experiment directory (its ``best.json`` names
 trial), a checkpoint directory (``fit``'s ``checkpoint_*`` or a Tune trial's) or a
 ``state.pt`` file; a local path or a URI. :func:`resolve_target` turns it into a
 :class:`Target`. Only checkpoints that lie inside the run given are followed: a path
-recorded in a file of the run never leads elsewhere.
+recorded in a file of the run never leads elsewhere: the best trial named in ``best.json`` is
+one folder under ``runs/`` (a safe name, no link out of the experiment), the checkpoints Ray's
+snapshot names are checked by :class:`~raytrain_mnist.driver.runs.records.CheckpointRecord`,
+and a path in ``summary.json`` is followed only when it lies inside the run.
 """
 
 from __future__ import annotations
@@ -21,8 +24,10 @@ from raytrain_mnist.driver.runs import (
     SEARCH_FILE,
     STATE_FILE,
     SUMMARY_FILE,
+    CorruptSnapshot,
     Run,
     check_no_credentials,
+    is_safe_name,
     is_uri,
 )
 from raytrain_mnist.errors import EXIT_USAGE, UserError
@@ -74,16 +79,40 @@ def resolve_target(target: str | os.PathLike) -> Target:
 
 def _run_target(run: Run) -> Target:
     """A fit run (``summary.json``) or a Tune experiment (``best.json``)."""
+    try:
+        return _recorded_target(run)
+    except CorruptSnapshot as exc:
+        raise UserError(
+            f"cannot read the checkpoints of {run.dir}: {exc.path} is corrupt "
+            f"({exc.reason}); move it away"
+        ) from exc
+
+
+def _recorded_target(run: Run) -> Target:
     best = run.read_json(BEST_FILE)
     summary = run.summary()
     if summary is None and best is not None and run.is_file(SEARCH_FILE):
         trial = best.get("best_trial")
         if not trial:
             raise UserError(f"search {run.dir} has no trial with a result yet")
-        trial_run = Run(f"{run.dir}/{RUNS_DIR}", str(trial))
-        checkpoint = trial_run.best_checkpoint(
-            best.get("metric", CHECKPOINT_METRIC), best.get("mode", "max")
-        )
+        metric, mode = best.get("metric", CHECKPOINT_METRIC), best.get("mode", "max")
+        if not is_safe_name(trial):
+            raise UserError(
+                f"{run.dir}/{BEST_FILE} names best trial {trial!r}, which is not one "
+                f"folder under {RUNS_DIR}/; refusing to follow it (move the file away)"
+            )
+        if not isinstance(metric, str) or mode not in ("max", "min"):
+            raise UserError(
+                f"{run.dir}/{BEST_FILE} is not a search record of raytrain_mnist "
+                f"(metric {metric!r}, mode {mode!r}); move it away"
+            )
+        trial_run = Run(f"{run.dir}/{RUNS_DIR}", trial)
+        if not run.contains(trial_run.dir):
+            raise UserError(
+                f"the best trial of {run.dir} ({trial}) leads outside the experiment; "
+                "refusing to follow it"
+            )
+        checkpoint = trial_run.best_checkpoint(metric, mode)
         if checkpoint is None:
             raise UserError(f"the best trial of {run.dir} ({trial}) kept no checkpoint")
         return Target(checkpoint, _search_summary(run), run)

@@ -334,7 +334,7 @@ def local_copy(checkpoint: str, limit: int | None = None) -> Iterator[Path]:
         relative = info.path[len(base) + 1 :] if info.path.startswith(base + "/") else ""
         parts = relative.split("/")
         if not relative or any(part in ("", ".", "..") for part in parts):
-            raise refused(f"it holds {info.path!r}, which leads outside it")
+            raise refused(f"it holds {info.path!r}, not a plain path inside it ('..' or '//')")
         files.append((info.path, parts))
         total += max(info.size or 0, 0)
     if total > limit:
