@@ -94,10 +94,12 @@ def _report_counts(request):
         f"  {name}: {count}" for name, count in sorted(TRIED.items())
     ]
     reporter = request.config.pluginmanager.get_plugin("terminalreporter")
-    if reporter is not None:
-        reporter.write_line("")
-        for line in lines:
-            reporter.write_line(line)
+    capture = request.config.pluginmanager.get_plugin("capturemanager")
+    if reporter is not None and capture is not None:
+        with capture.global_and_fixture_disabled():  # past pytest's capture, as -s would be
+            reporter.write_line("")
+            for line in lines:
+                reporter.write_line(line)
 
 
 # --------------------------------------------------------------------------- serve: JSON
