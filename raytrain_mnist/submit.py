@@ -5,9 +5,11 @@ and follow it.
     python -m raytrain_mnist.submit status JOB_ID | logs [--follow] JOB_ID | stop JOB_ID | list
 
 The command after ``--`` runs on the cluster as ``python -m raytrain_mnist.<command> ...``,
-with this checkout as the job's working directory (data, runs, checkpoints, .git and .venv
-left out), so the cluster runs the code you have here. Its flags are checked here first, by
-the command's own parse (the one its CLI runs): a bad flag costs a second, not an upload. The job's output streams to stdout, everything about
+in a working directory that holds this checkout's package, ``pyproject.toml`` and ``README.md``
+and nothing else (an allow-list: :func:`upload_files`), so the cluster runs the code you have
+here and no other file of the checkout travels. Its flags are checked here first, by the
+command's own parse (the one its CLI runs): a bad flag, or a URI with credentials in it, costs
+a second, not an upload. The job's output streams to stdout, everything about
 the job itself goes to stderr, and the exit status is the job's outcome (0 succeeded, 1 failed
 or stopped). Ctrl-C while following asks whether to stop the job or detach from it; without a
 terminal it detaches and says how to stop the job.
@@ -20,6 +22,9 @@ a token given through one of those is sent even when ``RAY_AUTH_MODE`` is unset 
 reads tokens the same way), but only where nobody on the way can read it: over https, or to
 this machine (the ``ray dashboard`` tunnel). Another host over plain http gets it only with an
 explicit ``RAY_AUTH_MODE=token``, and a warning. ``RAY_AUTH_MODE=disabled`` sends none.
+
+What comes from the cluster (job logs, entry points, statuses, messages) is printed with its
+terminal control characters shown, not obeyed (:func:`printable`).
 """
 
 from __future__ import annotations
@@ -31,8 +36,10 @@ import ipaddress
 import os
 import re
 import shlex
+import shutil
 import socket
 import sys
+import tempfile
 import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
@@ -50,11 +57,18 @@ from raytrain_mnist.errors import (
 )
 
 DEFAULT_ADDRESS = "http://127.0.0.1:8265"
-#: Never uploaded from the checkout: secrets (environment files, keys, cloud credentials), and
-#: bulk the cluster has its own of (data, runs, checkpoints, MLflow stores, evaluation outputs,
-#: environments). One list, gitignore patterns that mean the same to rsync: `.rayignore`
-#: (`ray job submit --working-dir .`) and cluster.yaml's `rsync_exclude` repeat it, and
-#: tests/test_submit.py holds the three equal.
+#: What ``submit`` uploads from a checkout as its job's working directory, and nothing else
+#: (:func:`upload_files`): these project files (pip needs both to install the package:
+#: pyproject.toml names README.md as its readme), and the package's own files.
+UPLOAD_FILES = ("pyproject.toml", "README.md")
+#: The package's files that travel: its modules and the serve page (its package data).
+PACKAGE_SUFFIXES = (".py", ".html")
+#: Left out of the uploads that ``submit`` does not make, which take a whole checkout: Ray's
+#: own ``ray job submit --working-dir .`` (`.rayignore`) and ``ray up``'s rsync (cluster.yaml's
+#: `rsync_exclude`): secrets (environment files, keys, cloud credentials), and bulk the cluster
+#: has its own of. A deny-list misses what it does not name; ``submit`` itself uploads an
+#: allow-list. One list, gitignore patterns that mean the same to rsync; tests/test_submit.py
+#: holds the three equal.
 EXCLUDES = [
     ".env",
     ".env.*",
@@ -232,7 +246,7 @@ def check_address(url: str) -> None:
     """The forms the Jobs client takes: the dashboard's http(s)://HOST[:PORT], or a Ray
     cluster address (HOST:PORT of the GCS, ray://HOST:PORT, auto). Anything else is refused
     here, in one line, before a request goes anywhere."""
-    from raytrain_mnist.config import ConfigError, check_ray_address
+    from raytrain_mnist.config import ConfigError, check_ray_address, redact_uri
 
     scheme = url.split("://", 1)[0] if "://" in url else None
     if scheme in ("http", "https"):
@@ -243,16 +257,16 @@ def check_address(url: str) -> None:
                 and parts.port != 0
                 and not parts.username
                 and not parts.password
+                and not parts.query
+                and not parts.fragment
             )
         except ValueError:  # a port that is no number or beyond 65535
             ok = False
         if not ok:
-            shown = (
-                "with credentials" if "@" in url.split("://", 1)[1].split("/", 1)[0] else repr(url)
-            )  # a password is not echoed to the terminal
+            # Neither a password nor a query string is echoed to the terminal.
             raise UserError(
-                f"--address {shown} is not a dashboard URL "
-                "(http(s)://HOST:PORT, no credentials, e.g. "
+                f"--address {printable(redact_uri(url))!r} is not a dashboard URL "
+                "(http(s)://HOST:PORT, no credentials, no query string, e.g. "
                 f"{DEFAULT_ADDRESS})",
                 EXIT_USAGE,
             )
@@ -294,11 +308,11 @@ def _one_line_errors(url: str, job_id: str | None = None) -> Iterator[None]:
         if exc.status in (401, 403):
             raise _auth_error(url, exc.status) from None
         raise UserError(
-            f"cannot follow the logs at {url}: HTTP {exc.status} {exc.message}"
+            f"cannot follow the logs at {url}: HTTP {exc.status} {printable(exc.message)}"
         ) from None
     except (ConnectionError, requests.exceptions.RequestException, aiohttp.ClientError) as exc:
         raise UserError(
-            f"lost the connection to the Ray dashboard at {url} ({first_line(exc)})"
+            f"lost the connection to the Ray dashboard at {url} ({printable(first_line(exc))})"
         ) from None
     except RuntimeError as exc:
         text = str(exc)
@@ -307,7 +321,7 @@ def _one_line_errors(url: str, job_id: str | None = None) -> Iterator[None]:
                 f"no job {job_id!r} on the cluster at {url}; "
                 "`raytrain-mnist submit list` shows its jobs"
             ) from None
-        raise UserError(f"the Jobs API at {url} said: {first_line(exc)}") from None
+        raise UserError(f"the Jobs API at {url} said: {printable(first_line(exc))}") from None
 
 
 def _auth_error(url: str, status: int) -> UserError:
@@ -323,10 +337,37 @@ def _auth_error(url: str, status: int) -> UserError:
     )
 
 
+#: Bidirectional overrides and isolates: they reorder what a terminal shows.
+_BIDI = frozenset("\u202a\u202b\u202c\u202d\u202e\u2066\u2067\u2068\u2069")
+
+
+def _shown(char: str) -> str:
+    code = ord(char)
+    if code < 0x20 or code == 0x7F:  # C0 and DEL in caret notation: ESC is ^[, BEL ^G
+        return "^" + chr(code ^ 0x40)
+    return f"\\x{code:02x}" if code < 0x100 else f"\\u{code:04x}"
+
+
+#: Every character a terminal obeys rather than shows, the line feed and the tab included.
+_ESCAPES = {
+    code: _shown(chr(code)) for code in [*range(0x20), 0x7F, *range(0x80, 0xA0), *map(ord, _BIDI)]
+}
+_KEEP_LINES = {**_ESCAPES, ord("\n"): "\n", ord("\t"): "\t"}
+
+
+def printable(text: str, lines: bool = True) -> str:
+    """``text`` from a cluster (logs, entry points, statuses, messages) as a terminal may show
+    it: control characters (ESC and so CSI and OSC sequences, BEL, CR, the C1 set, bidi
+    overrides) are written visibly, ``\\x1b]0;title\\x07`` as ``^[]0;title^G``; line feeds
+    and tabs stay unless ``lines`` is false (one row of a table: ``^J``, ``^I``). Character by
+    character, so a sequence split across chunks is caught too."""
+    return str(text).translate(_KEEP_LINES if lines else _ESCAPES)
+
+
 def _last_line(text: str) -> str:
     """A job's message ends with the line that names the cause (the exception, the exit code)."""
     lines = [line.strip() for line in text.splitlines() if line.strip()]
-    return lines[-1] if lines else "no message"
+    return printable(lines[-1]) if lines else "no message"
 
 
 def connect(address: str | None):
@@ -369,20 +410,54 @@ def entrypoint(command: Sequence[str]) -> str:
     return shlex.join(["python", "-m", f"raytrain_mnist.{name}", *args])
 
 
-def runtime_env() -> dict:
-    """This checkout as the working directory; an installed package travels as a module."""
-    root = _PACKAGE_DIR.parent
-    if (root / "pyproject.toml").is_file():
-        return {"working_dir": str(root), "excludes": EXCLUDES}
-    return {"py_modules": [str(_PACKAGE_DIR)], "excludes": EXCLUDES}
+def upload_files(root: Path | None = None) -> list[str]:
+    """The files (relative paths, sorted) that a job's working directory holds: in a checkout
+    ``root``, :data:`UPLOAD_FILES`; and the package's own files (:data:`PACKAGE_SUFFIXES`)
+    wherever it lies. Never a link, a hidden file or folder, or ``__pycache__``: whatever else
+    lies in the checkout (``.envrc``, ``.netrc``, SSH and cloud keys, data, runs) stays."""
+    root = Path(root) if root is not None else _PACKAGE_DIR.parent
+    package = root / _PACKAGE_DIR.name
+
+    def plain_file(path: Path) -> bool:
+        return path.is_file() and not path.is_symlink() and not path.name.startswith(".")
+
+    checkout = plain_file(root / "pyproject.toml")
+    files = [name for name in UPLOAD_FILES if checkout and plain_file(root / name)]
+    for folder, folders, names in os.walk(package):  # never into a linked folder
+        here = Path(folder)
+        folders[:] = [
+            f
+            for f in folders
+            if f != "__pycache__" and not f.startswith(".") and not (here / f).is_symlink()
+        ]
+        files += [
+            (here / name).relative_to(root).as_posix()
+            for name in names
+            if name.endswith(PACKAGE_SUFFIXES) and plain_file(here / name)
+        ]
+    return sorted(files)
+
+
+@contextlib.contextmanager
+def staged_upload(root: Path | None = None) -> Iterator[dict]:
+    """The job's runtime environment: a temporary directory holding a copy of
+    :func:`upload_files` (and nothing else) as its working directory, removed once the job
+    is submitted (Ray uploads it during ``submit_job``)."""
+    root = Path(root) if root is not None else _PACKAGE_DIR.parent
+    with tempfile.TemporaryDirectory(prefix="raytrain_mnist-upload-") as staging:
+        for name in upload_files(root):
+            target = Path(staging, name)
+            target.parent.mkdir(parents=True, exist_ok=True)
+            shutil.copyfile(root / name, target, follow_symlinks=False)
+        yield {"working_dir": staging}
 
 
 def submit(client, url: str, entry: str, wait: bool, driver_resource: str | None = None) -> int:
     # Without entrypoint resources Ray pins the driver to the head (and the head's role).
     resources = {driver_resource: 1} if driver_resource else None
-    with _one_line_errors(url):
+    with _one_line_errors(url), staged_upload() as env:
         job_id = client.submit_job(
-            entrypoint=entry, runtime_env=runtime_env(), entrypoint_resources=resources
+            entrypoint=entry, runtime_env=env, entrypoint_resources=resources
         )
     if not wait:
         print(job_id)
@@ -407,14 +482,14 @@ def follow(client, url: str, job_id: str) -> int:
 
     async def tail() -> None:
         async for chunk in client.tail_job_logs(job_id):
-            sys.stdout.write(chunk)
+            sys.stdout.write(printable(chunk))
             sys.stdout.flush()
 
     print(f"following job {job_id} (Ctrl-C: stop it or detach)", file=sys.stderr, flush=True)
     with _one_line_errors(url, job_id):
         status = client.get_job_status(job_id)
         if status.is_terminal():  # all there is, at once: Ray's tail takes seconds to see it
-            sys.stdout.write(client.get_job_logs(job_id))
+            sys.stdout.write(printable(client.get_job_logs(job_id)))
             sys.stdout.flush()
             return outcome(client, url, job_id, status)
     try:
@@ -453,7 +528,7 @@ def outcome(client, url: str, job_id: str, status) -> int:
     if name == "STOPPED":
         raise UserError(f"job {job_id} was stopped")
     raise UserError(
-        f"job {job_id} is still {name}, but its log stream ended; follow it "
+        f"job {job_id} is still {printable(name)}, but its log stream ended; follow it "
         f"again with: {_self(url)} logs --follow {job_id}"
     )
 
@@ -486,7 +561,7 @@ def status(client, url: str, job_id: str) -> int:
     with _one_line_errors(url, job_id):
         info = client.get_job_info(job_id)
     message = f"  {_last_line(info.message)}" if info.message else ""
-    print(f"{job_id}: {info.status}{message}")
+    print(f"{job_id}: {printable(info.status)}{message}")
     return 0
 
 
@@ -494,7 +569,7 @@ def logs(client, url: str, job_id: str, keep_following: bool) -> int:
     if keep_following:
         return follow(client, url, job_id)
     with _one_line_errors(url, job_id):
-        sys.stdout.write(client.get_job_logs(job_id))
+        sys.stdout.write(printable(client.get_job_logs(job_id)))
     return 0
 
 
@@ -518,8 +593,11 @@ def list_jobs(client, url: str) -> int:
             else "-"
         )
         print(
-            f"{job.submission_id or job.job_id or '-':<32} {str(job.status):<10} "
-            f"{started:<19}  {job.entrypoint}"
+            printable(
+                f"{job.submission_id or job.job_id or '-':<32} {str(job.status):<10} "
+                f"{started:<19}  {job.entrypoint}",
+                lines=False,
+            )
         )
     return 0
 

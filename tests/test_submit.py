@@ -320,10 +320,137 @@ def test_bf16_fit_job_is_followed_to_success_and_ctrl_c_detaches(head, tmp_path)
 
     proc = run_submit("--address", head["url"], "status", job_id, env=token_env)
     assert proc.returncode == 0 and f"{job_id}: SUCCEEDED" in proc.stdout, proc.stderr
+    # What the job ran in, as the head unpacked it: the allow-list and nothing else.
+    uploaded = _uploaded_files(head, job_id)
+    assert {"pyproject.toml", "README.md", "raytrain_mnist/fit.py"} <= uploaded, uploaded
+    assert all(
+        name in submit.UPLOAD_FILES
+        or (name.startswith("raytrain_mnist/") and name.endswith(submit.PACKAGE_SUFFIXES))
+        for name in uploaded
+    ), sorted(uploaded)
     proc = run_submit("--address", head["url"], "list", env=token_env)
     assert proc.returncode == 0 and job_id in proc.stdout and plain_id in proc.stdout
     proc = run_submit("--address", head["url"], "status", "raysubmit_nope", env=token_env)
     assert_one_line_error(proc, "no job 'raysubmit_nope'")
+
+
+def _uploaded_files(head, job_id: str) -> set[str]:
+    """The files of a job's working directory on the head (Python's __pycache__ aside)."""
+    request = urllib.request.Request(
+        f"{head['url']}/api/jobs/{job_id}", headers={"Authorization": f"Bearer {head['token']}"}
+    )
+    with urllib.request.urlopen(request, timeout=30) as response:
+        uri = json.load(response)["runtime_env"]["working_dir"]  # gcs://_ray_pkg_<hash>.zip
+    package = uri.removeprefix("gcs://").removesuffix(".zip")
+    found = (head["root"] / "ray").glob(f"session_*/runtime_resources/*/{package}")
+    (folder,) = {path.resolve() for path in found}  # session_latest links to the session
+    return {
+        path.relative_to(folder).as_posix()
+        for path in folder.rglob("*")
+        if path.is_file() and "__pycache__" not in path.parts
+    }
+
+
+#: A job that prints, and fails with, a terminal's window-title sequence (OSC) and a CSI one.
+_HOSTILE = "\x1b]0;pwned\x07\x1b[2J"
+_SUBMIT_RAW = """
+import sys
+from ray.job_submission import JobSubmissionClient
+
+print(JobSubmissionClient(sys.argv[1]).submit_job(entrypoint=sys.argv[2]))
+"""
+
+
+def test_text_from_the_cluster_is_printed_with_control_characters_shown(head):
+    env = client_env(head, RAY_AUTH_MODE="token", RAY_AUTH_TOKEN_PATH=str(head["token_path"]))
+    entry = f"echo 'hostile {_HOSTILE}'; echo 'last {_HOSTILE}' >&2; exit 3"
+    submitted = subprocess.run(
+        [sys.executable, "-c", _SUBMIT_RAW, head["url"], entry],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert submitted.returncode == 0, submitted.stderr
+    job_id = submitted.stdout.strip().splitlines()[-1]
+    shown = "^[]0;pwned^G^[[2J"
+    followed = run_submit("--address", head["url"], "logs", "--follow", job_id, env=env)
+    assert followed.returncode == 1, followed.stderr
+    for proc in (
+        followed,
+        run_submit("--address", head["url"], "logs", job_id, env=env),
+        run_submit("--address", head["url"], "status", job_id, env=env),
+        run_submit("--address", head["url"], "list", env=env),
+    ):
+        assert "\x1b" not in proc.stdout + proc.stderr and "\x07" not in proc.stdout + proc.stderr
+        assert shown in proc.stdout + proc.stderr, proc
+    assert f"hostile {shown}" in followed.stdout
+    assert followed.stderr.splitlines()[-1].endswith(f"last {shown}"), followed.stderr
+
+
+@pytest.mark.parametrize(
+    "text, shown",
+    [
+        ("\x1b]0;pwned\x07", "^[]0;pwned^G"),  # OSC: set the window title
+        ("\x1b[2J\x1b[31mred", "^[[2J^[[31mred"),  # CSI: clear the screen, colours
+        ("\x9b2J", "\\x9b2J"),  # the one-byte CSI of the C1 set
+        ("ok\rfake", "ok^Mfake"),  # a carriage return overwrites the line
+        ("\x00\x08\x7f", "^@^H^?"),
+        ("abc\u202edef", "abc\\u202edef"),  # a right-to-left override reorders the line
+        ("two\nlines\tand a tab", "two\nlines\tand a tab"),
+        ("plain text, üñí", "plain text, üñí"),
+    ],
+)
+def test_printable_shows_control_characters(text, shown):
+    assert submit.printable(text) == shown
+    assert "\n" not in submit.printable("a\nb\tc", lines=False)
+
+
+class _Job:
+    def __init__(self, **fields):
+        self.__dict__.update(fields)
+
+
+class _HostileClient:
+    """The Jobs API's answers, as a compromised job or cluster could make them."""
+
+    def list_jobs(self):
+        return [
+            _Job(
+                submission_id="raysubmit_1",
+                job_id=None,
+                status="SUCCEEDED",
+                start_time=0,
+                entrypoint=f"python -m x {_HOSTILE}\nraysubmit_2 SUCCEEDED fake row",
+            )
+        ]
+
+    def get_job_info(self, job_id):
+        return _Job(status="FAILED", message=f"exit code 3\nlast {_HOSTILE}")
+
+    def get_job_status(self, job_id):
+        from ray.job_submission import JobStatus
+
+        return JobStatus.FAILED
+
+    def get_job_logs(self, job_id):
+        return f"log {_HOSTILE}\n"
+
+
+def test_list_status_logs_and_outcome_escape_what_the_cluster_says(capsys):
+    client = _HostileClient()
+    submit.list_jobs(client, "http://h:8265")
+    submit.status(client, "http://h:8265", "raysubmit_1")
+    submit.logs(client, "http://h:8265", "raysubmit_1", keep_following=False)
+    out = capsys.readouterr().out
+    assert "\x1b" not in out and "\x07" not in out
+    rows = out.splitlines()
+    assert rows[1].endswith("python -m x ^[]0;pwned^G^[[2J^Jraysubmit_2 SUCCEEDED fake row")
+    assert len(rows) == 4 and rows[2] == "raysubmit_1: FAILED  last ^[]0;pwned^G^[[2J"
+    assert rows[3] == "log ^[]0;pwned^G^[[2J"
+    with pytest.raises(UserError) as info:
+        submit.outcome(client, "http://h:8265", "raysubmit_1", "FAILED")
+    assert str(info.value) == "job raysubmit_1 failed (exit code 3): last ^[]0;pwned^G^[[2J"
 
 
 def test_failed_job_exits_non_zero_and_bad_flags_never_reach_the_cluster(head, tmp_path):
@@ -434,6 +561,33 @@ def test_every_commands_flags_are_refused_before_any_cluster_is_contacted(comman
     assert proc.stdout == ""
 
 
+SECRET = "wJalrXUtnFEMIK7MDENG"
+
+
+@pytest.mark.parametrize(
+    "command",
+    [
+        ["fit", "--storage-path", f"s3://AKIAEXAMPLE:{SECRET}@bucket/runs"],
+        ["tune", "--storage-path", f"s3://bucket/runs?access_key=AKIAEXAMPLE&secret_key={SECRET}"],
+        ["fit", "--mlflow-uri", f"https://user:{SECRET}@mlflow.example"],
+        ["evaluate", f"s3://AKIAEXAMPLE:{SECRET}@bucket/runs/r"],
+        ["serve", f"gs://bucket/runs/r?access_token={SECRET}"],
+    ],
+    ids=lambda c: c[0] + c[1][:4],
+)
+def test_credentials_in_a_uri_are_refused_before_any_cluster_is_contacted(command):
+    """Refused here, so the secret never reaches the job table; not echoed either."""
+    (closed,) = free_ports(1)
+    env = {
+        k: v for k, v in os.environ.items() if k not in ("RAY_ADDRESS", "RAY_API_SERVER_ADDRESS")
+    }
+    proc = run_submit("--address", f"http://127.0.0.1:{closed}", "--", *command, env=env)
+    assert proc.returncode == 2, proc.stderr
+    assert_one_line_error(proc, "carries credentials; pass them through the environment")
+    assert "no Ray dashboard answers" not in proc.stderr and proc.stdout == ""
+    assert SECRET not in proc.stderr and "AKIAEXAMPLE" not in proc.stderr
+
+
 def test_parse_checks_and_returns_the_options():
     options = submit.COMMAND.parse(
         [
@@ -468,14 +622,102 @@ def test_parse_checks_and_returns_the_options():
     assert exc.value.code == 2
 
 
-def test_entrypoint_and_runtime_env():
+def test_entrypoint_and_the_staged_working_directory():
     assert (
-        submit.entrypoint(["fit", "--num-workers", "4", "--use-gpu", "--name", "a b"])
-        == "python -m raytrain_mnist.fit --num-workers 4 --use-gpu --name 'a b'"
+        submit.entrypoint(["fit", "--num-workers", "4", "--use-gpu", "--name", "run.2_b"])
+        == "python -m raytrain_mnist.fit --num-workers 4 --use-gpu --name run.2_b"
     )
-    env = submit.runtime_env()
-    assert env["working_dir"] == str(REPO)
-    assert env["excludes"] == submit.EXCLUDES
+    with submit.staged_upload() as env:
+        assert set(env) == {"working_dir"}
+        staged = Path(env["working_dir"])
+        files = sorted(p.relative_to(staged).as_posix() for p in staged.rglob("*") if p.is_file())
+        assert files == submit.upload_files(REPO)
+        assert {"pyproject.toml", "README.md", "raytrain_mnist/fit.py"} <= set(files)
+        assert "raytrain_mnist/serving/static/index.html" in files  # the package's data
+        assert not any(f.startswith(("tests/", "docs/", ".")) for f in files)
+    assert not staged.exists()  # gone once submitted
+
+
+#: Planted in a checkout: none of it may travel with a job.
+_SECRETS = [
+    ".envrc",
+    ".netrc",
+    ".env",
+    "id_rsa",
+    "id_ed25519.pub",
+    ".ssh/id_ed25519",
+    ".aws/credentials",
+    ".config/gcloud/application_default_credentials.json",
+    ".docker/config.json",
+    ".kube/config",
+    "credentials.json",
+    "service-account.json",
+    "terraform.tfstate",
+    "data/MNIST/raw/train-images-idx3-ubyte",
+    "runs/r/checkpoint_0/state.pt",
+    "tests/test_x.py",
+    ".git/config",
+    ".venv/bin/python",
+    "raytrain_mnist/.envrc",  # inside the package too
+    "raytrain_mnist/.hidden/x.py",
+    "raytrain_mnist/secrets.txt",
+    "raytrain_mnist/id_rsa",
+    "raytrain_mnist/__pycache__/fit.cpython-311.pyc",
+    "raytrain_mnist/driver/__pycache__/x.py",
+]
+
+
+def test_the_upload_is_an_allow_list(tmp_path):
+    """A checkout with secrets planted everywhere, links into them included: the staged
+    working directory holds the package, pyproject.toml and README.md, nothing else."""
+    checkout = tmp_path / "checkout"
+    kept = [
+        "README.md",
+        "pyproject.toml",
+        "raytrain_mnist/__init__.py",
+        "raytrain_mnist/driver/runs/claim.py",
+        "raytrain_mnist/fit.py",
+        "raytrain_mnist/serving/static/index.html",
+    ]
+    for name in kept + _SECRETS:
+        (checkout / name).parent.mkdir(parents=True, exist_ok=True)
+        (checkout / name).write_text(f"SECRET {name}" if name in _SECRETS else "x = 1\n")
+    (checkout / "raytrain_mnist" / "leak.py").symlink_to(checkout / "id_rsa")
+    (checkout / "raytrain_mnist" / "keys").symlink_to(checkout / ".ssh")
+    (checkout / "raytrain_mnist" / "linked.html").symlink_to(checkout / ".netrc")
+    assert submit.upload_files(checkout) == kept
+    with submit.staged_upload(checkout) as env:
+        staged = Path(env["working_dir"])
+        assert not any(p.is_symlink() for p in staged.rglob("*"))
+        files = sorted(p.relative_to(staged).as_posix() for p in staged.rglob("*") if p.is_file())
+        assert files == kept
+        assert all("SECRET" not in (staged / f).read_text() for f in files)
+    # An installed package (no pyproject.toml beside it) travels alone.
+    (checkout / "pyproject.toml").unlink()
+    assert submit.upload_files(checkout) == [f for f in kept if f.startswith("raytrain_mnist/")]
+
+
+def test_the_staged_directory_runs_the_job_command():
+    """What the cluster runs, `python -m raytrain_mnist.<command>` in the job's working
+    directory, imports the staged copy and works from it alone."""
+    probe = (
+        "import raytrain_mnist, runpy, sys; print(raytrain_mnist.__file__, flush=True); "
+        "sys.argv = ['fit', '--help']; runpy.run_module('raytrain_mnist.fit', run_name='__main__')"
+    )
+    with submit.staged_upload() as env:
+        proc = subprocess.run(
+            [sys.executable, "-c", probe],
+            cwd=env["working_dir"],
+            env={k: v for k, v in os.environ.items() if k != "PYTHONPATH"},
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
+        assert proc.returncode == 0, proc.stderr
+        assert proc.stdout.splitlines()[0] == str(
+            Path(env["working_dir"], "raytrain_mnist", "__init__.py")
+        )
+        assert "--storage-path" in proc.stdout
 
 
 def test_one_exclude_list_for_submit_rayignore_and_cluster_yaml():
