@@ -134,6 +134,7 @@ def fit(
     phase(f"data loaded: {data.train_size} train / {data.test_size} test images ({data.kind})")
     identity = runs.fit_identity(cfg, data)
     with run.claim(cfg.run.fresh):
+        run.held.handled = True  # a lost claim stops the run, with one line (Stopping)
         # Inside the claim: no other command can be writing what these read.
         run.check_identity(identity)
         finished = run.finished()
@@ -150,9 +151,14 @@ def fit(
         summary, error, tracker, logs = _train(
             cfg, run, data, identity, prior, started, emit, phase, poll_s
         )
-        # Still claimed: a second command never sees a half-written or stale summary.
-        run.write_json(SUMMARY_FILE, summary)
-        if summary["history"]:
+        # Still claimed: a second command never sees a half-written or stale summary. A
+        # claim lost meanwhile: another command may hold the run, nothing more is written.
+        lost = run.held.reason if run.held.lost.is_set() else None
+        if lost is not None:
+            summary["error"] = lost
+        else:
+            run.write_json(SUMMARY_FILE, summary)
+        if summary["history"] and lost is None:
             from raytrain_mnist.driver.plots import training_curves_png
 
             run.write_bytes(
@@ -291,7 +297,7 @@ def _train(
         )
         with monitor:
             try:
-                result = _fit_interruptibly(trainer, channel, emit)
+                result = _fit_interruptibly(trainer, channel, emit, run.held)
             except ray.train.TrainingFailedError as exc:
                 error, logs = exc, cluster.worker_logs_dir()
                 logger.debug("training failed: %s (worker logs: %s)", cause_line(exc), logs)
@@ -306,7 +312,7 @@ def _train(
     return summary, error, tracker, logs
 
 
-def _fit_interruptibly(trainer, channel, emit: EventSink):
+def _fit_interruptibly(trainer, channel, emit: EventSink, held: runs.Claim | None = None):
     """``trainer.fit()`` on a helper thread, so that Ctrl-C reaches this (main) thread.
 
     On the main thread Ray installs its own SIGINT handler, which exits the process
@@ -315,7 +321,7 @@ def _fit_interruptibly(trainer, channel, emit: EventSink):
     stay. A Ray that is not ours (a notebook's, a cluster's) lives on; the one this call
     started is shut down by :func:`cluster.connect` once the summary is written (not here:
     the monitor thread would bring up a new Ray if it found none). Returns None when
-    interrupted.
+    interrupted, or when ``held`` (the run's claim) is lost: the run is stopped the same way.
     """
     outcome: dict[str, Any] = {}
 
@@ -327,13 +333,25 @@ def _fit_interruptibly(trainer, channel, emit: EventSink):
 
     thread = threading.Thread(target=target, name="trainer.fit", daemon=True)
     thread.start()
+
+    def stop(event: Stopping) -> None:
+        emit(event)
+        abort_run(channel, thread.is_alive)
+        thread.join(60)
+
     try:
         while thread.is_alive():
             thread.join(0.5)
+            if held is not None and held.lost.is_set() and thread.is_alive():
+                stop(
+                    Stopping(
+                        f"{held.reason}: stopping the workers; the last committed "
+                        "checkpoint is kept"
+                    )
+                )
+                return None
     except KeyboardInterrupt:
-        emit(Stopping())
-        abort_run(channel, thread.is_alive)
-        thread.join(60)
+        stop(Stopping())
         return None
     if "error" in outcome:
         raise outcome["error"]

@@ -1,0 +1,465 @@
+"""One command at a time per run (driver/runs/claim.py), against the real things: a moto S3
+server on loopback for the lease (a rival in its own PID namespace and with a skewed clock,
+a store that drops requests, a real ``fit`` whose lease is taken), and the kernel's locks for
+a local run directory (a second process, SIGKILL, what ``/proc`` says of the lock)."""
+
+from __future__ import annotations
+
+import errno
+import json
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import threading
+import time
+import uuid
+from pathlib import Path
+
+import pyarrow.fs
+import pytest
+
+from raytrain_mnist.driver.runs import Run
+from raytrain_mnist.driver.runs.claim import LOCK_FILE, Lease, host_id
+from raytrain_mnist.errors import UserError
+from tests.conftest import MARKER_VAR, REPO, kill_marked, run_cli_here
+from tests.test_runs import monkeypatch_module, s3  # noqa: F401 (the moto S3 server)
+
+
+def _lease_path(run: Run) -> str:
+    return f"{run.files.base.rpartition('/')[0]}/.{run.name}.lease"
+
+
+def _read_lease(run: Run) -> dict | None:
+    try:
+        with run.files.filesystem.open_input_stream(_lease_path(run)) as f:
+            return json.loads(f.read())
+    except FileNotFoundError:
+        return None
+
+
+def _write_lease(run: Run, record: dict) -> bytes:
+    payload = json.dumps(record).encode()
+    with run.files.filesystem.open_output_stream(_lease_path(run)) as f:
+        f.write(payload)
+    return payload
+
+
+def _in_own_pid_namespace() -> list[str]:
+    """The words that start a command in a PID namespace of its own, as a container on this
+    host would be (same hostname, same boot id, another process table)."""
+    words = ["unshare", "--user", "--map-root-user", "--pid", "--fork", "--mount-proc"]
+    if shutil.which("unshare") is None or subprocess.run([*words, "true"]).returncode != 0:
+        pytest.skip("unshare cannot make a PID namespace here")
+    return words
+
+
+# A claim from another process, whose clock is off by SKEW_S (its argv: storage, name,
+# skew, then "hold" to hold the run until stdin closes).
+CLAIMER = """
+import json, os, sys, time
+real = time.time
+time.time = lambda: real() + float(sys.argv[3])
+from raytrain_mnist.driver.runs import Run
+from raytrain_mnist.driver.runs.claim import host_id
+from raytrain_mnist.errors import UserError
+started = time.monotonic()
+try:
+    with Run(sys.argv[1], sys.argv[2]).claim():
+        print(json.dumps({"claimed": time.monotonic() - started, "host_id": host_id()}),
+              flush=True)
+        if sys.argv[4:] == ["hold"]:
+            sys.stdin.read()
+except UserError as exc:
+    print(json.dumps({"refused": str(exc), "after_s": time.monotonic() - started}))
+"""
+HOURS_6 = 6 * 3600
+
+
+def _claimer(storage: str, name: str, skew_s: float, *extra: str, prefix=()):
+    return subprocess.Popen(
+        [*prefix, sys.executable, "-c", CLAIMER, storage, name, str(skew_s), *extra],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+        cwd=REPO,
+        start_new_session=True,
+    )
+
+
+# --------------------------------------------------------------------------- clocks, hosts
+
+
+def test_a_rival_in_another_pid_namespace_with_a_skewed_clock_is_refused_while_the_owner_renews(
+    s3,  # noqa: F811
+):
+    """The rival's clock runs six hours ahead (the owner's lease looks six hours old to it)
+    and the owner's pid does not exist in its process table (same hostname): both misled the
+    old lease into taking over. It is refused as soon as it sees a renewal."""
+    storage, ns = s3(), _in_own_pid_namespace()
+    owner = Run(storage, "r")
+    with owner.claim():
+        mine = _read_lease(owner)["token"]
+        rival = _claimer(storage, "r", HOURS_6, prefix=ns)
+        out, _ = rival.communicate(timeout=120)
+        seen = json.loads(out)
+        assert "renewed while this command watched" in seen.get("refused", ""), seen
+        assert "'r' is already running" in seen["refused"]
+        assert seen["after_s"] < 20  # a renewal every 3 s, not the 30 s TTL
+        assert _read_lease(owner)["token"] == mine
+    assert _read_lease(owner) is None  # released
+    # Free now: the same rival claims at once, and its host is not ours.
+    rival = _claimer(storage, "r", HOURS_6, prefix=ns)
+    seen = json.loads(rival.communicate(timeout=120)[0])
+    assert seen["claimed"] < 5 and seen["host_id"] != host_id(), seen
+
+
+def test_a_lease_stamped_hours_ago_is_honoured_while_renewed_and_taken_over_once_it_stops(
+    s3,  # noqa: F811
+):
+    """An owner in another PID namespace whose clock is six hours behind: its lease says it
+    was renewed six hours ago, and is still honoured while it is renewed. Once the owner is
+    killed, a rival takes over after watching the lease unchanged for the TTL on its own
+    monotonic clock, and not before."""
+    storage, ns = s3(), _in_own_pid_namespace()
+    run = Run(storage, "r")
+    owner = _claimer(storage, "r", -HOURS_6, "hold", prefix=ns)
+    try:
+        assert "claimed" in json.loads(owner.stdout.readline())
+        record = _read_lease(run)
+        assert record["renewed"] < time.time() - HOURS_6 + 60  # stamped by its clock
+        assert record["host_id"] != host_id()
+        with pytest.raises(UserError, match="renewed while this command watched"):
+            Lease(run.files).acquire("run")
+    finally:
+        os.killpg(owner.pid, signal.SIGKILL)
+        owner.wait()
+    # Dead now: its lease stays as it was; a rival watching it for ttl_s takes it over.
+    lease = Lease(run.files, ttl_s=4.0)
+    started = time.monotonic()
+    lease.acquire("run")
+    try:
+        assert time.monotonic() - started >= 4.0
+        assert _read_lease(run)["token"] == lease.token
+    finally:
+        lease.release()
+    assert _read_lease(run) is None
+
+
+# --------------------------------------------------------------------------- a flaky store
+
+
+class Flaky(pyarrow.fs.FileSystemHandler):
+    """A pyarrow file system handler over the real S3 file system (for ``PyFileSystem``) that raises ECONNRESET on the next ``reads`` opens for reading and
+    ``writes`` opens for writing, as a store that drops connections does. ``quiet`` is set
+    when every armed failure has been raised, ``recovered`` by the first write after."""
+
+    def __init__(self, fs) -> None:
+        self.fs = fs
+        self.reads = self.writes = self.raised = 0
+        self.quiet, self.recovered = threading.Event(), threading.Event()
+        self._lock = threading.Lock()
+
+    def arm(self, reads: int = 0, writes: int = 0) -> None:
+        with self._lock:
+            self.reads, self.writes = reads, writes
+            self.quiet.clear()
+            self.recovered.clear()
+
+    def _fail(self, kind: str) -> None:
+        with self._lock:
+            left = getattr(self, kind)
+            if left <= 0:
+                if kind == "writes" and self.quiet.is_set():
+                    self.recovered.set()
+                return
+            setattr(self, kind, left - 1)
+            self.raised += 1
+            if self.reads == 0 and self.writes == 0:
+                self.quiet.set()
+        raise ConnectionResetError(errno.ECONNRESET, "injected: connection reset by peer")
+
+    def open_input_stream(self, path):
+        self._fail("reads")
+        return self.fs.open_input_stream(path)
+
+    def open_output_stream(self, path, metadata):
+        self._fail("writes")
+        return self.fs.open_output_stream(path, metadata=metadata)
+
+    # The rest as the real file system does it.
+    def get_type_name(self):
+        return "flaky"
+
+    def equals(self, other):
+        return self is other
+
+    def normalize_path(self, path):
+        return self.fs.normalize_path(path)
+
+    def get_file_info(self, paths):
+        return self.fs.get_file_info(paths)
+
+    def get_file_info_selector(self, selector):
+        return self.fs.get_file_info(selector)
+
+    def create_dir(self, path, recursive):
+        self.fs.create_dir(path, recursive=recursive)
+
+    def delete_dir(self, path):
+        self.fs.delete_dir(path)
+
+    def delete_dir_contents(self, path, missing_dir_ok=False):
+        self.fs.delete_dir_contents(path, missing_dir_ok=missing_dir_ok)
+
+    def delete_root_dir_contents(self):
+        raise OSError("not here")
+
+    def delete_file(self, path):
+        self.fs.delete_file(path)
+
+    def move(self, src, dest):
+        self.fs.move(src, dest)
+
+    def copy_file(self, src, dest):
+        self.fs.copy_file(src, dest)
+
+    def open_input_file(self, path):
+        return self.fs.open_input_file(path)
+
+    def open_append_stream(self, path, metadata):
+        return self.fs.open_append_stream(path, metadata=metadata)
+
+
+def _flaky(run: Run) -> tuple[Flaky, pyarrow.fs.PyFileSystem]:
+    handler = Flaky(run.files.filesystem)
+    return handler, pyarrow.fs.PyFileSystem(handler)
+
+
+def test_transient_store_errors_neither_lose_the_lease_nor_end_its_heartbeat(s3):  # noqa: F811
+    run = Run(s3(), "r")
+    run.files.check_writable()
+    flaky, fs = _flaky(run)
+    lost = threading.Event()
+    lease = Lease(run.files, lambda reason: lost.set(), ttl_s=6.0, beat_s=0.2, filesystem=fs)
+    flaky.arm(reads=2, writes=2)  # taking it: each call is retried
+    lease.acquire("run")
+    try:
+        assert flaky.raised == 4 and _read_lease(run)["token"] == lease.token
+        for reads, writes in [(0, 5), (5, 0), (3, 3)]:  # renewing it: the beat goes on
+            flaky.arm(reads=reads, writes=writes)
+            assert flaky.quiet.wait(30) and flaky.recovered.wait(30), flaky.__dict__
+        assert flaky.raised == 4 + 5 + 5 + 6
+        assert not lost.is_set()
+        assert _read_lease(run)["token"] == lease.token
+        with pytest.raises(UserError, match="'r' is already running"):
+            Lease(run.files).acquire("run")  # a rival is still refused
+    finally:
+        lease.release()
+    assert lease.beats >= 1 + 3  # taken, then renewed after each streak of errors
+    assert _read_lease(run) is None  # released through the flaky store too
+
+
+def test_renewals_failing_for_most_of_the_ttl_lose_the_lease_in_one_line(s3):  # noqa: F811
+    run = Run(s3(), "r")
+    run.files.check_writable()
+    flaky, fs = _flaky(run)
+    reasons: list[str] = []
+    lost = threading.Event()
+
+    def on_lost(reason: str) -> None:
+        reasons.append(reason)
+        lost.set()
+
+    lease = Lease(run.files, on_lost, ttl_s=3.0, beat_s=0.2, filesystem=fs)
+    lease.acquire("run")
+    try:
+        armed = time.monotonic()
+        flaky.arm(writes=10**9)
+        assert lost.wait(30)
+        # Two thirds of the TTL from the start of the last renewal that succeeded (up to a
+        # beat and a round trip before the errors began): before a rival may take it over.
+        assert time.monotonic() - armed >= lease.give_up_s - lease.beat_s - 0.5
+        assert lease.give_up_s == 2.0 and flaky.raised >= 3
+        [reason] = reasons
+        assert "could not renew the lease on run 'r'" in reason and "injected" in reason
+        assert "\n" not in reason
+    finally:
+        flaky.arm()
+        lease.release()
+
+
+def test_a_lease_taken_by_another_token_is_lost_and_release_leaves_it(s3):  # noqa: F811
+    run = Run(s3(), "r")
+    reasons: list[str] = []
+    lost = threading.Event()
+
+    def on_lost(reason: str) -> None:
+        reasons.append(reason)
+        lost.set()
+
+    run.files.check_writable()
+    lease = Lease(run.files, on_lost, ttl_s=3.0, beat_s=0.2)
+    lease.acquire("run")
+    theirs = _write_lease(run, {"token": "rival", "pid": 4242, "host": "elsewhere"})
+    assert lost.wait(30)
+    assert reasons == [
+        f"the lease on run 'r' ({lease.uri}) was taken by another command (pid 4242 on elsewhere)"
+    ]
+    lease.release()
+    with run.files.filesystem.open_input_stream(_lease_path(run)) as f:
+        assert f.read() == theirs  # not deleted, not rewritten
+
+
+def test_release_deletes_only_its_own_lease(s3):  # noqa: F811
+    """Released before its heartbeat has seen the other token: still left alone."""
+    run = Run(s3(), "r")
+    run.files.check_writable()
+    lease = Lease(run.files, ttl_s=600.0)  # renews every minute: not before the release
+    lease.acquire("run")
+    theirs = _write_lease(run, {"token": "rival", "pid": 4242, "host": "elsewhere"})
+    lease.release()
+    with run.files.filesystem.open_input_stream(_lease_path(run)) as f:
+        assert f.read() == theirs
+
+
+# --------------------------------------------------------------------------- a fit that loses it
+
+
+def test_a_fit_whose_lease_is_taken_stops_in_one_line_and_keeps_its_checkpoint(
+    s3,  # noqa: F811
+    tiny_mnist,
+    tmp_path,
+):
+    """A real fit on s3://: once its first epoch is committed, another command's token
+    replaces its lease. The fit stops its workers as Ctrl-C does, says why in one line,
+    writes nothing more into the run (it may be someone else's now) and leaves the
+    other command's lease alone; the committed checkpoint stays."""
+    import pyarrow.fs
+
+    storage = s3()
+    marker = uuid.uuid4().hex
+    stderr = tmp_path / "stderr"
+    with stderr.open("w") as err:
+        proc = subprocess.Popen(
+            [
+                *(sys.executable, "-m", "raytrain_mnist", "fit", "--epochs", "100"),
+                *("--num-workers", "1", "--batch-size", "32", "--dataset", "mnist"),
+                *("--data-dir", str(tiny_mnist), "--storage-path", storage, "--name", "taken"),
+            ],
+            stdout=subprocess.PIPE,
+            stderr=err,
+            text=True,
+            cwd=REPO,
+            env={**os.environ, "PYTHONUNBUFFERED": "1", MARKER_VAR: marker},
+        )
+    run = Run(storage, "taken")
+    try:
+        seen = []
+        for line in proc.stdout:
+            seen.append(line)
+            if line.startswith("epoch   1/100"):
+                break
+        else:
+            raise AssertionError("".join(seen) + stderr.read_text())
+        theirs = _write_lease(run, {"token": "rival", "pid": 4242, "host": "elsewhere"})
+        out = "".join(seen) + proc.communicate(timeout=240)[0]
+    finally:
+        kill_marked(marker)
+    err = stderr.read_text()
+    assert proc.returncode == 130, out + err
+    said = [line for line in err.splitlines() if "the lease on run" in line]
+    assert said == [
+        f"the lease on run 'taken' ({storage}/.taken.lease) was taken by another command "
+        "(pid 4242 on elsewhere): stopping the workers; the last committed checkpoint is kept"
+    ], err
+    assert "Traceback" not in err and "internal error" not in err
+    assert "interrupted after" in err and "resume with: " in err
+    assert run.summary() is None  # nothing written after the loss
+    with run.files.filesystem.open_input_stream(_lease_path(run)) as f:
+        assert f.read() == theirs
+    checkpoint = run.latest_checkpoint()
+    assert checkpoint is not None and checkpoint.startswith(f"{storage}/taken/checkpoint_")
+    fs, path = pyarrow.fs.FileSystem.from_uri(f"{checkpoint}/state.pt")
+    assert fs.get_file_info(path).type == pyarrow.fs.FileType.File
+
+
+# --------------------------------------------------------------------------- local disks
+
+HOLDER = """
+import sys, time
+from raytrain_mnist.driver.runs import Run
+with Run(sys.argv[1], "r").claim() as run:
+    run.write_json("run.json", {"x": 1})
+    print("held", flush=True)
+    time.sleep(600)
+"""
+
+
+def _names(pid: int, fd: str, path: Path) -> bool:
+    try:
+        return os.readlink(f"/proc/{pid}/fd/{fd}") == str(path)
+    except OSError:  # closed meanwhile
+        return False
+
+
+def _tree(root: Path) -> dict:
+    return {
+        str(p.relative_to(root)): p.read_bytes() for p in sorted(root.rglob("*")) if p.is_file()
+    }
+
+
+def test_a_local_run_is_locked_on_a_file_open_for_writing_and_the_lock_dies_with_its_command(
+    tmp_path,
+):
+    holder = subprocess.Popen(
+        [sys.executable, "-c", HOLDER, str(tmp_path)], stdout=subprocess.PIPE, text=True, cwd=REPO
+    )
+    try:
+        assert holder.stdout.readline() == "held\n"
+        lock = tmp_path / "r" / LOCK_FILE
+        [fd] = [fd for fd in os.listdir(f"/proc/{holder.pid}/fd") if _names(holder.pid, fd, lock)]
+        info = Path(f"/proc/{holder.pid}/fdinfo/{fd}").read_text()
+        # Opened for writing (NFSv4 and EFS refuse an exclusive lock on a read-only one),
+        # and the kernel lists the flock on it.
+        assert int(re.search(r"flags:\s+(\d+)", info)[1], 8) & os.O_ACCMODE == os.O_RDWR
+        assert re.search(r"lock:.*FLOCK\s+ADVISORY\s+WRITE", info), info
+        before = _tree(tmp_path)
+        with pytest.raises(UserError, match=r"run 'r' is already running"):
+            with Run(tmp_path, "r").claim():
+                pass
+        assert _tree(tmp_path) == before  # the refused command changed nothing
+        holder.send_signal(signal.SIGKILL)
+        holder.wait(timeout=30)
+        with Run(tmp_path, "r").claim() as run:  # the lock went with the killed command
+            assert run.read_json("run.json") == {"x": 1}
+            assert lock.is_file()
+        assert sorted(p.name for p in (tmp_path / "r").iterdir()) == ["run.json"]
+    finally:
+        holder.kill()
+        holder.wait()
+
+
+def test_a_lock_that_cannot_be_taken_is_one_line(tmp_path, tiny_mnist):
+    (tmp_path / "r" / LOCK_FILE).mkdir(parents=True)
+    with pytest.raises(UserError) as info:
+        with Run(tmp_path, "r").claim():
+            pass
+    assert str(info.value) == f"cannot lock {tmp_path / 'r'}: Is a directory"
+    result = run_cli_here(
+        *("fit", "--storage-path", str(tmp_path), "--name", "r", "--dataset", "mnist"),
+        *("--data-dir", str(tiny_mnist)),
+    )
+    assert result.returncode == 1, result
+    assert result.stderr == f"raytrain-mnist: error: cannot lock {tmp_path / 'r'}: Is a directory\n"
+    # A lock file that is a symbolic link is never followed (nor its target touched).
+    outside = tmp_path / "outside"
+    outside.write_bytes(b"keep")
+    (tmp_path / "r" / LOCK_FILE).rmdir()
+    (tmp_path / "r" / LOCK_FILE).symlink_to(outside)
+    with pytest.raises(UserError, match=r"^cannot lock .*: Too many levels of symbolic links$"):
+        with Run(tmp_path, "r").claim():
+            pass
+    assert outside.read_bytes() == b"keep"
