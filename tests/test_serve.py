@@ -19,18 +19,21 @@ import os
 import shutil
 import signal
 import socket
+import struct
 import subprocess
 import sys
 import time
+import tracemalloc
 import urllib.error
 import urllib.request
+import zlib
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import numpy as np
 import pytest
 
-from raytrain_mnist.serving.images import MAX_BODY_BYTES
+from raytrain_mnist.serving.images import MAX_BODY_BYTES, MAX_PNG_PIXELS, MAX_REQUEST_PIXELS
 from tests.conftest import MARKER_VAR, REPO, free_ports, kill_marked, marked, run_cli_here
 
 CHROMIUM = "/usr/bin/chromium"
@@ -58,6 +61,27 @@ def predict(url: str, images) -> dict:
     status, _, body = http(url + "predict", {"images": images})
     assert status == 200, body
     return json.loads(body)
+
+
+def png_declaring(width: int, height: int) -> bytes:
+    """A PNG of a few dozen bytes whose header declares width x height 8-bit gray pixels,
+    and whose pixel data is garbage: decoding it could only fail."""
+
+    def chunk(kind: bytes, data: bytes) -> bytes:
+        crc = struct.pack(">I", zlib.crc32(kind + data))
+        return struct.pack(">I", len(data)) + kind + data + crc
+
+    header = struct.pack(">IIBBBBB", width, height, 8, 0, 0, 0, 0)
+    return (
+        b"\x89PNG\r\n\x1a\n"
+        + chunk(b"IHDR", header)
+        + chunk(b"IDAT", b"not zlib at all")
+        + chunk(b"IEND", b"")
+    )
+
+
+def b64(data: bytes) -> str:
+    return base64.b64encode(data).decode()
 
 
 def png_b64(array: np.ndarray) -> str:
@@ -115,6 +139,12 @@ def test_parse_images_takes_pixels_as_they_are():
             422,
             "not a readable PNG",
         ),
+        # Deeper than Python's json recurses: a 400, never a RecursionError's 500.
+        (b"[" * 100_000 + b"]" * 100_000, 400, "nests too deeply"),
+        (b'{"images": ' + b"[" * 100_000 + b"]" * 100_000 + b"}", 400, "nests too deeply"),
+        (b'{"images": [' + b"[" * 500 + b"0" + b"]" * 500 + b"]}", 422, "image 0 has shape"),
+        # Its header fits, its pixel data is no zlib stream: one line, not a traceback.
+        (json.dumps({"images": [b64(png_declaring(28, 28))]}).encode(), 422, "not a readable"),
     ],
 )
 def test_parse_images_refuses_with_one_line(body, status, words):
@@ -136,6 +166,78 @@ def test_parse_images_limits_count_and_png_size():
     with pytest.raises(BadRequest) as info:
         parse_images(json.dumps({"images": [huge]}).encode())
     assert info.value.status == 413 and "4096x4097" in str(info.value)
+
+
+@pytest.mark.parametrize(
+    "width, height, words",
+    [
+        (4097, 4096, "4097x4096 pixels; the limit is"),
+        (100_000, 100_000, f"over {MAX_PNG_PIXELS} pixels"),  # past PIL's own bomb guard
+        (2**31 - 1, 2**31 - 1, f"over {MAX_PNG_PIXELS} pixels"),  # PNG's largest
+    ],
+)
+def test_declared_size_is_refused_before_decoding(width, height, words):
+    """A PNG of a few dozen bytes that declares more pixels than the cap is a 413 read off
+    its header: its pixel data (garbage: decoding would answer 422) is never touched."""
+    from raytrain_mnist.serving.images import BadRequest, parse_images
+
+    body = json.dumps({"images": [b64(png_declaring(width, height))]}).encode()
+    start = time.perf_counter()
+    with pytest.raises(BadRequest) as info:
+        parse_images(body)
+    elapsed = time.perf_counter() - start
+    assert info.value.status == 413 and words in str(info.value), info.value
+    assert elapsed < 0.5, f"{elapsed:.3f} s"  # milliseconds when idle; a loaded machine aside
+    print(f"{width}x{height}: 413 in {1000 * elapsed:.2f} ms")
+
+
+def test_a_requests_pngs_together_are_capped_before_any_is_decoded():
+    """Each PNG under the cap, their sum over a request's: 413 before the first is decoded
+    (garbage pixel data again); under the sum, real PNGs are decoded."""
+    from raytrain_mnist.serving.images import BadRequest, parse_images
+
+    side = 4096  # each exactly at the per-PNG cap
+    count = MAX_REQUEST_PIXELS // (side * side) + 1
+    body = json.dumps({"images": [b64(png_declaring(side, side))] * count}).encode()
+    with pytest.raises(BadRequest) as info:
+        parse_images(body)
+    assert info.value.status == 413 and f"limit is {MAX_REQUEST_PIXELS} pixels" in str(info.value)
+    assert f"up to image {count - 1}" in str(info.value)
+
+    two = json.dumps({"images": [png_b64(np.zeros((100, 100), np.uint8))] * 2}).encode()
+    with pytest.raises(BadRequest) as info:
+        parse_images(two, max_pixels=19_999)
+    assert info.value.status == 413 and "declare 20000 pixels" in str(info.value)
+    assert parse_images(two, max_pixels=20_000).shape == (2, 28, 28)
+
+
+def test_a_large_png_is_decoded_without_a_float_copy_of_it():
+    """The decode of a 4096x4096 PNG (the cap) makes no array of its size: numpy's
+    allocations (tracemalloc sees them) stay far under one float32 copy (64 MiB), and the
+    digit still comes out as the small drawing of it does."""
+    from PIL import Image
+
+    from raytrain_mnist.serving.images import png_to_mnist
+
+    side = 4096
+    canvas = np.zeros((side, side), np.uint8)
+    canvas[1000:3000, 1900:2200] = 255  # a "1", large
+    out = io.BytesIO()
+    Image.fromarray(canvas).save(out, format="PNG")
+    data = out.getvalue()
+    small = io.BytesIO()
+    Image.fromarray(canvas).resize((280, 280), Image.Resampling.BOX).save(small, format="PNG")
+    del canvas
+    tracemalloc.start()
+    try:
+        digit = png_to_mnist(data)
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert peak < 16 * 2**20, f"numpy peaked at {peak / 2**20:.0f} MiB"
+    print(f"numpy's peak while decoding {side}x{side}: {peak / 2**20:.1f} MiB")
+    expected = png_to_mnist(small.getvalue()).astype(float)
+    assert np.corrcoef(digit.astype(float).ravel(), expected.ravel())[0, 1] > 0.95
 
 
 def test_png_becomes_an_mnist_digit(sample_digits):

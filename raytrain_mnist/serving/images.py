@@ -2,6 +2,12 @@
 
 Pure (numpy, PIL): no Ray, no torch. Everything a client can get wrong is a
 :class:`BadRequest` carrying the HTTP status and one line saying what to send instead.
+
+What a body may cost is bounded before it is spent: the body's bytes (:data:`MAX_BODY_BYTES`,
+checked by the app as it reads), its images (:data:`MAX_IMAGES`), each PNG's pixels
+(:data:`MAX_PNG_PIXELS`) and the pixels of all a request's PNGs together
+(:data:`MAX_REQUEST_PIXELS`). A PNG's pixels are what its header declares, read before
+anything is decoded: a few hundred bytes of PNG can declare a gigapixel of blank paper.
 """
 
 from __future__ import annotations
@@ -18,23 +24,40 @@ import numpy as np
 MAX_IMAGES = 1024
 #: Request body limit: 1024 images as JSON integers take ~3.2 MB; PNGs leave room to spare.
 MAX_BODY_BYTES = 8 * 1024 * 1024
-#: Largest PNG accepted, in pixels (PIL's own bomb guard allows ~179 M before refusing).
+#: Largest PNG accepted, in pixels: a photo of a digit, with room to spare (PIL's own bomb
+#: guard would open ~179 M pixels, gigabytes decoded).
 MAX_PNG_PIXELS = 4096 * 4096
+#: All a request's PNGs together, in declared pixels: two of the largest, or 428 of the
+#: page's 280x280 drawings. Bounds a request's decoding time (a second or so on one core).
+MAX_REQUEST_PIXELS = 2 * MAX_PNG_PIXELS
+#: PNGs are shrunk (by whole factors, averaging) to at most this side before any float
+#: copy is made: plenty for a 20x20 digit, and a decoded image's float arrays stay small.
+WORK_SIDE = 1024
 SIDE = 28
 
 
 class BadRequest(Exception):
-    """A request the server refuses: HTTP ``status`` and a one-line reason."""
+    """A request the server refuses: HTTP ``status``, a one-line reason and any headers
+    the answer needs (``WWW-Authenticate`` for a 401)."""
 
-    def __init__(self, status: int, message: str) -> None:
+    def __init__(self, status: int, message: str, headers: dict | None = None) -> None:
         super().__init__(message)
         self.status = status
+        self.headers = headers
 
 
-def parse_images(body: bytes, max_images: int = MAX_IMAGES) -> np.ndarray:
-    """The images of a ``/predict`` body as uint8 ``(N, 28, 28)``; :class:`BadRequest` else."""
+def parse_images(
+    body: bytes, max_images: int = MAX_IMAGES, max_pixels: int = MAX_REQUEST_PIXELS
+) -> np.ndarray:
+    """The images of a ``/predict`` body as uint8 ``(N, 28, 28)``; :class:`BadRequest` else.
+    Every PNG's declared size is checked, and their sum against ``max_pixels``, before any
+    of them is decoded."""
     try:
         payload = json.loads(body)
+    except RecursionError:  # [[[[...]]]] deeper than the parser recurses: no 500
+        raise BadRequest(
+            400, 'the body nests too deeply to be a /predict body; send {"images": [...]}'
+        ) from None
     except (ValueError, UnicodeDecodeError):
         raise BadRequest(400, 'the body is not JSON; send {"images": [...]}') from None
     images = payload.get("images") if isinstance(payload, dict) else None
@@ -50,18 +73,27 @@ def parse_images(body: bytes, max_images: int = MAX_IMAGES) -> np.ndarray:
             f"{len(images)} images in one request; the limit is "
             f"{max_images}: split them over several requests",
         )
+    pngs = {i: _b64decode(image, i) for i, image in enumerate(images) if isinstance(image, str)}
+    total = 0
+    for i, data in pngs.items():
+        width, height = png_size(data, i)
+        total += width * height
+        if total > max_pixels:
+            raise BadRequest(
+                413,
+                f"the PNGs up to image {i} declare {total} pixels; a request's limit is "
+                f"{max_pixels} pixels: send fewer or smaller PNGs per request",
+            )
     batch = np.empty((len(images), SIDE, SIDE), dtype=np.uint8)
     for i, image in enumerate(images):
-        batch[i] = (
-            png_to_mnist(_b64decode(image, i), i) if isinstance(image, str) else _pixels(image, i)
-        )
+        batch[i] = png_to_mnist(pngs[i], i) if i in pngs else _pixels(image, i)
     return batch
 
 
 def _pixels(image: Any, i: int) -> np.ndarray:
     try:
         array = np.asarray(image)
-    except (ValueError, TypeError, OverflowError):  # ragged nesting, odd types
+    except (ValueError, TypeError, OverflowError, RecursionError):  # ragged, odd, deep
         array = None
     if array is None or array.shape != (SIDE, SIDE):
         shape = "x".join(map(str, array.shape)) if array is not None else "ragged"
@@ -96,36 +128,68 @@ def _b64decode(text: str, i: int) -> bytes:
         ) from None
 
 
+def png_size(data: bytes, i: int = 0) -> tuple[int, int]:
+    """A PNG's width and height as its header declares them, refused past
+    :data:`MAX_PNG_PIXELS` (413); nothing is decoded (PIL's open reads the header only)."""
+    with _open_png(data, i) as img:
+        return img.size
+
+
 def png_to_mnist(data: bytes, i: int = 0) -> np.ndarray:
     """A PNG of any size made MNIST-like: uint8 28x28, white digit on black, the digit
-    scaled into a 20x20 box and centred by its centre of mass, as MNIST's digits were."""
+    scaled into a 20x20 box and centred by its centre of mass, as MNIST's digits were.
+
+    Decoded once, in its own mode, then made one byte per pixel (gray on white paper) and
+    shrunk to :data:`WORK_SIDE` before any float copy: a few bytes per declared pixel at
+    the peak, never a float array of the full image."""
+    with _open_png(data, i) as img:
+        try:
+            gray = _on_white(img)
+        except (OSError, SyntaxError, ValueError, EOFError) as exc:  # truncated, corrupt
+            raise BadRequest(
+                422, f"image {i} is not a readable PNG ({exc.__class__.__name__})"
+            ) from None
+    factor = -(-max(gray.size) // WORK_SIDE)  # ceil: the shrunk side is at most WORK_SIDE
+    if factor > 1:
+        gray = gray.reduce(factor)  # box average: no detail of a 20x20 digit is lost
+    return _mnist_like(np.asarray(gray, dtype=np.float32))
+
+
+def _open_png(data: bytes, i: int):
+    """The PNG opened lazily (its header read, no pixel decoded), its size checked."""
     from PIL import Image, UnidentifiedImageError
 
     try:
-        with Image.open(io.BytesIO(data), formats=["PNG"]) as img:
-            if img.width * img.height > MAX_PNG_PIXELS:
-                raise BadRequest(
-                    413,
-                    f"image {i} is {img.width}x{img.height} pixels; the "
-                    f"limit is {MAX_PNG_PIXELS} pixels",
-                )
-            rgba = img.convert("RGBA")
-    except BadRequest:
-        raise
-    except (
-        UnidentifiedImageError,
-        OSError,
-        SyntaxError,
-        ValueError,
-        Image.DecompressionBombError,
-    ) as exc:
+        img = Image.open(io.BytesIO(data), formats=["PNG"])
+    except Image.DecompressionBombError:  # past twice PIL's own guard: our cap is far lower
+        raise BadRequest(
+            413, f"image {i} declares over {MAX_PNG_PIXELS} pixels, the limit per PNG"
+        ) from None
+    except (UnidentifiedImageError, OSError, SyntaxError, ValueError, EOFError) as exc:
         raise BadRequest(
             422, f"image {i} is not a readable PNG ({exc.__class__.__name__})"
         ) from None
-    # Transparent pixels count as paper: a digit drawn on a transparent sheet shows on white.
-    paper = Image.new("RGBA", rgba.size, (255, 255, 255, 255))
-    gray = np.asarray(Image.alpha_composite(paper, rgba).convert("L"), dtype=np.float32)
-    return _mnist_like(gray)
+    width, height = img.size
+    if width * height > MAX_PNG_PIXELS:
+        img.close()
+        raise BadRequest(
+            413, f"image {i} is {width}x{height} pixels; the limit is {MAX_PNG_PIXELS} pixels"
+        )
+    return img
+
+
+def _on_white(img):
+    """One byte per pixel: the image's gray, transparent pixels counting as white paper (a
+    digit drawn on a transparent sheet shows on white)."""
+    from PIL import Image
+
+    if img.mode not in ("RGBA", "LA", "PA", "RGBa", "La") and "transparency" not in img.info:
+        return img.convert("L")
+    gray_alpha = img.convert("LA")
+    img.close()  # the decoded original: its memory goes before the next copies are made
+    ink, alpha = gray_alpha.split()
+    del gray_alpha
+    return Image.composite(ink, Image.new("L", ink.size, 255), alpha)
 
 
 def _mnist_like(gray: np.ndarray) -> np.ndarray:
