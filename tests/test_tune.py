@@ -19,6 +19,7 @@ import sys
 import tempfile
 import time
 import uuid
+from collections.abc import Sequence
 from pathlib import Path
 
 import pytest
@@ -29,6 +30,7 @@ from raytrain_mnist.driver.search_space import SEARCH_SPACE, Param, SearchSpace,
 from raytrain_mnist.driver.searching import SearchResult
 from raytrain_mnist.worker import checkpoint as ckpt
 from tests.conftest import MARKER_VAR, REPO, kill_marked, run_cli, write_tiny_mnist
+from tests.test_runs import monkeypatch_module, s3  # noqa: F401  (the moto S3 server)
 
 BEST_KEYS = {
     "best_val_accuracy",
@@ -79,61 +81,111 @@ class _Planted:
 PLANTED_MARK = f"/tmp/raytrain_mnist_planted_{uuid.uuid4().hex[:8]}"
 
 
-def _plant_tune_state(exp: Path) -> None:
-    """What `Tuner.can_restore` looks for, written by someone else, with code inside."""
+def _planted_tune_state() -> dict[str, bytes]:
+    """What Tune's restore and analysis unpickle, written by someone else, with code inside:
+    its tuner, the searcher's state, an experiment state (newer by name than any Tune
+    writes) whose trials are a cloudpickle blob, and a trial's pickled error and params."""
     import pickle
 
-    exp.mkdir(parents=True)
-    (exp / "tuner.pkl").write_bytes(pickle.dumps(_Planted()))
-    (exp / "experiment_state-2026-01-01_00-00-00.json").write_text("{}")
+    blob = pickle.dumps(_Planted())
+    state = {"trial_data": {"_type": "CLOUDPICKLE_FALLBACK", "value": blob.hex()}}
+    return {
+        "tuner.pkl": blob,
+        "experiment_state-9999-12-31_23-59-59.json": json.dumps(state).encode(),
+        "basic-variant-state-9999-12-31_23-59-59.json": blob,
+        "searcher-state-9999-12-31_23-59-59.pkl": blob,
+        "trainable.pkl": blob,
+    }
 
 
-def test_a_planted_tune_state_is_never_restored(tmp_path):
-    """Restoring unpickles tuner.pkl: a search this project did not write (no search.json),
-    or one another user could have written, is refused before anything is loaded."""
+def _planted_trial_state() -> dict[str, bytes]:
+    import pickle
+
+    blob = pickle.dumps(_Planted())
+    return {"error.pkl": blob, "params.pkl": blob}
+
+
+def _plant_tune_state(exp: Path, trials: Sequence[str] = ()) -> None:
+    exp.mkdir(parents=True, exist_ok=True)
+    for name, payload in _planted_tune_state().items():
+        (exp / name).write_bytes(payload)
+    for trial in trials:
+        (exp / f"trial_{trial}").mkdir(exist_ok=True)
+        for name, payload in _planted_trial_state().items():
+            (exp / f"trial_{trial}" / name).write_bytes(payload)
+
+
+def test_a_planted_tune_state_or_trial_record_is_refused_before_anything_starts(tmp_path):
+    """Tune's state in a directory this project did not write (no search.json) is someone
+    else's experiment: refused, never read. A trial record that is not the one this search
+    wrote for that trial is one line too, before Ray starts."""
     exp = tmp_path / "planted"
     _plant_tune_state(exp)
-    done = run_cli(
-        "tune",
-        "--storage-path",
-        str(tmp_path),
-        "--name",
-        "planted",
-        "--dataset",
-        "sample",
-        timeout=120,
-    )
+    common = ["--storage-path", str(tmp_path), "--name", "planted", "--dataset", "sample"]
+    done = run_cli("tune", *common, timeout=120)
     assert done.returncode == 2, done.stdout + done.stderr
     assert "never restored" in done.stderr and len(done.stderr.strip().splitlines()) == 1
     assert not os.path.exists(PLANTED_MARK)
 
-    # With a matching search.json, but owned by someone else: still refused.
+    # The search's own identity, and a record of its first trial that claims other values.
     from raytrain_mnist.data import load_sample
     from raytrain_mnist.driver.runs import data_identity
     from raytrain_mnist.driver.search_space import experiment_identity
+    from raytrain_mnist.driver.searching import TRIAL_FILE, draw_trials
     from raytrain_mnist.tune import parse_command
 
-    cmd = parse_command(
-        ["--storage-path", str(tmp_path), "--name", "planted", "--dataset", "sample"]
-    )
+    cmd = parse_command(common)
     identity = {
         **experiment_identity(cmd.space, cmd.settings, cmd.train, cmd.run),
         "data": data_identity(load_sample()),
     }
     (exp / "search.json").write_text(json.dumps(identity))
-    os.chown(exp / "tuner.pkl", 65534, 65534)  # nobody (the suite runs as root in CI)
-    done = run_cli(
-        "tune",
-        "--storage-path",
-        str(tmp_path),
-        "--name",
-        "planted",
-        "--dataset",
-        "sample",
-        timeout=120,
+    name, values = draw_trials(cmd.space, cmd.settings, identity)[0]
+    history = [{"epoch": 1, "val_accuracy": 0.9, "val_loss": 0.3}]
+    record = {"trial_id": name, "config": values, "status": "stopped early", "history": history}
+    (exp / "runs" / name).mkdir(parents=True)
+    (exp / "runs" / name / TRIAL_FILE).write_text(
+        json.dumps({**record, "config": {**values, "lr": 0.5}})
     )
-    assert done.returncode == 2 and "is not owned by you" in done.stderr, done.stderr
-    assert not os.path.exists(PLANTED_MARK)
+    done = run_cli("tune", *common, timeout=120)
+    assert done.returncode == 2, done.stdout + done.stderr
+    lines = done.stderr.strip().splitlines()
+    assert len(lines) == 1 and f"{name}/{TRIAL_FILE} is not a record" in lines[0], lines
+    assert "its values are not the ones this search draws" in lines[0]
+    assert "starting" not in done.stdout and not os.path.exists(PLANTED_MARK)
+
+
+def test_a_trial_record_is_read_like_input():
+    from raytrain_mnist.driver.searching import record_problem
+
+    values = {"lr": 0.05}
+    good = {
+        "trial_id": "a_00000",
+        "config": values,
+        "status": "finished",
+        "history": [
+            {"epoch": 1, "val_accuracy": 0.5, "val_loss": 1.0},
+            {"epoch": 2, "val_accuracy": None, "val_loss": None},  # a diverged epoch
+        ],
+    }
+    assert record_problem(good, "a_00000", values, 2, "val_accuracy") is None
+    h1, h2 = good["history"]
+    for bad, problem in [
+        ([], "not a JSON object"),
+        ({**good, "trial_id": "b_00000"}, "it names trial 'b_00000'"),
+        ({**good, "config": {"lr": 0.1}}, "its values are not"),
+        ({**good, "status": "running"}, "status 'running'"),
+        ({**good, "history": {}}, "history is not a list"),
+        ({**good, "history": [h1, h2, h2]}, "history is not a list of 1 to 2"),
+        ({**good, "history": [h1]}, "'finished' after 1 of 2"),
+        ({**good, "status": "stopped early"}, "'stopped early' after 2 of 2"),
+        ({**good, "history": [h2, h1]}, "epoch record 1 is of epoch 2"),
+        ({**good, "history": [{**h1, "epoch": True}, h2]}, "epoch record 1 is of epoch True"),
+        ({**good, "history": [h1, {**h2, "x": 1}]}, "epoch record 2 does not hold"),
+        ({**good, "history": [h1, {**h2, "val_loss": "1"}]}, "val_loss '1' is not a finite"),
+        ({**good, "history": [{**h1, "val_accuracy": 1.5}, h2]}, "is not an accuracy"),
+    ]:
+        assert problem in (record_problem(bad, "a_00000", values, 2, "val_accuracy") or ""), bad
 
 
 def test_search_space_from_the_command_line():
@@ -228,7 +280,7 @@ def mixed_mnist(tmp_path_factory, sample_digits) -> Path:
     return write_tiny_mnist(tmp_path_factory.mktemp("mixed"), (images[order], labels[order]))
 
 
-def _tune_command(data: Path, storage: Path, name: str, *extra: str) -> list[str]:
+def _tune_command(data: Path, storage: Path | str, name: str, *extra: str) -> list[str]:
     return [
         sys.executable,
         "-m",
@@ -260,26 +312,10 @@ def ray_env():
         "PYTHONUNBUFFERED": "1",
         "RAY_TMPDIR": str(ray_tmp),
         MARKER_VAR: uuid.uuid4().hex,  # on every process of the Ray a search starts
-        # Save Tune's experiment state every second (default: 10 s or more).
-        "TUNE_GLOBAL_CHECKPOINT_S": "1",
     }
     yield env
     kill_marked(env[MARKER_VAR])
     shutil.rmtree(ray_tmp, ignore_errors=True)
-
-
-def _experiment_state(exp: Path) -> dict[str, str]:
-    """Trial id -> status in Tune's saved experiment state."""
-    statuses: dict[str, str] = {}
-    for path in exp.glob("experiment_state-*.json"):
-        try:
-            state = json.loads(path.read_text())
-        except (OSError, ValueError):
-            continue  # being written
-        for trial_json, _ in state.get("trial_data", []):
-            trial = json.loads(trial_json)
-            statuses[trial["trial_id"]] = trial["status"]
-    return statuses
 
 
 def test_asha_stops_a_bad_trial_the_next_still_runs_and_a_killed_search_resumes(
@@ -333,10 +369,10 @@ def test_asha_stops_a_bad_trial_the_next_still_runs_and_a_killed_search_resumes(
         output = "".join(seen)
         assert f"trial {started[0]} finished" in output
         assert f"trial {started[1]} stopped early after epoch 1" in output
-        deadline = time.monotonic() + 60
-        while any(_experiment_state(exp).get(t) != "TERMINATED" for t in started[:2]):
-            assert time.monotonic() < deadline, "the finished trials were never saved"
-            time.sleep(0.5)
+        # The ended trials' records are written as they end, before the next one starts.
+        records = {t: exp / "runs" / t / "trial.json" for t in started[:2]}
+        assert all(r.is_file() for r in records.values()), "".join(seen)
+        records_before = {t: r.read_bytes() for t, r in records.items()}
         results_before = {
             t: next(exp.glob(f"trial_{t}/result.json")).read_text() for t in started[:2]
         }
@@ -348,14 +384,19 @@ def test_asha_stops_a_bad_trial_the_next_still_runs_and_a_killed_search_resumes(
         driver.wait(timeout=30)
         kill_marked(ray_env[MARKER_VAR])
 
-    # 2. The same command resumes: the unfinished trial runs, the ended ones do not.
+    # 2. The same command resumes: the unfinished trial runs, the ended ones do not. What
+    # Tune's own restore would unpickle, planted with code inside, is never read.
+    _plant_tune_state(exp, trials=started)
     done = subprocess.run(
         command, capture_output=True, text=True, cwd=REPO, env=ray_env, timeout=240
     )
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     assert "resuming search 'asha'" in done.stdout, done.stdout
+    assert "2 of 3 trial(s) ended before; they are not trained again" in done.stdout
+    assert not os.path.exists(PLANTED_MARK)
     for trial_id in started[:2]:
         assert f"trial {trial_id} started" not in done.stdout  # not run again
+        assert records[trial_id].read_bytes() == records_before[trial_id]
         assert (
             next(exp.glob(f"trial_{trial_id}/result.json")).read_text() == results_before[trial_id]
         )  # same iterations, same timestamps
@@ -451,6 +492,7 @@ with open({str(tmp_path / "library.json")!r}, "w") as f:
     assert library["status"] == "finished"
     assert library["events"][0].startswith("SearchStarting: resuming search 'asha'")
     assert library["events"][1].startswith("Note: search space: lr choice(1e-06, 0.05)")
+    assert library["events"][2] == "Note: 3 of 3 trial(s) ended before; nothing to train"
     record = library["record"]
     assert record == json.loads((exp / "best.json").read_text())
     assert {k: v for k, v in record.items() if k != "wall_time_s"} == {
@@ -513,3 +555,118 @@ def test_ctrl_c_stops_the_search_prints_its_table_and_resume_command_and_exits_1
     assert "rank" in out and "unfinished" in out, out[-3000:]
     best = json.loads((tmp_path / "stopped" / "best.json").read_text())
     assert best["num_unfinished"] >= 1 and best["num_finished"] == 0
+
+
+# --------------------------------------------------------------------------- s3
+
+
+def test_an_s3_search_resumes_from_its_own_records_and_never_runs_what_storage_holds(
+    s3,  # noqa: F811  (the fixture imported above)
+    mixed_mnist,
+    tmp_path,
+    ray_env,
+):
+    """On an object store, whoever can write the prefix could replace Tune's state with code.
+    A search stopped mid-way is resumed from this project's JSON records and each trial's
+    weights-only checkpoint: the planted pickles never run, the trial that ended is not
+    trained again, the interrupted one resumes from its committed epoch, and searching once
+    more trains nothing and returns the same result."""
+    import boto3
+
+    from raytrain_mnist.driver.runs import Run
+
+    storage = s3()
+    bucket, _, prefix = storage.removeprefix("s3://").partition("/")
+    exp = f"{storage}/s3search"
+    client = boto3.client("s3")
+    command = _tune_command(
+        mixed_mnist,
+        storage,
+        "s3search",
+        "--num-samples",
+        "2",
+        "--max-epochs",
+        "2",
+        "--max-concurrent-trials",
+        "1",
+        "--scheduler",
+        "fifo",
+        "--search-seed",
+        "3",
+    )
+    env = ray_env  # made after the S3 fixture: it holds the AWS_* variables of the server
+
+    # 1. Stop the search once the first trial ended and the second committed an epoch.
+    driver = subprocess.Popen(
+        command,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        cwd=REPO,
+        env=env,
+        start_new_session=True,
+    )
+    seen: list[str] = []
+    started: list[str] = []
+    try:
+        for line in driver.stdout:
+            seen.append(line)
+            if line.startswith("trial ") and " started: " in line:
+                started.append(line.split()[1])
+                if len(started) == 2:
+                    break
+        assert len(started) == 2 and f"trial {started[0]} finished" in "".join(seen), seen
+        second = Run(f"{exp}/runs", started[1])
+        deadline = time.monotonic() + 240
+        while second.latest_checkpoint() is None:  # Ray Train's record of the commit
+            assert time.monotonic() < deadline and driver.poll() is None, "".join(seen)
+            time.sleep(0.5)
+        driver.send_signal(signal.SIGINT)
+        out, _ = driver.communicate(timeout=240)
+    finally:
+        if driver.poll() is None:
+            os.killpg(driver.pid, signal.SIGKILL)
+            driver.wait(timeout=30)
+        kill_marked(ray_env[MARKER_VAR])
+    out = "".join(seen) + out
+    assert driver.returncode == 130, out[-3000:]
+    first = Run(f"{exp}/runs", started[0])
+    record_before = first.read_bytes("trial.json")
+    checkpoints_before = [path for path, _ in first.checkpoints()]
+    assert record_before and checkpoints_before and second.read_bytes("trial.json") is None
+
+    # 2. Plant code where Tune keeps its state, at the experiment's root and in its trials.
+    for name, payload in _planted_tune_state().items():
+        client.put_object(Bucket=bucket, Key=f"{prefix}/s3search/{name}", Body=payload)
+    for trial in started:
+        for name, payload in _planted_trial_state().items():
+            key = f"{prefix}/s3search/trial_{trial}/{name}"
+            client.put_object(Bucket=bucket, Key=key, Body=payload)
+
+    # 3. The same command: the ended trial is skipped, the stopped one resumes and ends.
+    done = subprocess.run(command, capture_output=True, text=True, cwd=REPO, env=env, timeout=400)
+    kill_marked(ray_env[MARKER_VAR])
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    assert not os.path.exists(PLANTED_MARK)
+    assert "resuming search 's3search'" in done.stdout
+    assert f"trial {started[0]} started" not in done.stdout
+    assert f"trial {started[1]} started" in done.stdout
+    assert first.read_bytes("trial.json") == record_before  # not trained again
+    assert [path for path, _ in first.checkpoints()] == checkpoints_before
+    assert second.latest_metrics()["resumed_from_epoch"] == 1  # from its own checkpoint
+    record = json.loads(second.read_bytes("trial.json"))
+    assert record["status"] == "finished" and [h["epoch"] for h in record["history"]] == [1, 2]
+    best = json.loads(Run(storage, "s3search").read_bytes("best.json"))
+    assert best["num_trials"] == 2 and best["num_finished"] == 2 and best["num_unfinished"] == 0
+    assert {t["trial_id"] for t in best["trials"]} == set(started)
+    assert best["best_checkpoint"].startswith(f"{exp}/runs/{best['best_trial']}/checkpoint_")
+
+    # 4. Once more: nothing trains (no Ray starts), and the result is the same.
+    again = subprocess.run(command, capture_output=True, text=True, cwd=REPO, env=env, timeout=200)
+    assert again.returncode == 0, again.stdout[-3000:] + again.stderr[-3000:]
+    assert "2 of 2 trial(s) ended before; nothing to train" in again.stdout
+    assert " started: " not in again.stdout and not os.path.exists(PLANTED_MARK)
+    best_again = json.loads(Run(storage, "s3search").read_bytes("best.json"))
+    assert {k: v for k, v in best_again.items() if k != "wall_time_s"} == {
+        k: v for k, v in best.items() if k != "wall_time_s"
+    }

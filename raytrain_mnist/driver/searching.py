@@ -3,19 +3,36 @@
 Every trial is a full ``TorchTrainer`` run of fit's worker loop (``trainer.build_trainer``),
 built and fitted inside a Tune function trainable: Ray 2.60's Train V2 no longer accepts
 ``Tuner(TorchTrainer(...))``. ``TuneReportCallback`` hands every epoch to Tune, so ASHA can
-stop bad trials early. Each trial's Train run is named after its trial id, so a retried or
-restored trial resumes from its last checkpoint instead of starting over.
+stop bad trials early.
 
 MNIST is loaded once, on the driver, and every trial hands the same object-store
-reference to its workers. The experiment directory ``<storage-path>/<name>`` holds Tune's
-state (searching again with the same settings resumes it), ``runs/<trial id>/`` (each
-trial's Train run and checkpoints), ``results.csv``, ``val_accuracy.png`` and ``best.json``
-(:meth:`SearchResult.to_dict`).
+reference to its workers. The experiment directory ``<storage-path>/<name>`` holds the
+search's records (``search.json``: its identity; ``trials.json``: the trials it draws),
+``runs/<trial>/`` (each trial's Train run, its checkpoints, and ``trial.json`` once the trial
+ended), ``results.csv``, ``val_accuracy.png`` and ``best.json``
+(:meth:`SearchResult.to_dict`), and the files Tune writes as it runs (``trial_<trial>/``,
+``experiment_state-*.json`` and the like).
+
+**Resuming trusts nothing executable from storage.** Searching again with the same settings
+continues the search without Tune's saved state (``tuner.pkl``, the experiment state and the
+searcher's and trials' pickles, which whoever can write the storage could replace with code):
+it is never read. Instead the search is drawn again: Tune's own sampler, seeded with
+``--search-seed``, draws the same trials with the same values every time
+(:func:`draw_trials`), each named by its place in the search (``<5 hex>_<index>``), so each
+trial's Train run is found again under ``runs/<trial>`` and resumes from its last committed
+checkpoint (weights-only: ``torch.load(weights_only=True)``). A trial that ended (its epochs
+all trained, or stopped early by ASHA) left ``runs/<trial>/trial.json``, a JSON record this
+module wrote, read back like input (its trial, its values, its status and per-epoch metrics
+checked) and never trained again; ASHA is given those trials' epochs again, so its rungs
+rank the resumed trials as they would have been. Tune runs only the trials that had not
+ended, as a fresh Tune run, and its results reach this module through callbacks in memory
+(Tune's result objects, which unpickle a failed trial's ``error.pkl`` from storage, are
+never built).
 
 Library code: it never prints. What happens while it runs (the search starting, each trial
 starting, reporting an epoch and ending) goes to the ``on_event`` sink as the events of
-:mod:`raytrain_mnist.driver.events`; a Ctrl-C that Tune turns into a graceful stop returns
-a result whose ``status`` is ``"interrupted"``.
+:mod:`raytrain_mnist.driver.events`; a Ctrl-C (or a SIGTERM the command turns into one)
+stops the trials and returns a result whose ``status`` is ``"interrupted"``.
 """
 
 from __future__ import annotations
@@ -29,9 +46,9 @@ import logging
 import os
 import threading
 import time
-from collections.abc import Iterator, Sequence
-from dataclasses import dataclass
-from pathlib import Path
+import types
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from raytrain_mnist.config import (
@@ -41,12 +58,14 @@ from raytrain_mnist.config import (
     command_line,
     finite_number,
     flags_of,
+    settings_digest,
 )
 from raytrain_mnist.driver import cluster
 from raytrain_mnist.driver.events import (
     EventSink,
     Note,
     SearchStarting,
+    Stopping,
     TrialEnded,
     TrialReported,
     TrialStarted,
@@ -61,12 +80,21 @@ from raytrain_mnist.driver.search_space import (
     experiment_identity,
     experiment_name,
 )
-from raytrain_mnist.errors import EXIT_USAGE, UserError, cause_line
+from raytrain_mnist.errors import EXIT_USAGE, UserError, first_line
 
 logger = logging.getLogger(__name__)
 
 RESULTS_FILE = "results.csv"
 PLOT_FILE = "val_accuracy.png"
+#: ``<experiment>/trials.json``: the trials the search draws (names and values), written when
+#: it starts; a resume that draws others (another Tune's sampler) is refused.
+PLAN_FILE = "trials.json"
+#: ``runs/<trial>/trial.json``: a trial that ended (finished, or stopped early): its values,
+#: its status and its per-epoch metrics. Such a trial is never trained again.
+TRIAL_FILE = "trial.json"
+#: What Tune's own restore would unpickle: a directory that holds it but no ``search.json``
+#: is someone else's experiment.
+TUNER_STATE = "tuner.pkl"
 #: The trial actor only waits on its trainer; Tune refuses 0 CPUs, so it takes a sliver.
 TRIAL_CPU = 0.01
 #: A trial whose actor dies (its node, say) is retried once; its Train run resumes.
@@ -76,6 +104,11 @@ SearchStatus = Literal["finished", "interrupted", "failed"]
 FINISHED: SearchStatus = "finished"
 INTERRUPTED: SearchStatus = "interrupted"
 FAILED: SearchStatus = "failed"
+#: How a trial ended, in its ``trial.json`` (the trials of a result also read "error" and
+#: "unfinished": those are trained again by the next search).
+TRIAL_FINISHED = "finished"
+TRIAL_STOPPED = "stopped early"
+ENDED = (TRIAL_FINISHED, TRIAL_STOPPED)
 
 
 @dataclass(frozen=True)
@@ -151,11 +184,12 @@ def search(
 
     ``train`` holds the values of every field that is not searched (``epochs``: the most a
     trial trains), ``run`` how and where each trial runs (``name`` names the search; by
-    default it is derived from the settings, and the same settings resume the same search).
+    default it is derived from the settings, and the same settings resume the same search:
+    the trials that ended are not run again, the others resume from their checkpoints).
     ``on_event`` receives the search's events (default: :func:`~events.log_event`);
     ``fit_invocation`` the words that start ``fit`` in ``fit_command`` (default:
-    :func:`~raytrain_mnist.driver.fitting.default_invocation`). Bad settings raise :class:`ConfigError` or :class:`UserError`
-    before anything starts.
+    :func:`~raytrain_mnist.driver.fitting.default_invocation`). Bad settings raise
+    :class:`ConfigError` or :class:`UserError` before anything starts.
     """
     started = time.perf_counter()
     check_search(space, settings, train, run)
@@ -169,9 +203,23 @@ def search(
     identity = {**settings_identity, "data": data_identity(data)}
     sink = on_event or log_event
     fit_words = list(default_invocation() if fit_invocation is None else fit_invocation)
+    plan = draw_trials(space, settings, identity)
     with experiment.claim(run.fresh, "search"):  # one search per directory at a time
-        restoring = _check_experiment(experiment, identity, settings.resume)
-        trials = _tune(space, settings, train, run, experiment, identity, data, restoring, sink)
+        resuming = _check_experiment(experiment, identity, plan, settings.resume)
+        experiment.write_json(SEARCH_FILE, identity)
+        experiment.write_json(PLAN_FILE, _plan_record(plan))
+        ended = read_ended_trials(experiment, plan, train, settings.metric)
+        session = _Session(
+            sink=sink,
+            plan=dict(plan),
+            searched=space.searched,
+            train=train,
+            metric=settings.metric,
+            runs_root=f"{experiment.dir}/{RUNS_DIR}",
+            ended=ended,
+        )
+        _tune(space, settings, train, run, experiment, data, resuming, session)
+        trials = collect_trials(plan, session, settings.resolved_mode)
         result = _result(space, settings, train, run, experiment, trials, fit_words, started)
         # Still claimed: a second command never reads a half-written result.
         experiment.write_bytes(RESULTS_FILE, results_csv(trials, space.searched, settings.metric))
@@ -189,18 +237,56 @@ def search(
     return result
 
 
-# --------------------------------------------------------------------------- the trial
+# --------------------------------------------------------------------------- the trials
+
+
+def draw_trials(
+    space: SearchSpace, settings: TuneSettings, identity: dict
+) -> list[tuple[str, dict]]:
+    """The search's trials in order: (name, the training values it draws).
+
+    Tune's own sampler draws them, seeded with ``settings.search_seed``, value for value as
+    Tune's ``BasicVariantGenerator(random_state=seed)`` draws its trials: the same settings
+    draw the same trials every time, which is what lets a search resume with nothing of
+    Tune's saved state. A trial is named ``<5 hex of the identity>_<index>``: its Train run
+    is ``runs/<name>``."""
+    import numpy as np
+    from ray.tune.search.variant_generator import generate_variants
+
+    rng = np.random.default_rng(settings.search_seed)
+    spec = {"config": space.param_space()}
+    prefix = settings_digest(identity)[:5]
+    trials = []
+    for index in range(settings.num_samples):
+        _, resolved = next(generate_variants(spec, random_state=rng))
+        values = resolved["config"]["train_loop_config"]
+        trials.append((f"{prefix}_{index:05d}", {k: _plain(v) for k, v in values.items()}))
+    return trials
+
+
+def _plain(value: Any) -> Any:
+    """A NumPy scalar as the Python number it holds (JSON writes it, == compares it)."""
+    return value.item() if hasattr(value, "item") else value
+
+
+def _plan_record(plan: list[tuple[str, dict]]) -> dict:
+    return {"trials": [{"trial_id": name, "config": values} for name, values in plan]}
+
+
+def _trial_config(train: TrainConfig, values: dict) -> TrainConfig:
+    return TrainConfig.from_dict({**train.to_dict(), **values})
 
 
 def _trial(config: dict, setup: dict, data: list) -> None:
-    """One Tune trial: fit's TorchTrainer with the sampled values, named by the trial id."""
-    from ray import tune
+    """One Tune trial: fit's TorchTrainer with the trial's values, its Train run named after
+    the trial (a trial run again resumes that run from its last checkpoint)."""
     from ray.tune.integration.ray_train import TuneReportCallback
 
     from raytrain_mnist.driver.trainer import build_trainer
     from raytrain_mnist.worker.loop import train_func_per_worker
 
-    train = TrainConfig.from_dict({**setup["train"], **config["train_loop_config"]})
+    name = config["trial"]
+    train = TrainConfig.from_dict({**setup["train"], **setup["plan"][name]})
     cfg = FitConfig(train, RunSettings(**setup["run"]))
     loop_config = {
         "train": cfg.train.to_dict(),
@@ -213,7 +299,7 @@ def _trial(config: dict, setup: dict, data: list) -> None:
         loop_config,
         setup["cpus_per_worker"],
         setup["runs_root"],
-        tune.get_context().get_trial_id(),
+        name,
         callbacks=[TuneReportCallback()],
     )
     trainer.fit()  # raises when the run fails: Tune records the error and may retry
@@ -284,47 +370,219 @@ class PlacementGroupReaper:
 
 
 def _trial_dirname(trial) -> str:
-    return f"trial_{trial.trial_id}"
+    return f"trial_{trial.config['trial']}"
 
 
-#: The sink of the search running in this context. Tune pickles its callbacks with the
-#: experiment and restores them from there: a callback holds no sink, it finds this one.
-_SINK: contextvars.ContextVar[EventSink] = contextvars.ContextVar("search_sink", default=log_event)
+# --------------------------------------------------------------------------- trial records
 
 
-def _emit(event) -> None:
-    _SINK.get()(event)
+def _epoch_entry(result: dict, metric: str) -> dict | None:
+    """One epoch of a trial's history, as its record keeps it: the epoch, ``val_accuracy``,
+    ``val_loss`` and ``metric`` (None where the number is not finite: a diverged trial)."""
+    epoch = result.get("epoch")
+    if isinstance(epoch, bool) or not isinstance(epoch, int) or epoch < 1:
+        return None
+    keys = dict.fromkeys(("val_accuracy", "val_loss", metric))
+    return {"epoch": epoch, **{k: finite_number(result.get(k)) for k in keys}}
 
 
-def _trial_events(searched: list[str], epochs: int, metric: str):
-    """A Tune callback that turns trial starts, epochs and ends into events (:func:`_emit`)."""
+def record_problem(record: Any, name: str, values: dict, epochs: int, metric: str) -> str | None:
+    """What is wrong with ``record`` as the ``trial.json`` of trial ``name`` (its values
+    ``values``, at most ``epochs`` epochs), or None: it is read like input."""
+    if not isinstance(record, dict):
+        return "not a JSON object"
+    if record.get("trial_id") != name:
+        return f"it names trial {record.get('trial_id')!r}"
+    if record.get("config") != values:
+        return "its values are not the ones this search draws for the trial"
+    status = record.get("status")
+    if status not in ENDED:
+        return f"status {status!r} is not one of {', '.join(ENDED)}"
+    history = record.get("history")
+    if not isinstance(history, list) or not history or len(history) > epochs:
+        return f"its history is not a list of 1 to {epochs} epochs"
+    keys = {"epoch", "val_accuracy", "val_loss", metric}
+    for number, entry in enumerate(history, 1):
+        if not isinstance(entry, dict) or set(entry) != keys:
+            return f"epoch record {number} does not hold exactly {', '.join(sorted(keys))}"
+        epoch = entry["epoch"]
+        if isinstance(epoch, bool) or epoch != number:
+            return f"epoch record {number} is of epoch {epoch!r}"
+        for key in keys - {"epoch"}:
+            value = entry[key]
+            if value is not None and finite_number(value) is None:
+                return f"epoch {number}: {key} {value!r} is not a finite number"
+        accuracy = entry["val_accuracy"]
+        if accuracy is not None and not 0 <= accuracy <= 1:
+            return f"epoch {number}: val_accuracy {accuracy!r} is not an accuracy"
+    if (status == TRIAL_FINISHED) != (len(history) == epochs):
+        return f"{status!r} after {len(history)} of {epochs} epochs"
+    return None
+
+
+def read_ended_trials(
+    experiment: Run, plan: list[tuple[str, dict]], train: TrainConfig, metric: str
+) -> dict[str, dict]:
+    """The ``trial.json`` records of the trials of ``plan`` that ended, by name. A record
+    that is not one this search wrote for that trial is one line (:class:`UserError`)."""
+    ended = {}
+    for name, values in plan:
+        trial_run = Run(f"{experiment.dir}/{RUNS_DIR}", name)
+        record = trial_run.read_json(TRIAL_FILE)
+        if record is None:
+            continue
+        problem = record_problem(record, name, values, train.epochs, metric)
+        if problem:
+            raise UserError(
+                f"{trial_run.dir}/{TRIAL_FILE} is not a record of this search's trial "
+                f"{name} ({problem}); move it away to train the trial again, or add --fresh",
+                EXIT_USAGE,
+            )
+        ended[name] = record
+    return ended
+
+
+def _checkpoint_history(runs_root: str, name: str, train: dict, metric: str) -> list[dict]:
+    """The per-epoch history that trial ``name``'s latest committed checkpoint holds (loaded
+    weights-only), [] when it has none or it is not the trial's (``train``: its config)."""
+    from raytrain_mnist.worker import checkpoint as ckpt
+
+    trial_run = Run(runs_root, name)
+    try:
+        latest = trial_run.latest_checkpoint()
+        if latest is None:
+            return []
+        with trial_run.local_copy(latest) as directory:
+            state = ckpt.load(directory)
+    except (UserError, OSError) as exc:
+        logger.warning("trial %s: its checkpoint is unreadable (%s)", name, first_line(exc))
+        return []
+    history = state.get("history")
+    if state.get("config") != train or not isinstance(history, list):
+        logger.warning("trial %s: its latest checkpoint is not of this trial", name)
+        return []
+    entries = [_epoch_entry(h, metric) for h in history if isinstance(h, dict)]
+    return [e for e in entries if e is not None]
+
+
+def trial_history(
+    runs_root: str, name: str, train: dict, seen: dict[int, dict], metric: str
+) -> list[dict]:
+    """Trial ``name``'s epochs: those Tune reported in this search (``seen``, by epoch), after
+    those its checkpoint holds when it resumed (its first epoch here was not epoch 1); up to
+    the last epoch reported here. Epochs 1 to N, or [] when they do not join up."""
+    reported = sorted(seen)
+    if reported == list(range(1, len(reported) + 1)) and reported:
+        return [seen[e] for e in reported]
+    merged = {e["epoch"]: e for e in _checkpoint_history(runs_root, name, train, metric)}
+    merged.update(seen)
+    last = reported[-1] if reported else max(merged, default=0)
+    history = [merged[e] for e in sorted(merged) if e <= last]
+    if [e["epoch"] for e in history] != list(range(1, len(history) + 1)):
+        logger.warning("trial %s: its epochs do not join up (%s)", name, sorted(merged))
+        return []
+    return history
+
+
+# --------------------------------------------------------------------------- Tune's side
+
+
+@dataclass
+class _Session:
+    """What one search knows while Tune runs its trials (Tune's callbacks fill it in)."""
+
+    sink: EventSink
+    plan: dict[str, dict]  # name -> the values it draws
+    searched: list[str]
+    train: TrainConfig  # every value that is not searched; epochs: the budget
+    metric: str
+    runs_root: str
+    ended: dict[str, dict]  # name -> its trial.json record (before this search, and in it)
+    seen: dict[str, dict[int, dict]] = field(default_factory=dict)  # name -> epoch -> entry
+    stopped: set[str] = field(default_factory=set)  # stopped early by the scheduler
+    errors: dict[str, str] = field(default_factory=dict)  # name -> the error's line
+    stop: threading.Event = field(default_factory=threading.Event)  # Ctrl-C: stop the trials
+
+    def train_of(self, name: str) -> dict:
+        return _trial_config(self.train, self.plan[name]).to_dict()
+
+    def history(self, name: str) -> list[dict]:
+        return trial_history(
+            self.runs_root, name, self.train_of(name), self.seen.get(name, {}), self.metric
+        )
+
+    def trial_ended(self, name: str) -> None:
+        """Tune ended trial ``name``: record it when it ended for good (all its epochs, or
+        the scheduler stopped it); one stopped with the search resumes instead."""
+        epochs = self.train.epochs
+        history = self.history(name)
+        last = history[-1]["epoch"] if history else 0
+        if last >= epochs:
+            status = TRIAL_FINISHED
+        elif name in self.stopped and history:
+            status = TRIAL_STOPPED
+        else:
+            return
+        record = {
+            "trial_id": name,
+            "config": self.plan[name],
+            "status": status,
+            "history": history,
+        }
+        try:
+            Run(self.runs_root, name).write_json(TRIAL_FILE, record)
+        except UserError as exc:  # the next search trains it again (its run resumes)
+            logger.warning("trial %s: %s", name, exc)
+            return
+        self.ended[name] = record
+        self.errors.pop(name, None)
+        self.sink(TrialEnded(name, status, last, self.metric, history[-1][self.metric]))
+
+
+#: The search running in this context. Tune's callbacks and stopper find it through
+#: :func:`_session`: Tune pickles them into its experiment state, so they hold nothing, and
+#: name nothing but module-level functions (pickled by reference).
+_SESSION: contextvars.ContextVar[_Session] = contextvars.ContextVar("search_session")
+
+
+def _session() -> _Session:
+    return _SESSION.get()
+
+
+def _trial_events():
+    """A Tune callback that turns trial starts, epochs and ends into the session's events
+    and records (:class:`_Session`)."""
     from ray import tune
 
     class TrialEvents(tune.Callback):
         def on_trial_start(self, iteration, trials, trial, **info):
-            values = dict(trial.config.get("train_loop_config", {}))
-            _emit(TrialStarted(trial.trial_id, values, tuple(searched)))
+            session, name = _session(), trial.config["trial"]
+            session.sink(TrialStarted(name, dict(session.plan[name]), tuple(session.searched)))
 
         def on_trial_result(self, iteration, trials, trial, result, **info):
-            if "epoch" in result:
-                _emit(TrialReported(trial.trial_id, dict(result), epochs))
+            session, name = _session(), trial.config["trial"]
+            entry = _epoch_entry(result, session.metric)
+            if entry is None:
+                return
+            session.seen.setdefault(name, {})[entry["epoch"]] = entry
+            session.sink(TrialReported(name, dict(result), session.train.epochs))
+            # Tune marks the result the scheduler stops the trial at as done.
+            if result.get("done") and entry["epoch"] < session.train.epochs:
+                session.stopped.add(name)
 
         def on_trial_complete(self, iteration, trials, trial, **info):
-            last = trial.last_result or {}
-            epoch = last.get("epoch", 0)
-            outcome = "finished" if epoch >= epochs else "stopped early"
-            _emit(
-                TrialEnded(trial.trial_id, outcome, epoch, metric, finite_number(last.get(metric)))
-            )
+            _session().trial_ended(trial.config["trial"])
 
         def on_trial_error(self, iteration, trials, trial, **info):
-            last = trial.last_result or {}
-            _emit(
+            session, name = _session(), trial.config["trial"]
+            session.errors[name] = _error_line(trial.error_file)
+            epoch = max(session.seen.get(name, {}), default=0)
+            session.sink(
                 TrialEnded(
-                    trial.trial_id,
+                    name,
                     "failed",
-                    last.get("epoch", 0),
-                    metric,
+                    epoch,
+                    session.metric,
                     error_file=f"{trial.path}/error.txt",
                 )
             )
@@ -332,52 +590,66 @@ def _trial_events(searched: list[str], epochs: int, metric: str):
     return TrialEvents()
 
 
+def _search_stop():
+    """A Tune stopper that ends the whole search once the session's ``stop`` is set (Tune
+    then stops the trials; their committed checkpoints stay)."""
+    from ray import tune
+
+    class SearchStop(tune.Stopper):
+        def __call__(self, trial_id, result):
+            return False
+
+        def stop_all(self):
+            return _session().stop.is_set()
+
+    return SearchStop()
+
+
+def _error_line(error_file: str | None) -> str:
+    """The last line of the error text Tune wrote for a trial on this machine (the
+    exception's), else a placeholder. Text only: Tune's pickled error is never loaded."""
+    try:
+        with open(error_file or "", encoding="utf-8", errors="replace") as f:
+            lines = [line.strip() for line in f if line.strip()]
+    except OSError:
+        lines = []
+    return lines[-1][:300] if lines else "the trial failed (see its error.txt)"
+
+
 # --------------------------------------------------------------------------- the search
 
 
-def _check_experiment(experiment: Run, identity: dict, resume: bool) -> bool:
+def _check_experiment(
+    experiment: Run, identity: dict, plan: list[tuple[str, dict]], resume: bool
+) -> bool:
     """True when ``experiment`` holds a search to continue; refuses a conflicting one.
 
-    Restoring unpickles Tune's state (``tuner.pkl``, the trials'), which can run code: only
-    a search this project wrote, under the same identity record, is ever restored, and on a
-    local disk only one the current user owns.
-    """
-    from ray import tune
-
+    Nothing of Tune's saved state is read: only this module's JSON records. A directory
+    with Tune's state (``tuner.pkl``) but no ``search.json`` is someone else's experiment,
+    and is not mixed into; a search whose recorded trials differ from the ones drawn now
+    (a Tune whose sampler draws otherwise) is not continued with other values."""
     experiment.check_identity(identity, "search")
-    restorable = tune.Tuner.can_restore(experiment.dir)
-    if restorable and experiment.identity() is None:
+    known = experiment.identity() is not None
+    if not known and experiment.is_file(TUNER_STATE):
         raise UserError(
             f"{experiment.dir} holds a Tune experiment that this command did not "
-            f"start (no {SEARCH_FILE}); it is never restored. Pick another --name",
+            f"start (no {SEARCH_FILE}); it is never restored or resumed. Pick another --name",
             EXIT_USAGE,
         )
-    if restorable and experiment.local:
-        _check_owned(Path(experiment.dir))
-    if resume and not restorable:
+    if resume and not known:
         raise UserError(
             f"--resume: no search to continue in {experiment.dir}; drop --resume to start it",
             EXIT_USAGE,
         )
-    return restorable
-
-
-def _check_owned(exp_dir: Path) -> None:
-    """Tune state someone else could have written is not ours to unpickle."""
-    me = os.getuid()
-    for path in [
-        exp_dir,
-        *exp_dir.glob("*.pkl"),
-        *exp_dir.glob("*.json"),
-        *exp_dir.glob("*/*.pkl"),
-    ]:
-        stat = path.lstat()
-        if stat.st_uid != me or (stat.st_mode & 0o002 and not path.is_dir()):
-            raise UserError(
-                f"{path} is not owned by you (or others may write it): the search "
-                "in it is not restored. Pick another --name",
-                EXIT_USAGE,
-            )
+    recorded = experiment.read_json(PLAN_FILE) if known else None
+    if recorded is not None and recorded != _plan_record(plan):
+        raise UserError(
+            f"{experiment.dir}/{PLAN_FILE}: the search drew other trials than this command "
+            "draws now (another version of Ray Tune's sampler?); add --fresh to start it "
+            "again, or pick another --name",
+            EXIT_USAGE,
+        )
+    return known
 
 
 def _plan(settings: TuneSettings, run: RunSettings, local: bool) -> tuple[int, int]:
@@ -414,18 +686,48 @@ def _tune(
     train: TrainConfig,
     run: RunSettings,
     experiment: Run,
-    identity: dict,
     data,
-    restoring: bool,
-    sink: EventSink,
-) -> list[dict]:
-    """Connect, start (or restore) the Tuner, fit it; the trials, ranked."""
+    resuming: bool,
+    session: _Session,
+) -> None:
+    """Connect and run, as a fresh Tune run, the trials of ``session`` that had not ended;
+    Tune's callbacks fill ``session`` in. Nothing to run: no Ray is started."""
     address = cluster.resolve_address(run.address)
     import ray
-    from ray import tune
 
     local = address is None and not ray.is_initialized()
     concurrent, cpus_per_worker = _plan(settings, run, local)
+    pending = [name for name in session.plan if name not in session.ended]
+    mode = settings.resolved_mode
+
+    def starting(concurrent: int) -> SearchStarting:
+        return SearchStarting(
+            name=experiment.name,
+            resuming=resuming,
+            num_samples=settings.num_samples,
+            scheduler=settings.scheduler,
+            metric=settings.metric,
+            mode=mode,
+            concurrent=concurrent,
+            num_workers=run.num_workers,
+            cpus_per_worker=cpus_per_worker,
+            gpus_per_worker=run.gpus,
+            max_epochs=train.epochs,
+            train_size=data.train_size,
+            test_size=data.test_size,
+            data_source=data.source,
+        )
+
+    before = len(session.ended)
+    ended_note = Note(
+        f"{before} of {settings.num_samples} trial(s) ended before; "
+        + ("nothing to train" if not pending else "they are not trained again")
+    )
+    if not pending:
+        session.sink(starting(min(concurrent, settings.num_samples)))
+        session.sink(Note(f"search space: {space.describe()}"))
+        session.sink(ended_note)
+        return
     sized_for = concurrent if local else 1
     request = dataclasses.replace(
         cluster.Request.for_run(run, cpus_per_worker),
@@ -441,165 +743,181 @@ def _tune(
                 "lower it, or --num-workers / --cpus-per-worker",
                 EXIT_USAGE,
             )
-        concurrent = max(1, min(concurrent, holds, settings.num_samples))
-        mode = settings.resolved_mode
-        sink(
-            SearchStarting(
-                name=experiment.name,
-                resuming=restoring,
-                num_samples=settings.num_samples,
-                scheduler=settings.scheduler,
-                metric=settings.metric,
-                mode=mode,
-                concurrent=concurrent,
-                num_workers=run.num_workers,
-                cpus_per_worker=cpus_per_worker,
-                gpus_per_worker=run.gpus,
-                max_epochs=train.epochs,
-                train_size=data.train_size,
-                test_size=data.test_size,
-                data_source=data.source,
-            )
-        )
-        sink(Note(f"search space: {space.describe()}"))
-        experiment.write_json(SEARCH_FILE, identity)
+        concurrent = max(1, min(concurrent, holds, len(pending)))
+        session.sink(starting(concurrent))
+        session.sink(Note(f"search space: {space.describe()}"))
+        if before:
+            session.sink(ended_note)
 
-        runs_root = f"{experiment.dir}/{RUNS_DIR}"
+        from ray import tune
+
         setup = {
             "train": train.to_dict(),
             "run": dataclasses.asdict(run),
             "cpus_per_worker": cpus_per_worker,
-            "runs_root": runs_root,
+            "runs_root": session.runs_root,
+            "plan": session.plan,
         }
         trainable = tune.with_resources(
             tune.with_parameters(_trial, setup=setup, data=[ray.put(data)]), {"CPU": TRIAL_CPU}
         )
-        if restoring:
-            # The callbacks are those saved with the experiment (they find this sink).
-            tuner = tune.Tuner.restore(
-                experiment.dir, trainable, resume_errored=True, param_space=space.param_space()
-            )
-        else:
-            tuner = tune.Tuner(
+
+        def run_trials() -> None:
+            # tune.run, not a Tuner: a Tuner's results load a failed trial's pickled error
+            # back from storage. Its value (an analysis of the trials) is not used either.
+            tune.run(
                 trainable,
-                param_space=space.param_space(),
-                tune_config=tune.TuneConfig(
-                    metric=settings.metric,
-                    mode=mode,
-                    num_samples=settings.num_samples,
-                    scheduler=_scheduler(settings, train.epochs),
-                    # The limit goes to the searcher: Tune ignores max_concurrent_trials
-                    # next to a BasicVariantGenerator instance.
-                    search_alg=_searcher(settings.search_seed, concurrent),
-                    trial_dirname_creator=_trial_dirname,
-                ),
-                run_config=tune.RunConfig(
-                    name=experiment.name,
-                    storage_path=experiment.storage,
-                    failure_config=tune.FailureConfig(max_failures=TRIAL_RETRIES),
-                    callbacks=[_trial_events(space.searched, train.epochs, settings.metric)],
-                    verbose=0,
-                ),
+                name=experiment.name,
+                storage_path=experiment.storage,
+                # The trials that had not ended, in the search's order, by name.
+                config={"trial": tune.grid_search(pending)},
+                scheduler=_scheduler(settings, train.epochs, session.ended.values()),
+                # The limit goes to the searcher: Tune ignores max_concurrent_trials next to
+                # a BasicVariantGenerator instance.
+                search_alg=_searcher(concurrent),
+                stop=_search_stop(),
+                trial_dirname_creator=_trial_dirname,
+                max_failures=TRIAL_RETRIES,
+                callbacks=[_trial_events()],
+                raise_on_failed_trial=False,
+                verbose=0,
             )
-        token = _SINK.set(sink)
+
+        token = _SESSION.set(session)
         try:
             with PlacementGroupReaper(), _tune_output_off():
-                grid = tuner.fit()
+                _run_interruptibly(run_trials, session)
         finally:
-            _SINK.reset(token)
-        return collect_trials(grid, settings.metric, mode, train.epochs, runs_root)
+            _SESSION.reset(token)
+
+
+def _run_interruptibly(run_trials: Callable[[], None], session: _Session) -> None:
+    """``run_trials`` (Tune's run) on a helper thread, so that Ctrl-C reaches this (main)
+    thread, as ``fit`` does: Tune installs no signal handler off the main thread (its own
+    turns a Ctrl-C that comes before the first trial exists into an analysis loaded from
+    the experiment directory, with pickles). A Ctrl-C sets ``session.stop``: Tune stops
+    the trials at its next step and returns; a second one stops waiting for it."""
+    outcome: dict[str, BaseException] = {}
+    context = contextvars.copy_context()  # the session, for Tune's callbacks on that thread
+
+    def target() -> None:
+        try:
+            context.run(run_trials)
+        except BaseException as exc:  # handed to the main thread as is
+            outcome["error"] = exc
+
+    thread = threading.Thread(target=target, name="tune.run", daemon=True)
+    thread.start()
+    try:
+        while thread.is_alive():
+            thread.join(0.5)
+    except KeyboardInterrupt:
+        session.sink(Stopping("stopping the trials; each keeps its last committed checkpoint"))
+        session.stop.set()
+        while thread.is_alive():
+            thread.join(0.5)
+    if "error" in outcome:
+        raise outcome["error"]
 
 
 @contextlib.contextmanager
 def _tune_output_off() -> Iterator[None]:
-    """Tune prints nothing while it fits. Its new output engine prints the experiment's
+    """Tune prints nothing while it runs. Its new output engine prints the experiment's
     configuration box and "View detailed results here" to stdout even with ``verbose=0``;
     its legacy engine (``RAY_AIR_NEW_OUTPUT=0``, Ray's documented switch) is silent then.
-    The variable is read when the fit starts, in this process only."""
+    The variable is read when the run starts, in this process only. Its TensorBoard logger
+    warns that it cannot log the per-worker placement each epoch reports (a list): quiet."""
     before = os.environ.get("RAY_AIR_NEW_OUTPUT")
     os.environ["RAY_AIR_NEW_OUTPUT"] = "0"
+    tensorboard = logging.getLogger("ray.tune.logger.tensorboardx")
+    level = tensorboard.level
+    tensorboard.setLevel(logging.ERROR)
     try:
         yield
     finally:
+        tensorboard.setLevel(level)
         if before is None:
             os.environ.pop("RAY_AIR_NEW_OUTPUT", None)
         else:
             os.environ["RAY_AIR_NEW_OUTPUT"] = before
 
 
-def _scheduler(settings: TuneSettings, epochs: int):
+def _scheduler(settings: TuneSettings, epochs: int, ended: Iterable[dict] = ()):
+    """FIFO, or ASHA that has seen the epochs of the trials that ``ended`` before (their
+    ``trial.json`` records): its rungs hold them, as in a search never interrupted."""
     from ray.tune.schedulers import ASHAScheduler, FIFOScheduler
 
     if settings.scheduler == "fifo":
         return FIFOScheduler()
     # Rungs count epochs (reported by the loop), not Tune iterations: a resumed trial
-    # restarts Tune's iteration counter but not its epochs.
-    return ASHAScheduler(
+    # restarts Tune's iteration counter but not its epochs. The metric and mode are the
+    # scheduler's own, so that the ended trials can be replayed into it before Tune starts.
+    asha = ASHAScheduler(
         time_attr="epoch",
+        metric=settings.metric,
+        mode=settings.resolved_mode,
         max_t=epochs,
         grace_period=settings.grace_period,
         reduction_factor=settings.reduction_factor,
     )
+    for record in ended:
+        results = [
+            {"epoch": h["epoch"], settings.metric: h[settings.metric]}
+            for h in record["history"]
+            if h[settings.metric] is not None
+        ]
+        trial = types.SimpleNamespace(trial_id=record["trial_id"])  # all ASHA reads of one
+        asha.on_trial_add(None, trial)
+        for result in results:
+            asha.on_trial_result(None, trial, result)
+        if results:
+            asha.on_trial_complete(None, trial, results[-1])
+        else:
+            asha.on_trial_remove(None, trial)
+    return asha
 
 
-def _searcher(seed: int, concurrent: int):
+def _searcher(concurrent: int):
     from ray.tune.search.basic_variant import BasicVariantGenerator
 
-    return BasicVariantGenerator(random_state=seed, max_concurrent=concurrent)
+    return BasicVariantGenerator(max_concurrent=concurrent)
 
 
 # --------------------------------------------------------------------------- results
 
 
-def collect_trials(grid, metric: str, mode: str, epochs: int, runs_root: str) -> list[dict]:
-    """One dict per trial, ranked best first by the best ``metric`` over its epochs."""
-    statuses = _trial_statuses(grid)
+def collect_trials(plan: list[tuple[str, dict]], session: _Session, mode: str) -> list[dict]:
+    """One dict per trial of ``plan``, ranked best first by the best ``metric`` over its
+    epochs: an ended trial as its record says, the others as far as they got."""
+    metric = session.metric
     trials = []
-    for result in grid:
-        frame = result.metrics_dataframe
-        by_epoch: dict[int, dict] = {}
-        if frame is not None and "epoch" in frame:
-            for row in frame.to_dict("records"):
-                if finite_number(row.get("epoch")) is not None:
-                    by_epoch[int(row["epoch"])] = row  # a resumed trial may repeat an epoch
-        history = [
-            {
-                "epoch": e,
-                "val_accuracy": r["val_accuracy"],
-                "val_loss": r["val_loss"],
-                metric: r[metric],
-            }
-            for e, r in sorted(by_epoch.items())
-        ]
-        trial_id = result.metrics.get("trial_id") or Path(result.path).name.removeprefix("trial_")
-        status = statuses.get(trial_id)
-        epochs_run = history[-1]["epoch"] if history else 0
-        if result.error is not None:
-            state = "error"
-        elif epochs_run >= epochs:
-            state = "finished"
-        elif status in (None, "TERMINATED") and (history or status == "TERMINATED"):
-            state = "stopped early"
+    for name, values in plan:
+        record = session.ended.get(name)
+        if record is not None:
+            state, history = record["status"], record["history"]
         else:
-            state = "unfinished"
+            state = "error" if name in session.errors else "unfinished"
+            history = session.history(name)
+        scored = [h for h in history if h[metric] is not None]
         best_row = None
-        if history:
+        if scored:
             pick = max if mode == "max" else min
-            best_row = pick(history, key=lambda h: h[metric])
+            best_row = pick(scored, key=lambda h: h[metric])
+        accuracies = [h["val_accuracy"] for h in history if h["val_accuracy"] is not None]
         trials.append(
             {
-                "trial_id": trial_id,
-                "config": dict(result.config.get("train_loop_config", {})),
+                "trial_id": name,
+                "config": dict(values),
                 "status": state,
-                "stopped_early": state == "stopped early",
-                "epochs_run": epochs_run,
+                "stopped_early": state == TRIAL_STOPPED,
+                "epochs_run": history[-1]["epoch"] if history else 0,
                 "best_epoch": best_row["epoch"] if best_row else None,
                 f"best_{metric}": best_row[metric] if best_row else None,
-                "best_val_accuracy": max((h["val_accuracy"] for h in history), default=None),
+                "best_val_accuracy": max(accuracies, default=None),
                 # The trial's Train run knows what it kept: the best of those by the metric.
-                "best_checkpoint": Run(runs_root, trial_id).best_checkpoint(metric, mode),
+                "best_checkpoint": Run(session.runs_root, name).best_checkpoint(metric, mode),
                 "history": history,
-                "error": None if result.error is None else cause_line(result.error),
+                "error": session.errors.get(name) if state == "error" else None,
             }
         )
     sign = -1 if mode == "max" else 1
@@ -613,18 +931,6 @@ def collect_trials(grid, metric: str, mode: str, epochs: int, runs_root: str) ->
     for rank, trial in enumerate(trials, 1):
         trial["rank"] = rank
     return trials
-
-
-def _trial_statuses(grid) -> dict[str, str]:
-    """Tune's status per trial (TERMINATED, ERROR, RUNNING, PENDING...), as saved in the
-    experiment directory: after a Ctrl-C the trials in memory all read TERMINATED, while
-    the saved state keeps the interrupted ones RUNNING or PENDING, to resume them."""
-    from ray.tune import ExperimentAnalysis
-
-    try:
-        return {t.trial_id: t.status for t in ExperimentAnalysis(grid.experiment_path).trials}
-    except Exception:  # unreadable state: trials short of the budget count as stopped
-        return {}
 
 
 def _result(
