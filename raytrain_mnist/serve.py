@@ -16,10 +16,11 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import os
 import signal
 import sys
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from raytrain_mnist._cli import (
     ArgumentParser,
@@ -33,13 +34,11 @@ from raytrain_mnist.driver import deployment
 from raytrain_mnist.driver.deployment import build_app  # noqa: F401  (see below)
 from raytrain_mnist.driver.evaluation import load_checkpoint
 from raytrain_mnist.driver.targets import resolve_target
-from raytrain_mnist.serving.settings import ServeConfig
+from raytrain_mnist.serving.settings import TOKEN_ENV, ServeConfig, check_access, check_token
 
 # ``build_app`` is imported above so that ``serve deploy`` configs written before it moved
 # (``import_path: raytrain_mnist.serve:build_app``) still build; new ones name
 # ``deployment.IMPORT_PATH``.
-
-_LOOPBACK = ("127.0.0.1", "localhost", "::1")
 
 
 @dataclass(frozen=True)
@@ -49,6 +48,9 @@ class ServeOptions:
     target: str  # RUN_DIR_OR_CHECKPOINT, resolved when the command runs (on the cluster's side)
     serve: ServeConfig
     write_config: str | None = None  # write a `serve deploy` config here instead of serving
+    #: POST /predict's bearer token (--auth-token, else $RAYTRAIN_MNIST_SERVE_TOKEN); never
+    #: printed, never written into a config file.
+    token: str | None = field(default=None, repr=False)
 
 
 def build_parser() -> ArgumentParser:
@@ -60,6 +62,12 @@ def build_parser() -> ArgumentParser:
     add_target_argument(parser)
     add_dataclass_args(parser, ServeConfig, "serving")
     parser.add_argument(
+        "--auth-token",
+        metavar="TOKEN",
+        help=f"bearer token POST /predict requires (default: ${TOKEN_ENV}; the variable "
+        "keeps it out of the process list); needed beyond loopback unless --no-auth",
+    )
+    parser.add_argument(
         "--write-config",
         metavar="FILE",
         help="write a Ray Serve config for `serve deploy` to FILE and exit (starts nothing)",
@@ -68,9 +76,19 @@ def build_parser() -> ArgumentParser:
 
 
 def parse_command(argv: Sequence[str] | None = None) -> ServeOptions:
-    """Flags only (``submit`` checks them here; the target is the cluster's path)."""
+    """Flags only (``submit`` checks them here; the target is the cluster's path). Serving
+    beyond loopback needs a token or ``--no-auth``; a config file needs neither here (the
+    application reads its token where it is built)."""
     args = build_parser().parse_args(argv)
-    return ServeOptions(args.target, dataclass_from_args(ServeConfig, args), args.write_config)
+    cfg = dataclass_from_args(ServeConfig, args)
+    if args.auth_token is not None:
+        token = check_token(args.auth_token, "--auth-token")
+    elif os.environ.get(TOKEN_ENV):
+        token = check_token(os.environ[TOKEN_ENV], f"${TOKEN_ENV}")
+    else:
+        token = None
+    check_access(cfg, token, listening=not args.write_config)
+    return ServeOptions(args.target, cfg, args.write_config, token)
 
 
 def run(options: ServeOptions) -> int:
@@ -79,23 +97,30 @@ def run(options: ServeOptions) -> int:
     checkpoint = resolve_target(options.target).checkpoint
     if options.write_config:
         load_checkpoint(checkpoint)  # a bad checkpoint is one line now, not the cluster's
-        path = deployment.write_config(options.write_config, cfg, checkpoint)
+        token_auth = options.token is not None or not (cfg.loopback or cfg.no_auth)
+        path = deployment.write_config(options.write_config, cfg, checkpoint, token_auth)
         print(f"wrote {path}; deploy it with: serve deploy {path}")
+        if token_auth:
+            print(
+                f"it holds no token: set ${TOKEN_ENV} where the application is built "
+                "(docs/serve.md)"
+            )
         return 0
     deployment.check_local(cfg)
     from ray import serve  # noqa: F401  (configures Serve's logger, which we then quiet)
 
     # Serve's driver-side INFO lines repeat what this command prints.
     logging.getLogger("ray.serve").setLevel(logging.WARNING)
-    with deployment.serving(cfg, checkpoint) as url, _signals_stop():
+    with deployment.serving(cfg, checkpoint, options.token) as url, _signals_stop():
         print(
             f"serving {checkpoint} at {url} (POST {url}predict, GET {url}health); Ctrl-C stops",
             flush=True,
         )
-        if cfg.host not in _LOOPBACK:
+        if not cfg.loopback:
+            who = "anyone" if options.token is None else "anyone holding the token"
             print(
-                f"listening on {cfg.host}: anyone who can reach this machine can use the "
-                "model (see docs/serve.md)",
+                f"listening on {cfg.host}: {who} who can reach this machine can use the "
+                "model, over plain HTTP (see docs/serve.md)",
                 flush=True,
             )
         try:

@@ -1,8 +1,9 @@
-"""`serve`: request parsing (`serving.images`), the CLI's refusals and config file (no Ray);
-then the shared fit's run served in the tests' Ray by `driver.deployment.serving` for the
-HTTP tests (the accuracy through POST /predict,
-bad requests, the page in a headless Chromium); and one real `python -m raytrain_mnist
-serve` from start to Ctrl-C.
+"""`serve`: request parsing (`serving.images`) and its limits, the CLI's refusals and config
+file (no Ray); then the shared fit's run served in the tests' Ray by
+`driver.deployment.serving` for the HTTP tests (the accuracy through POST /predict, bad
+requests and what each may cost, the Host guard, the page in a headless Chromium); and one
+real `python -m raytrain_mnist serve` from start to Ctrl-C, with a token, a short request
+timeout and a small queue (401, 408, 503).
 
 Tests run in any order (pytest-randomly): none depends on another having run.
 """
@@ -22,6 +23,7 @@ import socket
 import struct
 import subprocess
 import sys
+import threading
 import time
 import tracemalloc
 import urllib.error
@@ -34,21 +36,31 @@ import numpy as np
 import pytest
 
 from raytrain_mnist.serving.images import MAX_BODY_BYTES, MAX_PNG_PIXELS, MAX_REQUEST_PIXELS
+from raytrain_mnist.serving.settings import TOKEN_ENV
 from tests.conftest import MARKER_VAR, REPO, free_ports, kill_marked, marked, run_cli_here
 
-CHROMIUM = "/usr/bin/chromium"
+CHROMIUM = os.environ.get("CHROMIUM", "/usr/bin/chromium")  # Debian's, or $CHROMIUM
+TOKEN = "test-token-0123456789abcdef"
 
 
 # --------------------------------------------------------------------------- helpers
 
 
 def http(
-    url: str, body: bytes | dict | None = None, method: str | None = None, timeout: float = 60
+    url: str,
+    body: bytes | dict | None = None,
+    method: str | None = None,
+    timeout: float = 60,
+    headers: dict | None = None,
 ) -> tuple[int, dict, bytes]:
-    """(status, headers, body) of one request; 4xx/5xx are answers, not exceptions."""
+    """(status, headers, body) of one request (JSON's content type unless ``headers`` say
+    otherwise); 4xx/5xx are answers, not exceptions."""
     data = json.dumps(body).encode() if isinstance(body, dict) else body
     request = urllib.request.Request(
-        url, data=data, method=method, headers={"Content-Type": "application/json"}
+        url,
+        data=data,
+        method=method,
+        headers={"Content-Type": "application/json", **(headers or {})},
     )
     try:
         with urllib.request.urlopen(request, timeout=timeout) as response:
@@ -57,10 +69,26 @@ def http(
         return exc.code, dict(exc.headers), exc.read()
 
 
-def predict(url: str, images) -> dict:
-    status, _, body = http(url + "predict", {"images": images})
+def predict(url: str, images, headers: dict | None = None) -> dict:
+    status, _, body = http(url + "predict", {"images": images}, headers=headers)
     assert status == 200, body
     return json.loads(body)
+
+
+def raw_request(url: str, method: str, path: str, headers: dict, body: bytes = b"") -> tuple:
+    """(status, headers, body) with exactly these headers (Host included: urllib sets its
+    own)."""
+    host, port = url.split("//")[1].strip("/").rsplit(":", 1)
+    connection = http_client.HTTPConnection(host, int(port), timeout=60)
+    try:
+        connection.putrequest(method, path, skip_host=True, skip_accept_encoding=True)
+        for name, value in {"Content-Length": str(len(body)), **headers}.items():
+            connection.putheader(name, value)
+        connection.endheaders(body)
+        response = connection.getresponse()
+        return response.status, dict(response.headers), response.read()
+    finally:
+        connection.close()
 
 
 def png_declaring(width: int, height: int) -> bytes:
@@ -240,6 +268,79 @@ def test_a_large_png_is_decoded_without_a_float_copy_of_it():
     assert np.corrcoef(digit.astype(float).ravel(), expected.ravel())[0, 1] > 0.95
 
 
+def test_parses_in_threads_are_bounded_and_outlive_cancelled_requests():
+    """At most PARSES_AT_ONCE parses run at once, however many requests wait; a request
+    cancelled while its parse runs keeps that slot until the parse ends (the thread cannot be
+    cancelled, so its memory is still held); small bodies of integers parse on the loop."""
+    from raytrain_mnist.serving.app import PARSES_AT_ONCE, Parser
+    from raytrain_mnist.serving.images import parse_images
+
+    lock, running, most, threads = threading.Lock(), [0], [0], set()
+    release = threading.Event()
+
+    def spied(body: bytes):  # the real parse, counted
+        with lock:
+            running[0] += 1
+            most[0] = max(most[0], running[0])
+            threads.add(threading.get_ident())
+        try:
+            release.wait(30)
+            return parse_images(body)
+        finally:
+            with lock:
+                running[0] -= 1
+
+    big = json.dumps({"images": [[[0] * 28] * 28] * 40}).encode()  # over 64 KiB
+    small = json.dumps({"images": [[[0] * 28] * 28]}).encode()
+    assert len(big) > 64 * 1024 > len(small)
+
+    async def scenario():
+        parser = Parser(parse=spied)
+        first = asyncio.ensure_future(parser(big))
+        rest = [asyncio.ensure_future(parser(big)) for _ in range(5)]
+        while running[0] < PARSES_AT_ONCE:
+            await asyncio.sleep(0.01)
+        first.cancel()  # its parse keeps running, and keeps its slot
+        await asyncio.sleep(0.2)
+        assert running[0] == PARSES_AT_ONCE
+        release.set()
+        results = await asyncio.gather(*rest)
+        inline = await parser(small)  # on the loop: no thread of the spy's
+        return results, inline
+
+    results, inline = asyncio.run(scenario())
+    assert most[0] == PARSES_AT_ONCE
+    assert all(r.shape == (40, 28, 28) for r in results) and inline.shape == (1, 28, 28)
+    assert threading.get_ident() in threads  # the small body ran on the loop's thread
+
+
+@pytest.mark.parametrize(
+    "header, loopback",
+    [
+        ("127.0.0.1:8000", True),
+        ("localhost", True),
+        ("LocalHost:80", True),
+        ("[::1]:8000", True),
+        ("[::1]", True),
+        ("127.0.0.2:1", True),
+        ("evil.example", False),
+        ("evil.example:8000", False),
+        ("127.0.0.1.nip.io:8000", False),  # DNS that answers 127.0.0.1: a rebinding's name
+        ("localhost.evil.example", False),
+        ("0.0.0.0:8000", False),
+        ("10.0.0.1:8000", False),
+        ("::1", False),
+        ("[::1", False),
+        ("localhost:http", False),
+        ("", False),
+    ],
+)
+def test_loopback_host_headers(header, loopback):
+    from raytrain_mnist.serving.app import loopback_host_header
+
+    assert loopback_host_header(header) is loopback
+
+
 def test_png_becomes_an_mnist_digit(sample_digits):
     """A digit drawn large, white on black or dark ink on transparent paper, comes back as
     MNIST's 28x28: digit in a 20x20 box, centred by mass, close to the original."""
@@ -271,15 +372,40 @@ def test_png_becomes_an_mnist_digit(sample_digits):
         (["--replicas", "0"], "--replicas must be an integer >= 1"),
         (["--max-batch-size", "0"], "--max-batch-size must be an integer >= 1"),
         (["--host", ""], "--host must name an interface"),
+        (["--request-timeout-s", "0"], "--request-timeout-s must be an integer in 1..3600"),
+        # Beyond loopback: a token, or --no-auth said out loud.
+        (["--host", "0.0.0.0"], "--host 0.0.0.0 listens beyond loopback: give POST /predict"),
+        (["--host", "::"], "pass --no-auth to serve it to anyone"),
+        (["--host", "0.0.0.0", "--auth-token", "short"], "--auth-token must be at least 16"),
+        (["--auth-token", "has spaces in it, 16+"], "--auth-token must be at least 16"),
+        (["--no-auth", "--auth-token", TOKEN], "--no-auth and a token"),
     ],
 )
-def test_cli_refuses_bad_flags_before_ray(checkpoint_dir, flags, words):
+def test_cli_refuses_bad_flags_before_ray(checkpoint_dir, flags, words, monkeypatch):
     import ray
 
+    monkeypatch.delenv(TOKEN_ENV, raising=False)
     result = run_cli_here("serve", str(checkpoint_dir), *flags)
     assert result.returncode == 2, result
     assert words in result.stderr and len(result.stderr.strip().splitlines()) == 1
+    assert "short" not in result.stderr and "spaces" not in result.stderr  # no token echoed
     assert not ray.is_initialized()
+
+
+def test_token_comes_from_the_flag_or_the_environment_and_is_never_shown(monkeypatch):
+    from raytrain_mnist.serve import parse_command
+
+    monkeypatch.delenv(TOKEN_ENV, raising=False)
+    options = parse_command(["runs/x", "--host", "0.0.0.0", "--auth-token", TOKEN])
+    assert options.token == TOKEN and TOKEN not in repr(options)
+    assert parse_command(["runs/x", "--host", "0.0.0.0", "--no-auth"]).token is None
+    assert parse_command(["runs/x"]).token is None  # loopback: a token is optional
+    monkeypatch.setenv(TOKEN_ENV, TOKEN)
+    assert parse_command(["runs/x", "--host", "0.0.0.0"]).token == TOKEN
+    monkeypatch.setenv(TOKEN_ENV, "tiny")
+    with pytest.raises(Exception, match=f"\\${TOKEN_ENV} must be at least 16") as info:
+        parse_command(["runs/x", "--host", "0.0.0.0"])
+    assert "tiny" not in str(info.value)
 
 
 def test_cli_refuses_bad_targets_and_a_busy_port(checkpoint_dir, tmp_path):
@@ -312,13 +438,14 @@ def test_cli_refuses_use_gpu_without_one(checkpoint_dir):
     assert result.returncode == 2 and "--use-gpu" in result.stderr
 
 
-def test_write_config_is_a_valid_serve_deploy_config(checkpoint_dir, tmp_path):
+def test_write_config_is_a_valid_serve_deploy_config(checkpoint_dir, tmp_path, monkeypatch):
     """The file validates against Ray's own schema, and its import path builds the app
     from its args (as `serve deploy` would, on the cluster); so does the import path that
     configs written before the serving split name."""
     import yaml
     from ray.serve.schema import ServeDeploySchema
 
+    monkeypatch.delenv(TOKEN_ENV, raising=False)
     path = tmp_path / "serve_config.yaml"
     result = run_cli_here(
         "serve",
@@ -335,8 +462,14 @@ def test_write_config_is_a_valid_serve_deploy_config(checkpoint_dir, tmp_path):
     assert result.returncode == 0, result.stderr
     config = ServeDeploySchema.model_validate(yaml.safe_load(path.read_text()))
     assert (config.http_options.host, config.http_options.port) == ("127.0.0.1", 8011)
+    assert config.http_options.request_timeout_s == 35  # the replicas' 30 s, and a backstop
     (app,) = config.applications
     assert app.import_path == "raytrain_mnist.driver.deployment:build_app"
+    assert (app.args["hosts"], app.args["auth"], app.args["request_timeout_s"]) == (
+        "loopback",
+        "none",
+        30,
+    )
     for import_path in (app.import_path, "raytrain_mnist.serve:build_app"):
         module, _, attr = import_path.partition(":")
         built = getattr(importlib.import_module(module), attr)(app.args)
@@ -344,7 +477,51 @@ def test_write_config_is_a_valid_serve_deploy_config(checkpoint_dir, tmp_path):
         assert deployment.num_replicas == 2, import_path
         assert deployment.ray_actor_options["num_cpus"] == 1, import_path
         assert deployment.max_ongoing_requests == 32, import_path
+        assert deployment.max_queued_requests == 64, import_path  # a round per replica
+        access = deployment.init_args[-1]
+        assert (access.token, access.loopback_only, access.request_timeout_s) == (None, True, 30)
     assert app.args["checkpoint"] == str(checkpoint_dir.resolve())
+    # A config written before hosts, auth and the timeout existed builds on the safe side.
+    old = {k: app.args[k] for k in ("checkpoint", "replicas", "max_batch_size", "use_gpu")}
+    access = importlib.import_module("raytrain_mnist.serve").build_app(old)._bound_deployment
+    assert access.init_args[-1].loopback_only and access.init_args[-1].token is None
+
+
+def test_write_config_beyond_loopback_asks_for_a_token_it_never_holds(
+    checkpoint_dir, tmp_path, monkeypatch
+):
+    """--host 0.0.0.0 --write-config needs no token here (the application reads its own
+    where it is built) and the file never holds one, even when this shell has it; built
+    without the variable the application is refused in one line, with it it requires it."""
+    import yaml
+
+    from raytrain_mnist.driver.deployment import build_app
+    from raytrain_mnist.errors import ConfigError
+
+    monkeypatch.setenv(TOKEN_ENV, TOKEN)
+    path = tmp_path / "serve_config.yaml"
+    result = run_cli_here(
+        "serve", str(checkpoint_dir), "--host", "0.0.0.0", "--write-config", str(path)
+    )
+    assert result.returncode == 0, result.stderr
+    assert f"set ${TOKEN_ENV} where the application is built" in result.stdout
+    text = path.read_text()
+    assert TOKEN not in text and TOKEN not in result.stdout + result.stderr
+    (app,) = yaml.safe_load(text)["applications"]
+    assert (app["args"]["hosts"], app["args"]["auth"]) == ("any", "token")
+    access = build_app(app["args"])._bound_deployment.init_args[-1]
+    assert access.token == TOKEN and not access.loopback_only and TOKEN not in repr(access)
+
+    monkeypatch.delenv(TOKEN_ENV)
+    with pytest.raises(ConfigError, match=f"auth: token needs \\${TOKEN_ENV}"):
+        build_app(app["args"])
+    no_auth = tmp_path / "open.yaml"
+    result = run_cli_here(
+        "serve", str(checkpoint_dir), "--host", "0.0.0.0", "--no-auth", "--write-config",
+        str(no_auth),
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    assert yaml.safe_load(no_auth.read_text())["applications"][0]["args"]["auth"] == "none"
 
 
 def test_replica_code_imports_no_ray_torch_driver_or_command():
@@ -423,31 +600,64 @@ def test_predictions_give_evaluates_accuracy(server, fitted, tiny_mnist, tmp_pat
 
 
 def test_bad_requests_get_4xx_and_the_server_stays_up(server):
+    """Each refusal is one line of JSON with its 4xx, and the next request still answers;
+    the costly ones (a PNG that declares a gigapixel, too many pixels in all, JSON nested
+    100,000 deep) are refused at once."""
     url = server["url"]
     good = {"images": [[[0] * 28] * 28]}
+    deep = b'{"images": ' + b"[" * 100_000 + b"]" * 100_000 + b"}"
+    bomb = {"images": [b64(png_declaring(100_000, 100_000))]}
+    too_many_pixels = {"images": [b64(png_declaring(4096, 4096))] * 3}
+    json_type = {"Content-Type": "application/json"}
     cases = {
-        "not JSON": (url + "predict", b"{oops", "POST", 400),
-        "wrong shape": (url + "predict", {"images": [[[0] * 28] * 14]}, "POST", 422),
-        "values outside 0-255": (url + "predict", {"images": [[[300] * 28] * 28]}, "POST", 422),
-        "floats": (url + "predict", {"images": [[[0.5] * 28] * 28]}, "POST", 422),
-        "too many images": (url + "predict", {"images": [[[0] * 28] * 28] * 1025}, "POST", 413),
-        "not a PNG": (url + "predict", {"images": ["aGVsbG8="]}, "POST", 422),
-        "unknown path": (url + "admin", None, "GET", 404),
-        "wrong method": (url + "predict", None, "GET", 405),
-    }
-    for name, (target, body, method, expected) in cases.items():
-        status, headers, answer = http(target, body, method)
+        "not JSON": (url + "predict", b"{oops", "POST", {}, 400),
+        "nested 100,000 deep": (url + "predict", deep, "POST", {}, 400),
+        "wrong shape": (url + "predict", {"images": [[[0] * 28] * 14]}, "POST", {}, 422),
+        "values outside 0-255": (url + "predict", {"images": [[[300] * 28] * 28]}, "POST", {}, 422),
+        "floats": (url + "predict", {"images": [[[0.5] * 28] * 28]}, "POST", {}, 422),
+        "too many images": (url + "predict", {"images": [[[0] * 28] * 28] * 1025}, "POST", {}, 413),
+        "a PNG declaring 10^10 pixels": (url + "predict", bomb, "POST", {}, 413),
+        "too many pixels in all": (url + "predict", too_many_pixels, "POST", {}, 413),
+        "not a PNG": (url + "predict", {"images": ["aGVsbG8="]}, "POST", {}, 422),
+        # A cross-site form can post these without asking first; the page sends JSON's.
+        "a form's type": (
+            url + "predict", b"images=1", "POST",
+            {"Content-Type": "application/x-www-form-urlencoded"}, 415,
+        ),
+        "text/plain": (url + "predict", json.dumps(good).encode(), "POST",
+                       {"Content-Type": "text/plain"}, 415),
+        "JSON-ish type": (url + "predict", json.dumps(good).encode(), "POST",
+                          {"Content-Type": "application/jsonp"}, 415),
+        # Serve's proxy lets a client lift its timeout with this header: not here.
+        "timeout lifted": (url + "predict", good, "POST", {"X-Request-Timeout-Seconds": "0"}, 400),
+        "timeout raised": (
+            url + "predict", good, "POST", {"X-Request-Timeout-Seconds": "99999"}, 400,
+        ),
+        "unknown path": (url + "admin", None, "GET", {}, 404),
+        "wrong method": (url + "predict", None, "GET", {}, 405),
+    }  # fmt: skip
+    for name, (target, body, method, headers, expected) in cases.items():
+        start = time.perf_counter()
+        status, _, answer = http(target, body, method, headers={**json_type, **headers})
+        elapsed = time.perf_counter() - start
         assert status == expected, (name, answer)
         error = json.loads(answer)["error"]
         assert error and "\n" not in error, name
+        if expected == 413 and "pixels" in name:
+            assert elapsed < 5, (name, elapsed)  # milliseconds when idle: nothing decoded
+            print(f"{name}: {status} in {1000 * elapsed:.0f} ms")
         status, _, answer = http(url + "predict", good)
         assert status == 200 and len(json.loads(answer)["predictions"]) == 1, name
+    # Shortening the proxy's timeout is allowed; a charset beside JSON's type is too.
+    headers = {"X-Request-Timeout-Seconds": "20", "Content-Type": "application/json; charset=utf-8"}
+    assert http(url + "predict", good, headers=headers)[0] == 200
 
     # A body over the limit is refused on its declared length, before any of it is read.
     connection = http_client.HTTPConnection(
         "127.0.0.1", int(url.split(":")[-1].strip("/")), timeout=60
     )
     connection.putrequest("POST", "/predict")
+    connection.putheader("Content-Type", "application/json")
     connection.putheader("Content-Length", str(MAX_BODY_BYTES + 1))
     connection.endheaders()
     response = connection.getresponse()
@@ -455,6 +665,26 @@ def test_bad_requests_get_4xx_and_the_server_stays_up(server):
     connection.close()
     status, _, answer = http(url + "predict", good)
     assert status == 200
+
+
+def test_on_loopback_only_loopback_host_names_are_answered(server):
+    """A page on an attacker's domain that rebinds its name to 127.0.0.1 reaches the port,
+    but its requests carry its own name in Host: 421 on every path, one line of JSON. The
+    names a loopback URL has are answered."""
+    url = server["url"]
+    port = url.split(":")[-1].strip("/")
+    body = json.dumps({"images": [[[0] * 28] * 28]}).encode()
+    json_type = {"Content-Type": "application/json"}
+    for host in (f"rebind.example:{port}", "rebind.example", f"127.0.0.1.nip.io:{port}", ""):
+        for method, path in (("GET", "/"), ("GET", "/health"), ("POST", "/predict")):
+            status, _, answer = raw_request(url, method, path, {"Host": host, **json_type}, body)
+            assert status == 421, (host, path, answer)
+            error = json.loads(answer)["error"]
+            assert "not a loopback name" in error and "\n" not in error
+    for host in (f"127.0.0.1:{port}", f"localhost:{port}", "localhost", f"[::1]:{port}"):
+        status, _, answer = raw_request(url, "POST", "/predict", {"Host": host, **json_type}, body)
+        assert status == 200, (host, answer)
+        assert raw_request(url, "GET", "/health", {"Host": host})[0] == 200
 
 
 def test_body_limit_holds_without_a_declared_length():
@@ -478,15 +708,23 @@ def test_body_limit_holds_without_a_declared_length():
 
 
 def test_health_and_page(server):
+    """/health says the model is up and what it is, and nothing of the machine: no path
+    (not the checkpoint's, not the run's), no host name."""
     status, _, body = http(server["url"] + "health")
     health = json.loads(body)
     assert status == 200 and health["status"] == "ok"
-    assert health["checkpoint"] == best_checkpoint(server["run_dir"])
+    assert set(health) == {"status", "epoch", "device", "max_batch_size"}, health
+    assert health["device"] == "cpu" and isinstance(health["epoch"], int)
+    text = body.decode()
+    assert "/" not in text and str(server["run_dir"].name) not in text
+    assert socket.gethostname() not in text
     status, headers, page = http(server["url"])
     assert status == 200 and headers["content-type"].startswith("text/html")
     assert "default-src 'none'" in headers["content-security-policy"]
     text = page.decode()
     assert 'aria-live="polite"' in text and "<button" in text and "http" not in text
+    # The page's own request is JSON, so it needs no exception to the 415 rule.
+    assert '{"Content-Type": "application/json"}' in text
     assert len(page) < 10_000
 
 
@@ -579,23 +817,104 @@ def test_browser_draws_a_digit_and_reads_the_prediction(server, tiny_mnist, tmp_
     assert not blocked, f"the page asked for other origins: {blocked}"
 
 
+def _page_with_a_token(url: str, token: str) -> dict:
+    """What the page shows after one stroke, opened with ``#token=`` and without: the
+    digit and the status line, and whether the token left the address bar. None without
+    Chromium or playwright."""
+    if not Path(CHROMIUM).is_file():
+        return None
+    try:
+        from playwright.sync_api import sync_playwright
+    except ImportError:
+        return None
+    seen = {}
+    with sync_playwright() as p:
+        browser = p.chromium.launch(
+            executable_path=CHROMIUM, args=["--no-sandbox", "--disable-gpu"]
+        )
+        try:
+            for name, address in (("with", f"{url}#token={token}"), ("without", url)):
+                page = browser.new_page(viewport={"width": 800, "height": 520})
+                sent = []
+                page.on("request", lambda r, sent=sent: sent.append(r.url))
+                page.goto(address)
+                box = page.locator("#pad").bounding_box()
+                page.mouse.move(box["x"] + 140, box["y"] + 40)
+                page.mouse.down()
+                page.mouse.move(box["x"] + 140, box["y"] + 240, steps=5)
+                page.mouse.up()
+                page.wait_for_function(
+                    "() => document.querySelector('#digit').dataset.pending === 'false'",
+                    timeout=30_000,
+                )
+                seen[name] = {
+                    "digit": page.text_content("#digit").strip(),
+                    "status": page.text_content("#status").strip(),
+                    "hash": page.evaluate("location.hash"),
+                    "sent": sent,
+                }
+                page.close()
+        finally:
+            browser.close()
+    return seen
+
+
+class SlowClient(threading.Thread):
+    """A POST /predict whose body never comes: its headers, then a few bytes, then it waits
+    for the answer. ``result``: (status, headers, body, seconds) once answered."""
+
+    def __init__(self, url: str, headers: dict) -> None:
+        super().__init__(daemon=True)
+        self.url, self.headers, self.result = url, headers, None
+        self.answered = threading.Event()
+
+    def run(self) -> None:
+        host, port = self.url.split("//")[1].strip("/").rsplit(":", 1)
+        connection = http_client.HTTPConnection(host, int(port), timeout=120)
+        start = time.monotonic()
+        try:
+            connection.putrequest("POST", "/predict")
+            for name, value in {**self.headers, "Content-Length": "100000"}.items():
+                connection.putheader(name, value)
+            connection.endheaders(b'{"images": [[[0')
+            response = connection.getresponse()
+            self.result = (
+                response.status,
+                dict(response.headers),
+                response.read(),
+                time.monotonic() - start,
+            )
+        except OSError as exc:  # the proxy may close on us once it has answered
+            self.result = (None, {}, repr(exc).encode(), time.monotonic() - start)
+        finally:
+            connection.close()
+            self.answered.set()
+
+
 def test_cli_serves_until_ctrl_c_and_leaves_nothing(fitted, tmp_path):
     """`python -m raytrain_mnist serve RUN_DIR` as a user runs it: its own local Ray, the
     URL line, answers, then Ctrl-C ends it with status 0, no process it started outlives
-    it, and nothing in the run directory was written."""
+    it, and nothing in the run directory was written.
+
+    It runs with a token from the environment (POST /predict: 401 without it or with a
+    wrong one; the page and /health are public), a 10 s request timeout and batches of 1
+    (8 slots on its replica, 8 more queued at the proxy): clients that never finish their
+    bodies fill both, the next request gets 503 at once, each slow one ends (408 from the
+    replica, or the proxy's), and then requests answer again."""
     run_dir = Path(fitted["summary"]["run_dir"])
     port, marker = free_ports(1)[0], f"serve-{os.getpid()}"
     url = f"http://127.0.0.1:{port}/"
     log = tmp_path / "serve.log"
     env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
     before = _snapshot(run_dir)
+    flags = ["--port", str(port), "--max-batch-size", "1", "--request-timeout-s", "10"]
     with log.open("w") as out:
         proc = subprocess.Popen(
-            [sys.executable, "-m", "raytrain_mnist", "serve", str(run_dir), "--port", str(port)],
+            [sys.executable, "-m", "raytrain_mnist", "serve", str(run_dir), *flags],
             stdout=out,
             stderr=subprocess.STDOUT,
             cwd=REPO,
-            env={**env, MARKER_VAR: marker},
+            env={**env, MARKER_VAR: marker, TOKEN_ENV: TOKEN},
         )
     try:
         deadline = time.monotonic() + 180
@@ -606,13 +925,57 @@ def test_cli_serves_until_ctrl_c_and_leaves_nothing(fitted, tmp_path):
         assert f"at {url} " in log.read_text()
         status, _, body = http(url + "health")
         assert status == 200 and json.loads(body)["status"] == "ok"
-        assert http(url + "predict", b"[")[0] == 400
-        assert len(predict(url, [[[0] * 28] * 28])["predictions"]) == 1
+        assert http(url)[0] == 200  # the page is public; it asks for the token itself
+        auth = {"Authorization": f"Bearer {TOKEN}"}
+        good = {"images": [[[0] * 28] * 28]}
+        for headers in ({}, {"Authorization": f"Bearer {TOKEN[:-1]}x"}, {"Authorization": TOKEN}):
+            status, answer_headers, answer = http(url + "predict", good, headers=headers)
+            assert status == 401, (headers, answer)
+            assert answer_headers["www-authenticate"].startswith("Bearer")
+            assert "needs this server's token" in json.loads(answer)["error"]
+        assert http(url + "predict", b"[", headers=auth)[0] == 400
+        assert len(predict(url, [[[0] * 28] * 28], headers=auth)["predictions"]) == 1
+        page = _page_with_a_token(url, TOKEN)  # None without Chromium
+        if page is not None:
+            assert page["with"]["digit"].isdigit() and page["with"]["status"] == "", page
+            assert page["with"]["hash"] == ""  # the token left the address bar
+            assert all("token" not in sent for sent in page["with"]["sent"]), page
+            assert page["without"]["digit"] == "–", page
+            assert "open this page as" in page["without"]["status"], page
+            assert "#token=TOKEN" in page["without"]["status"], page
+            print(f"the page with the token read {page['with']['digit']}; without: 401's line")
+
+        slow = [SlowClient(url, {**auth, "Content-Type": "application/json"}) for _ in range(32)]
+        for client in slow:
+            # One after another: Serve checks its queue's length before it counts a request
+            # in, so a burst of simultaneous arrivals can all pass the check.
+            client.start()
+            time.sleep(0.05)
+        # More slow clients than slots and queue: once one of them is refused, both are full.
+        deadline = time.monotonic() + 60
+        while not any(c.result and c.result[0] == 503 for c in slow):
+            assert time.monotonic() < deadline, [c.result for c in slow]
+            time.sleep(0.05)
+        start = time.monotonic()
+        status, headers, answer = http(url + "predict", good, headers=auth)
+        refused_in = time.monotonic() - start
+        assert status == 503 and headers["retry-after"] == "1", answer
+        assert refused_in < 5, refused_in  # Serve's answer at once, not a wait in the queue
+        for client in slow:
+            assert client.answered.wait(90), "a slow client is still held"
+        statuses = sorted({c.result[0] for c in slow})
+        assert set(statuses) <= {408, 503, None}, [c.result for c in slow]
+        ours = [c.result for c in slow if c.result[0] == 408 and c.result[2].startswith(b"{")]
+        assert ours and all(b"took over 10 s to arrive" in r[2] for r in ours), slow[0].result
+        assert all(r[3] >= 9.5 for r in ours), [r[3] for r in ours]
+        print(f"503 in {1000 * refused_in:.0f} ms; slow clients' answers: {statuses}")
+        assert len(predict(url, [[[0] * 28] * 28], headers=auth)["predictions"]) == 1
 
         proc.send_signal(signal.SIGINT)
         assert proc.wait(120) == 0, log.read_text()
         output = log.read_text()
         assert output.rstrip().endswith("stopped") and "Traceback" not in output, output
+        assert TOKEN not in output
         deadline = time.monotonic() + 30
         while marked(marker) and time.monotonic() < deadline:
             time.sleep(0.2)  # the raylet's children exit right after it

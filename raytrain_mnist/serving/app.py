@@ -7,10 +7,19 @@ HTTP API, JSON both ways:
   (made MNIST-like: :mod:`raytrain_mnist.serving.images`). Answers ``{"predictions": [...],
   "probabilities": [[10 floats], ...]}``. Images from all clients are batched together
   (``serve.batch``, at most ``--max-batch-size`` images per forward pass).
-* ``GET /health``: answers once the replica has loaded the model.
+* ``GET /health``: answers once the replica has loaded the model (its epoch, device and
+  batch size: no path, nothing of the machine).
 * ``GET /``: a page to draw a digit on (``static/index.html``).
 
 A bad request gets a 4xx and ``{"error": "one line"}``; nothing is ever written.
+
+What a request may cost is bounded (:class:`Access` and :mod:`raytrain_mnist.serving.images`
+hold the limits): on a loopback proxy the ``Host`` header must name loopback (421: a
+DNS-rebound page gets nothing); ``POST /predict`` takes ``Content-Type: application/json``
+only (415: no cross-site form posts) and, with a token, ``Authorization: Bearer TOKEN``
+(401); its body must arrive within the request timeout (408); at most
+:data:`PARSES_AT_ONCE` bodies are parsed at once, off the event loop; and Serve queues at
+most a round of requests per caller beyond the replicas' slots (503 past that).
 
 :class:`DigitClassifier` is one replica; :func:`application` binds it to the weights it
 serves. Reading the checkpoint is the driver side's job
@@ -22,20 +31,32 @@ binds the application) imports them when it needs them.
 from __future__ import annotations
 
 import asyncio
+import hmac
+from dataclasses import dataclass, field
 from importlib import resources
 
 import numpy as np
 
 from raytrain_mnist.serving.images import MAX_BODY_BYTES, BadRequest, parse_images
-from raytrain_mnist.serving.settings import CPUS_PER_REPLICA
+from raytrain_mnist.serving.settings import CPUS_PER_REPLICA, ServeConfig, is_loopback
 
 #: The deployment's name inside the application (``serve status`` shows it).
 DEPLOYMENT_NAME = "DigitClassifier"
 #: How long a replica waits for more images before running a partial batch: long enough
 #: for concurrent clients' requests to meet, short next to a forward pass.
 BATCH_WAIT_S = 0.005
-#: Bodies smaller than this are parsed on the event loop (a thread hop would cost more).
+#: Bodies smaller than this, with no string but the key (no PNG), are parsed on the event
+#: loop (a thread hop would cost more); the rest in a thread.
 _PARSE_INLINE_BYTES = 64 * 1024
+#: Bodies parsed at once per replica, off its event loop. A replica has one CPU: more would
+#: only hold more decoded pixels in memory at the same time, not finish sooner.
+PARSES_AT_ONCE = 2
+#: Serve's proxy ends any request this long after the replica's own timeout for its body:
+#: a backstop (the replica's 408 is the one-line JSON answer).
+PROXY_GRACE_S = 5
+#: The header with which a client may change the proxy's timeout (Ray 2.60's
+#: ``SERVE_HTTP_REQUEST_TIMEOUT_S_HEADER``; 0 or less lifts it): only shorter is accepted.
+_TIMEOUT_HEADER = "x-request-timeout-seconds"
 #: Only what the page itself holds may load: no CDN, no third-party request.
 _PAGE_CSP = (
     "default-src 'none'; script-src 'unsafe-inline'; style-src 'unsafe-inline'; "
@@ -49,12 +70,78 @@ def page() -> bytes:
     return resources.files("raytrain_mnist.serving").joinpath(*_PAGE).read_bytes()
 
 
+@dataclass(frozen=True)
+class Access:
+    """Who may use a replica, and how long a request's body may take to arrive."""
+
+    #: ``Authorization: Bearer`` token that ``POST /predict`` needs; None: no token.
+    token: str | None = field(default=None, repr=False)
+    #: The proxy listens on loopback only: ``Host`` must then name loopback.
+    loopback_only: bool = True
+    request_timeout_s: float = ServeConfig.request_timeout_s
+
+    @property
+    def proxy_timeout_s(self) -> float:
+        """Serve's own end-to-end timeout (``http_options.request_timeout_s``)."""
+        return self.request_timeout_s + PROXY_GRACE_S
+
+
+class Parser:
+    """Parses ``/predict`` bodies (``parse``: :func:`~raytrain_mnist.serving.images.parse_images`)
+    for one replica: small bodies of integers on the event loop, the rest in threads, at most
+    ``at_once`` of those at a time."""
+
+    def __init__(self, at_once: int = PARSES_AT_ONCE, parse=parse_images) -> None:
+        self._parse_images = parse
+        self._slots = asyncio.Semaphore(at_once)
+
+    async def __call__(self, body: bytes) -> np.ndarray:
+        if len(body) < _PARSE_INLINE_BYTES and body.count(b'"') <= 2:
+            return self._parse_images(body)  # integers only, no PNG: a few KB to read
+        # Parsing a large body or decoding PNGs (up to ~1 s) in a thread keeps the replica's
+        # event loop, which also gathers the batches, free for other clients meanwhile. A slot
+        # is freed when its parse ends, even if the request was cancelled meanwhile (its
+        # thread cannot be): never more than at_once parses hold memory at the same time.
+        await self._slots.acquire()
+        parsing = asyncio.ensure_future(asyncio.to_thread(self._parse_images, body))
+        parsing.add_done_callback(self._done)
+        return await asyncio.shield(parsing)
+
+    def _done(self, parsing: asyncio.Future) -> None:
+        self._slots.release()
+        if not parsing.cancelled():
+            parsing.exception()  # retrieved: a cancelled request's 4xx is no "never retrieved"
+
+
+def loopback_host_header(value: str) -> bool:
+    """A ``Host`` header that names this machine's loopback (``127.0.0.1``, ``localhost``,
+    ``[::1]``, each with an optional port), as a browser sends it for a loopback URL. A
+    DNS-rebound name (an attacker's domain that now resolves to 127.0.0.1) is not one."""
+    host = value.strip()
+    if host.startswith("["):  # [v6]:port
+        name, bracket, port = host[1:].partition("]")
+        if not bracket:
+            return False
+        port = port.removeprefix(":") if port else ""
+    else:
+        name, _, port = host.partition(":")
+        if ":" in port:  # an unbracketed IPv6 literal is no Host header
+            return False
+    return bool(name) and (port == "" or port.isdigit()) and is_loopback(name)
+
+
 class DigitClassifier:
     """One Serve replica: the ConvNet in eval mode, answering HTTP requests directly (a
     plain ``__call__`` rather than FastAPI, so every error keeps our one-line form)."""
 
     def __init__(
-        self, weights: dict, amp: str, info: dict, max_batch_size: int, use_gpu: bool
+        self,
+        weights: dict,
+        amp: str,
+        info: dict,
+        max_batch_size: int,
+        use_gpu: bool,
+        access: Access | None = None,
     ) -> None:
         import torch
         from ray import serve
@@ -73,6 +160,9 @@ class DigitClassifier:
         self.max_batch_size = max_batch_size
         self.info = {**info, "device": self.device.type, "max_batch_size": max_batch_size}
         self.page = page()
+        self.access = access or Access()
+        self._token = None if self.access.token is None else self.access.token.encode()
+        self._parse = Parser()
         # Built per replica, so --max-batch-size needs no class-level decorator (and this
         # module imports neither Ray nor torch until a replica or the driver needs them).
         # Items are chunks of images; a batch holds at most max_batch_size images.
@@ -114,6 +204,13 @@ class DigitClassifier:
         from starlette.responses import JSONResponse, Response
 
         path, method = request.url.path, request.method
+        host = request.headers.get("host", "")
+        if self.access.loopback_only and not loopback_host_header(host):
+            return _error(
+                421,
+                f"Host {host[:80]!r} is not a loopback name: this server listens on loopback "
+                "and answers only Host 127.0.0.1, localhost or [::1] (DNS rebinding guard)",
+            )
         routes = {
             "/": ("GET",),
             "/index.html": ("GET",),
@@ -137,17 +234,52 @@ class DigitClassifier:
                 headers={"Content-Security-Policy": _PAGE_CSP},
             )
         try:
-            body = await _read_body(request)
-            # Parsing a large body (up to ~100 ms) in a thread keeps this replica's event
-            # loop, which also gathers the batches, free for other clients meanwhile.
-            images = (
-                parse_images(body)
-                if len(body) < _PARSE_INLINE_BYTES
-                else await asyncio.to_thread(parse_images, body)
-            )
+            self._admit(request)
+            # The body must arrive in time: a client that trickles it holds a slot of this
+            # replica only that long.
+            body = await asyncio.wait_for(_read_body(request), self.access.request_timeout_s)
+            images = await self._parse(body)
         except BadRequest as exc:
-            return _error(exc.status, str(exc))
+            return _error(exc.status, str(exc), exc.headers)
+        except asyncio.TimeoutError:
+            return _error(
+                408,
+                f"the body took over {self.access.request_timeout_s:g} s to arrive; send it "
+                "at once, or fewer images per request",
+            )
         return JSONResponse(await self.predict(images))
+
+    def _admit(self, request) -> None:
+        """The checks of a ``POST /predict`` before its body is read: the token, the content
+        type (no cross-site form post is JSON), the proxy's timeout left in place."""
+        if self._token is not None:
+            scheme, _, credentials = request.headers.get("authorization", "").partition(" ")
+            # Constant time: how much of a wrong token matched does not show in the answer.
+            if scheme.lower() != "bearer" or not hmac.compare_digest(
+                credentials.strip().encode("latin-1"), self._token
+            ):
+                raise BadRequest(
+                    401,
+                    "POST /predict needs this server's token: send Authorization: Bearer "
+                    "TOKEN (the page: open it as /#token=TOKEN)",
+                    {"WWW-Authenticate": 'Bearer realm="raytrain-mnist"'},
+                )
+        kind = request.headers.get("content-type", "")
+        if kind.partition(";")[0].strip().lower() != "application/json":
+            raise BadRequest(
+                415,
+                f"POST /predict takes Content-Type: application/json, not {kind[:60]!r}",
+            )
+        limit = self.access.proxy_timeout_s
+        if _TIMEOUT_HEADER in request.headers:
+            try:
+                asked = float(request.headers[_TIMEOUT_HEADER])
+            except ValueError:
+                asked = 0.0
+            if not 0 < asked <= limit:
+                raise BadRequest(
+                    400, f"{_TIMEOUT_HEADER} may only shorten this server's {limit:g} s"
+                )
 
 
 async def _read_body(request, limit: int = MAX_BODY_BYTES) -> bytes:
@@ -176,21 +308,28 @@ def application(
     replicas: int,
     max_batch_size: int,
     use_gpu: bool,
+    access: Access | None = None,
 ):
     """The Serve application (``serve.run`` takes it): ``replicas`` copies of
     :class:`DigitClassifier` holding ``weights`` (a state dict, shipped to them by Ray).
-    ``info`` is what ``GET /health`` reports beside the device and the batch size."""
+    ``info`` is what ``GET /health`` reports beside the device and the batch size (nothing
+    local: no path); ``access`` who may use it."""
     from ray import serve
 
+    # Room for a full batch in flight and the next one gathering.
+    ongoing = max(8, 2 * max_batch_size)
     deployment = serve.deployment(
         DigitClassifier,
         name=DEPLOYMENT_NAME,
         num_replicas=replicas,
-        # Room for a full batch in flight and the next one gathering.
-        max_ongoing_requests=max(8, 2 * max_batch_size),
+        max_ongoing_requests=ongoing,
+        # Beyond every replica's slots, one more round waits at each proxy; the next request
+        # is refused at once (503, Retry-After: 1) instead of waiting behind slow clients.
+        max_queued_requests=ongoing * replicas,
+        backpressure_config={"retry_after_s": 1},
         # Requests take milliseconds: a stopping replica need not wait 2 s between checks
         # for its last ones.
         graceful_shutdown_wait_loop_s=0.2,
         ray_actor_options={"num_cpus": CPUS_PER_REPLICA, "num_gpus": 1 if use_gpu else 0},
     )
-    return deployment.bind(weights, amp, info, max_batch_size, use_gpu)
+    return deployment.bind(weights, amp, info, max_batch_size, use_gpu, access)

@@ -1,4 +1,5 @@
-"""How the model is served: :class:`ServeConfig`, the serve command's settings and defaults.
+"""How the model is served: :class:`ServeConfig`, the serve command's settings and defaults,
+and who may use what it serves (:func:`check_access`, :func:`is_loopback`).
 
 Pure (no Ray): the command builds it from flags, the driver side deploys by it, and the
 replicas' sizing (:data:`CPUS_PER_REPLICA`) is read from here by both.
@@ -6,6 +7,8 @@ replicas' sizing (:data:`CPUS_PER_REPLICA`) is read from here by both.
 
 from __future__ import annotations
 
+import ipaddress
+import re
 from dataclasses import dataclass
 from typing import Optional
 
@@ -15,6 +18,15 @@ from raytrain_mnist.errors import ConfigError
 #: One CPU (and one torch thread) per replica: the net is small, so more replicas scale
 #: better than more threads in one.
 CPUS_PER_REPLICA = 1
+#: Where the bearer token comes from when ``--auth-token`` is not given, and where an
+#: application built from a ``serve deploy`` config (``auth: token``) reads it.
+TOKEN_ENV = "RAYTRAIN_MNIST_SERVE_TOKEN"
+#: A token is RFC 6750's b64token (what an ``Authorization: Bearer`` header can carry), long
+#: enough not to be guessed: ``python -c 'import secrets; print(secrets.token_urlsafe())'``.
+TOKEN_MIN_CHARS = 16
+_TOKEN = re.compile(r"[A-Za-z0-9\-._~+/]+=*")
+#: Host names a browser resolves to this machine whatever DNS says.
+_LOOPBACK_NAMES = ("localhost",)
 
 
 @dataclass(frozen=True)
@@ -27,8 +39,9 @@ class ServeConfig:
     )
     host: str = option(
         "127.0.0.1",
-        "interface the HTTP proxy listens on; 0.0.0.0 exposes the "
-        "model and page to every network this machine is on (docs/serve.md)",
+        "interface the HTTP proxy listens on; beyond loopback (e.g. 0.0.0.0, every "
+        "network this machine is on) POST /predict needs --auth-token or --no-auth "
+        "(docs/serve.md)",
     )
     port: int = option(8000, "HTTP port")
     replicas: int = option(
@@ -38,6 +51,15 @@ class ServeConfig:
         64, "most images in one forward pass, gathered across concurrent requests"
     )
     use_gpu: bool = option(False, "one GPU per replica")
+    request_timeout_s: int = option(
+        30,
+        "seconds a request's body may take to arrive; a slower one gets 408 (Serve's "
+        "proxy ends any request 5 s after)",
+    )
+    no_auth: bool = option(
+        False,
+        "listen beyond loopback without a token: anyone who reaches the port may use the model",
+    )
 
     def __post_init__(self) -> None:
         if not self.host or not self.host.strip():
@@ -45,3 +67,49 @@ class ServeConfig:
         check_int("port", self.port, 1, 65535)
         check_int("replicas", self.replicas, 1)
         check_int("max-batch-size", self.max_batch_size, 1)
+        check_int("request-timeout-s", self.request_timeout_s, 1, 3600)
+
+    @property
+    def loopback(self) -> bool:
+        """Whether the proxy listens on loopback only (requests then must name it in
+        ``Host``: a DNS-rebound page cannot reach it)."""
+        return is_loopback(self.host)
+
+
+def is_loopback(host: str) -> bool:
+    """``host`` (a name or an address, IPv6 optionally in brackets) is this machine's
+    loopback: ``localhost``, ``127.0.0.0/8`` or ``::1``."""
+    host = host.strip().lower()
+    if host in _LOOPBACK_NAMES:
+        return True
+    try:
+        return ipaddress.ip_address(host.removeprefix("[").removesuffix("]")).is_loopback
+    except ValueError:
+        return False
+
+
+def check_token(token: str, source: str) -> str:
+    """``token`` if it can be a bearer token; ConfigError naming ``source`` (``--auth-token``
+    or the variable) otherwise. The message never repeats the token."""
+    if len(token) < TOKEN_MIN_CHARS or not _TOKEN.fullmatch(token):
+        raise ConfigError(
+            f"{source} must be at least {TOKEN_MIN_CHARS} characters of A-Z a-z 0-9 - . _ ~ + / "
+            "(then =), e.g. from: python -c 'import secrets; print(secrets.token_urlsafe())'"
+        )
+    return token
+
+
+def check_access(cfg: ServeConfig, token: str | None, listening: bool = True) -> None:
+    """A token and ``--no-auth`` contradict; and when ``listening`` (serving, rather than
+    writing a config whose application reads its token on the cluster), a proxy beyond
+    loopback needs one of them. Checked before anything starts."""
+    if token is not None and cfg.no_auth:
+        raise ConfigError(
+            f"--no-auth and a token (--auth-token or ${TOKEN_ENV}) contradict; drop one"
+        )
+    if listening and token is None and not cfg.no_auth and not cfg.loopback:
+        raise ConfigError(
+            f"--host {cfg.host} listens beyond loopback: give POST /predict a token "
+            f"(${TOKEN_ENV}, or --auth-token) or pass --no-auth to serve it to anyone who "
+            "reaches the port"
+        )
