@@ -40,8 +40,8 @@ class ServeConfig:
     host: str = option(
         "127.0.0.1",
         "interface the HTTP proxy listens on; beyond loopback (e.g. 0.0.0.0, every "
-        "network this machine is on) POST /predict needs --auth-token or --no-auth "
-        "(docs/serve.md)",
+        f"network this machine is on) POST /predict needs a token (${TOKEN_ENV} or "
+        "--auth-token) or --no-auth (docs/serve.md)",
     )
     port: int = option(8000, "HTTP port")
     replicas: int = option(
