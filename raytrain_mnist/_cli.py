@@ -8,19 +8,30 @@ same parse before it contacts a cluster.
 Flags are generated from the config dataclasses' fields, so each default and help text is
 written once (in :mod:`raytrain_mnist.config`). Every error a user can cause ends as one
 line on stderr and a non-zero exit status, never a traceback.
+
+SIGTERM is Ctrl-C: ``submit stop``, systemd, Docker, Kubernetes and Slurm stop a command
+with SIGTERM, and for as long as a command runs (:func:`run_cli`) that signal is handed to
+whatever handles SIGINT at that moment (Python's ``KeyboardInterrupt``, Tune's graceful stop
+while a search runs), so the library takes its Ctrl-C path: fit writes its summary, tune its
+``best.json``, and the resume command is printed. The command then says ``terminated``
+instead of ``interrupted`` and exits 143 (:data:`~raytrain_mnist.errors.EXIT_TERMINATED`)
+instead of 130.
 """
 
 from __future__ import annotations
 
 import argparse
 import atexit
+import contextlib
 import dataclasses
 import gc
 import logging
 import os
+import signal
 import sys
+import threading
 import typing
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -30,6 +41,7 @@ from raytrain_mnist.config import flags_of as flags_of  # re-exported
 from raytrain_mnist.errors import (
     EXIT_FAILURE,
     EXIT_INTERRUPTED,
+    EXIT_TERMINATED,
     EXIT_USAGE,
     ConfigError,
     UserError,
@@ -134,7 +146,10 @@ def _base_type(hint: Any) -> type:
 
 
 def run_cli(main: Callable[[Sequence[str] | None], int], argv: Sequence[str] | None = None) -> int:
-    """Run ``main`` and turn the errors a user can cause into one line and an exit status."""
+    """Run ``main`` and turn the errors a user can cause into one line and an exit status.
+
+    While it runs, SIGTERM stops it as Ctrl-C does (:func:`sigterm_is_ctrl_c`); a command
+    stopped either way exits 130 after Ctrl-C, 143 after SIGTERM (:func:`interrupted`)."""
     # At exit, CPython's last garbage collection walks every object that torch, Ray and pandas
     # made, seconds of each command's exit (benchmarks/README.md). It skips frozen objects,
     # which are still freed by reference counting (and streams are flushed regardless).
@@ -142,26 +157,76 @@ def run_cli(main: Callable[[Sequence[str] | None], int], argv: Sequence[str] | N
     # after Ray's; only a command process does this, never a library import.
     atexit.register(gc.freeze)
     prog = "raytrain-mnist"
+    with sigterm_is_ctrl_c():
+        try:
+            status = main(argv)
+            return EXIT_TERMINATED if status == EXIT_INTERRUPTED and terminated() else status
+        except ConfigError as exc:
+            print(f"{prog}: error: {exc}", file=sys.stderr)
+            return EXIT_USAGE
+        except UserError as exc:
+            print(f"{prog}: error: {exc}", file=sys.stderr)
+            return exc.exit_code
+        except KeyboardInterrupt:
+            return interrupted()
+        except Exception as exc:  # a bug or an environment problem: still one line by default
+            if os.environ.get("RAYTRAIN_MNIST_TRACEBACK"):
+                raise
+            print(
+                f"{prog}: internal error: {exc.__class__.__name__}: {first_line(exc)} "
+                "(set RAYTRAIN_MNIST_TRACEBACK=1 for the traceback)",
+                file=sys.stderr,
+            )
+            return EXIT_FAILURE
+
+
+#: The SIGTERMs the running command received (a list: the handler only appends).
+_TERMINATED: list[int] = []
+
+
+def on_sigterm(signum: int, frame) -> None:
+    """The SIGTERM handler of a running command: note it, then do what Ctrl-C does now.
+
+    SIGINT's handler at this moment decides: Python's own raises ``KeyboardInterrupt``;
+    Tune's, while a search runs, stops it gracefully (and a second signal then raises). A
+    SIGINT that is ignored (a shell's background job) or left to the system still stops the
+    command: ``KeyboardInterrupt``. Public so that a command can put it back after a library
+    replaced it (``serve``, once Ray Serve is up)."""
+    _TERMINATED.append(signum)
+    handler = signal.getsignal(signal.SIGINT)
+    if callable(handler) and handler is not on_sigterm:
+        handler(signal.SIGINT, frame)
+    else:
+        raise KeyboardInterrupt
+
+
+def terminated() -> bool:
+    """Whether the running command received SIGTERM."""
+    return bool(_TERMINATED)
+
+
+def interrupted() -> int:
+    """Say that the command was stopped (``raytrain-mnist: interrupted`` after Ctrl-C,
+    ``raytrain-mnist: terminated`` after SIGTERM) and return its exit status (130 or 143)."""
+    print(f"raytrain-mnist: {'terminated' if terminated() else 'interrupted'}", file=sys.stderr)
+    return EXIT_TERMINATED if terminated() else EXIT_INTERRUPTED
+
+
+@contextlib.contextmanager
+def sigterm_is_ctrl_c() -> Iterator[None]:
+    """SIGTERM is Ctrl-C inside the block (:func:`on_sigterm`); the previous handler is put
+    back after it. Only the main thread can set handlers: elsewhere the block changes
+    nothing. ``ray.init`` replaces the handler with its own (an immediate ``sys.exit``);
+    :func:`raytrain_mnist.driver.cluster.connect` puts ours back."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    _TERMINATED.clear()
+    previous = signal.signal(signal.SIGTERM, on_sigterm)
     try:
-        return main(argv)
-    except ConfigError as exc:
-        print(f"{prog}: error: {exc}", file=sys.stderr)
-        return EXIT_USAGE
-    except UserError as exc:
-        print(f"{prog}: error: {exc}", file=sys.stderr)
-        return exc.exit_code
-    except KeyboardInterrupt:
-        print(f"{prog}: interrupted", file=sys.stderr)
-        return EXIT_INTERRUPTED
-    except Exception as exc:  # a bug or an environment problem: still one line by default
-        if os.environ.get("RAYTRAIN_MNIST_TRACEBACK"):
-            raise
-        print(
-            f"{prog}: internal error: {exc.__class__.__name__}: {first_line(exc)} "
-            "(set RAYTRAIN_MNIST_TRACEBACK=1 for the traceback)",
-            file=sys.stderr,
-        )
-        return EXIT_FAILURE
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, signal.SIG_DFL if previous is None else previous)
 
 
 def setup_logging(verbose: bool = False) -> None:

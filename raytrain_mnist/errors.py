@@ -12,6 +12,9 @@ EXIT_FAILURE = 1
 EXIT_USAGE = 2
 #: Exit status after Ctrl-C, as shells report SIGINT.
 EXIT_INTERRUPTED = 130
+#: Exit status after SIGTERM (``submit stop``, systemd, Docker, Kubernetes, Slurm): 128 + 15,
+#: as shells report it. The command stops as it does on Ctrl-C.
+EXIT_TERMINATED = 143
 
 #: The most characters of a message that one error line quotes.
 MAX_LINE = 300

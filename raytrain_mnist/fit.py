@@ -4,8 +4,9 @@ The command parses its flags into a :class:`~raytrain_mnist.config.FitConfig`, h
 the library (:func:`raytrain_mnist.driver.fitting.fit`) with a
 :class:`~raytrain_mnist.console.Renderer` for the run's events (phase lines, a bar or lines
 within each epoch, one line per epoch), then prints the summary and chooses the exit
-status: 0 finished, 1 failed, 130 stopped with Ctrl-C. The run directory is
-``<storage-path>/<name>``; ``summary.json`` and ``training_curves.png`` are written there.
+status: 0 finished, 1 failed, 130 stopped with Ctrl-C, 143 stopped with SIGTERM (the same
+stop: the summary, the resume command). The run directory is ``<storage-path>/<name>``;
+``summary.json`` and ``training_curves.png`` are written there.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from raytrain_mnist._cli import (
     Command,
     add_dataclass_args,
     dataclass_from_args,
+    interrupted,
     invocation,
     setup_logging,
 )
@@ -33,7 +35,7 @@ from raytrain_mnist.console import Renderer
 from raytrain_mnist.driver import fitting
 from raytrain_mnist.driver.fitting import FitResult
 from raytrain_mnist.driver.runs import SUMMARY_FILE
-from raytrain_mnist.errors import EXIT_FAILURE, EXIT_INTERRUPTED, UserError
+from raytrain_mnist.errors import EXIT_FAILURE, UserError
 
 
 def build_parser() -> ArgumentParser:
@@ -122,8 +124,7 @@ def run(cfg: FitConfig) -> int:
             f"{result.resume_command}",
             file=sys.stderr,
         )
-        print("raytrain-mnist: interrupted", file=sys.stderr)
-        return EXIT_INTERRUPTED
+        return interrupted()  # 130 after Ctrl-C, 143 after SIGTERM
     return 0
 
 

@@ -11,7 +11,9 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import signal
 import socket
+import threading
 from collections.abc import Iterator
 from dataclasses import dataclass
 
@@ -95,7 +97,10 @@ def connect(address: str | None, request: Request) -> Iterator[bool]:
         # nothing of that cluster listens, and wait forever.
         on_loopback = _is_loopback(address)
         try:
-            with loopback_node() if on_loopback else contextlib.nullcontext():
+            with (
+                loopback_node() if on_loopback else contextlib.nullcontext(),
+                keeping_sigterm_handler(),
+            ):
                 ray.init(
                     address=address,
                     logging_level=logging.WARNING,
@@ -148,7 +153,7 @@ def start_local(
     if "RAY_AUTH_MODE" not in os.environ:  # a mode the user set wins
         compat.token_auth_chosen()  # Ray's default, made explicit: no warning that it chose
     try:
-        with loopback_node():
+        with loopback_node(), keeping_sigterm_handler():
             ray.init(
                 address="local",  # a new Ray, never one that `ray start` left running
                 num_cpus=num_cpus,
@@ -164,6 +169,19 @@ def start_local(
             )
     except Exception as exc:  # Ray raises bare Exception when its processes fail to start
         raise UserError(f"could not start a local Ray: {str(exc).strip()[:300]}") from exc
+
+
+@contextlib.contextmanager
+def keeping_sigterm_handler() -> Iterator[None]:
+    """Around ``ray.init``: on the main thread Ray replaces the SIGTERM handler with its own
+    (an immediate ``sys.exit``). A handler the caller installed (a command's: SIGTERM stops it
+    as Ctrl-C does, ``raytrain_mnist._cli``) is put back; the system default is left to Ray."""
+    before = signal.getsignal(signal.SIGTERM)
+    try:
+        yield
+    finally:
+        if callable(before) and threading.current_thread() is threading.main_thread():
+            signal.signal(signal.SIGTERM, before)
 
 
 #: The address a Ray this process starts binds its servers to: nothing outside the machine.

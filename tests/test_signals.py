@@ -1,0 +1,150 @@
+"""SIGTERM is Ctrl-C: ``submit stop``, systemd, Docker, Kubernetes and Slurm stop a command
+with SIGTERM, and the command stops as it does on Ctrl-C, then exits 143 (128 + 15).
+
+Through the real CLI, each with a local Ray of its own (a private RAY_TMPDIR, and a marker in
+the environment of every process it starts): the signal is sent once the command printed
+what shows it is training (an epoch committed, a trial started), never after a sleep.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+import uuid
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import MARKER_VAR, REPO, kill_marked, marked
+
+
+@pytest.fixture
+def ray_env():
+    """Environment of a command that starts its own Ray; stops whatever Ray it leaves."""
+    ray_tmp = Path(tempfile.mkdtemp(prefix="rt", dir="/tmp"))  # short: unix socket paths
+    env = {
+        **os.environ,
+        "PYTHONUNBUFFERED": "1",
+        "RAY_TMPDIR": str(ray_tmp),
+        MARKER_VAR: uuid.uuid4().hex,  # on every process of the Ray the command starts
+    }
+    yield env
+    kill_marked(env[MARKER_VAR])
+    shutil.rmtree(ray_tmp, ignore_errors=True)
+
+
+def _terminate_when(command: list[str], env: dict, ready, tmp_path: Path):
+    """Start ``command``, send it SIGTERM once a line of its stdout satisfies ``ready``;
+    (exit status, stdout, stderr lines)."""
+    err_path = tmp_path / "stderr.txt"
+    with open(err_path, "w") as err:
+        process = subprocess.Popen(
+            command, stdout=subprocess.PIPE, stderr=err, text=True, cwd=REPO, env=env
+        )
+        seen: list[str] = []
+        try:
+            for line in process.stdout:
+                seen.append(line)
+                if ready(line):
+                    break
+            else:
+                raise AssertionError("".join(seen) + err_path.read_text())
+            process.send_signal(signal.SIGTERM)
+            out, _ = process.communicate(timeout=240)
+        finally:
+            if process.poll() is None:
+                process.kill()
+                process.wait(timeout=30)
+    lines = [line for line in err_path.read_text().splitlines() if line.strip()]
+    return process.returncode, "".join(seen) + out, lines
+
+
+def _no_process_left(marker: str) -> None:
+    deadline = time.monotonic() + 30  # the last workers may take a moment to exit
+    while (left := marked(marker)) and time.monotonic() < deadline:
+        time.sleep(0.5)
+    assert not left, f"processes of the command's own Ray outlived it: {left}"
+
+
+def test_sigterm_stops_fit_as_ctrl_c_does_and_exits_143(tiny_mnist, tmp_path, ray_env):
+    storage = tmp_path / "runs"
+    command = [
+        sys.executable,
+        "-m",
+        "raytrain_mnist",
+        "fit",
+        "--num-workers",
+        "1",
+        "--epochs",
+        "30",  # still training when the first epoch's line has been read
+        "--batch-size",
+        "32",
+        "--dataset",
+        "mnist",
+        "--data-dir",
+        str(tiny_mnist),
+        "--storage-path",
+        str(storage),
+        "--name",
+        "terminated",
+    ]
+    status, out, err = _terminate_when(
+        command, ray_env, lambda line: line.startswith("epoch   1/30"), tmp_path
+    )
+    assert status == 143, out[-3000:] + "\n".join(err[-30:])
+    assert err[-1] == "raytrain-mnist: terminated", err[-30:]
+    assert err[-2].startswith("interrupted after ") and " epoch(s); resume with: " in err[-2]
+    assert "--name terminated" in err[-2] and "Traceback" not in out + "\n".join(err)
+    summary = json.loads((storage / "terminated" / "summary.json").read_text())
+    assert summary["status"] == "interrupted" and 1 <= summary["epochs_completed"] < 30
+    assert summary["latest_checkpoint"]
+    assert "val_accuracy" in out  # the summary was printed, as after Ctrl-C
+    _no_process_left(ray_env[MARKER_VAR])
+
+
+def test_sigterm_stops_tune_as_ctrl_c_does_and_exits_143(tiny_mnist, tmp_path, ray_env):
+    command = [
+        sys.executable,
+        "-m",
+        "raytrain_mnist",
+        "tune",
+        "--num-workers",
+        "1",
+        "--cpus-per-worker",
+        "1",
+        "--batch-size",
+        "32",
+        "--dataset",
+        "mnist",
+        "--data-dir",
+        str(tiny_mnist),
+        "--storage-path",
+        str(tmp_path),
+        "--name",
+        "terminated",
+        "--num-samples",
+        "2",
+        "--max-epochs",
+        "20",
+        "--max-concurrent-trials",
+        "1",
+        "--scheduler",
+        "fifo",
+    ]
+    status, out, err = _terminate_when(
+        command, ray_env, lambda line: line.startswith("trial ") and " started: " in line, tmp_path
+    )
+    assert status == 143, out[-3000:] + "\n".join(err[-30:])
+    assert err[-1] == "raytrain-mnist: terminated", err[-30:]
+    assert err[-2].startswith("search interrupted with ") and " resume with: " in err[-2]
+    assert "--name terminated" in err[-2] and "Traceback" not in out + "\n".join(err)
+    assert "rank" in out and "unfinished" in out, out[-3000:]  # the trials, as after Ctrl-C
+    best = json.loads((tmp_path / "terminated" / "best.json").read_text())
+    assert best["num_trials"] == 2 and best["num_unfinished"] >= 1 and best["num_finished"] == 0
+    _no_process_left(ray_env[MARKER_VAR])
