@@ -28,12 +28,15 @@ from raytrain_mnist._cli import (
     add_dataclass_args,
     add_target_argument,
     dataclass_from_args,
+    on_sigterm,
     setup_logging,
+    terminated,
 )
 from raytrain_mnist.driver import deployment
 from raytrain_mnist.driver.deployment import build_app  # noqa: F401  (see below)
 from raytrain_mnist.driver.evaluation import load_checkpoint
 from raytrain_mnist.driver.targets import resolve_target
+from raytrain_mnist.errors import EXIT_TERMINATED
 from raytrain_mnist.serving.settings import TOKEN_ENV, ServeConfig, check_access, check_token
 
 # ``build_app`` is imported above so that ``serve deploy`` configs written before it moved
@@ -129,7 +132,7 @@ def run(options: ServeOptions) -> int:
         except KeyboardInterrupt:
             print("stopping", flush=True)
     print("stopped")
-    return 0
+    return EXIT_TERMINATED if terminated() else 0  # SIGTERM: 143, as every command
 
 
 @contextlib.contextmanager
@@ -142,7 +145,10 @@ def _signals_stop() -> Iterator[None]:
     def interrupt(signum, frame):
         raise KeyboardInterrupt
 
-    previous = {sig: signal.signal(sig, interrupt) for sig in (signal.SIGINT, signal.SIGTERM)}
+    # SIGTERM: the command layer's handler (it notes the signal, for the exit status 143, and
+    # does what SIGINT's handler, this one, does).
+    handlers = {signal.SIGINT: interrupt, signal.SIGTERM: on_sigterm}
+    previous = {sig: signal.signal(sig, handler) for sig, handler in handlers.items()}
     try:
         yield
     finally:
