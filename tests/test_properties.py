@@ -41,7 +41,7 @@ from urllib.parse import urlsplit
 
 import numpy as np
 import pytest
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 from hypothesis.configuration import set_hypothesis_home_dir
 
@@ -562,6 +562,9 @@ def check_argv(command_name: str, argv: list[str]) -> None:
 def test_flags_parse_or_are_refused_in_one_line(command_name, count):
     @examples(count)
     @given(argvs(command_name))
+    # Always tried: a word that breaks the line where argparse quotes it as typed.
+    @example(["RUN", "a\nb"])
+    @example(["RUN", "--name", "a\rb"])
     def prop(argv):
         check_argv(command_name, argv)
 
@@ -704,9 +707,12 @@ def test_is_uri_and_check_no_credentials_never_fail_otherwise(generated):
 # --------------------------------------------------------------------------- the count
 
 
-def test_thousands_of_inputs_were_tried():
+def test_thousands_of_inputs_were_tried(request):
     """Last in the file: the properties above ran their examples (skipped when only some of
-    them were selected)."""
+    them were selected, or when one failed: a failing property stops at its first
+    counterexample, and its failure is the one to read)."""
+    if request.session.testsfailed:
+        pytest.skip(f"{request.session.testsfailed} test(s) failed; inputs tried: {dict(TRIED)}")
     expected = {
         "serve: JSON bodies",
         "data: IDX files",
