@@ -48,12 +48,41 @@ from raytrain_mnist.errors import (
     first_line,
 )
 
+#: Bidirectional overrides and isolates: they reorder what a terminal shows.
+_BIDI = frozenset("\u202a\u202b\u202c\u202d\u202e\u2066\u2067\u2068\u2069")
+
+
+def _shown(char: str) -> str:
+    code = ord(char)
+    if code < 0x20 or code == 0x7F:  # C0 and DEL in caret notation: ESC is ^[, BEL ^G
+        return "^" + chr(code ^ 0x40)
+    return f"\\x{code:02x}" if code < 0x100 else f"\\u{code:04x}"
+
+
+#: Every character a terminal obeys rather than shows, the line feed and the tab included.
+_ESCAPES = {
+    code: _shown(chr(code)) for code in [*range(0x20), 0x7F, *range(0x80, 0xA0), *map(ord, _BIDI)]
+}
+_KEEP_LINES = {**_ESCAPES, ord("\n"): "\n", ord("\t"): "\t"}
+
+
+def printable(text: str, lines: bool = True) -> str:
+    """``text`` from outside (a cluster's logs, entry points, statuses, messages; the words of
+    a bad flag) as a terminal may show it: control characters (ESC and so CSI and OSC sequences, BEL, CR, the C1 set, bidi
+    overrides) are written visibly, ``\\x1b]0;title\\x07`` as ``^[]0;title^G``; line feeds
+    and tabs stay unless ``lines`` is false (one row of a table: ``^J``, ``^I``). Character by
+    character, so a sequence split across chunks is caught too."""
+    return str(text).translate(_KEEP_LINES if lines else _ESCAPES)
+
 
 class ArgumentParser(argparse.ArgumentParser):
     """argparse, but a usage error is a single line naming the flag and pointing at --help."""
 
     def error(self, message: str) -> typing.NoReturn:
-        self.exit(EXIT_USAGE, f"{self.prog}: error: {message} (see --help)\n")
+        # The message quotes the user's words: one line, whatever they hold.
+        self.exit(
+            EXIT_USAGE, f"{self.prog}: error: {printable(message, lines=False)} (see --help)\n"
+        )
 
 
 def add_dataclass_args(
@@ -162,10 +191,10 @@ def run_cli(main: Callable[[Sequence[str] | None], int], argv: Sequence[str] | N
             status = main(argv)
             return EXIT_TERMINATED if status == EXIT_INTERRUPTED and terminated() else status
         except ConfigError as exc:
-            print(f"{prog}: error: {exc}", file=sys.stderr)
+            print(f"{prog}: error: {printable(str(exc), lines=False)}", file=sys.stderr)
             return EXIT_USAGE
         except UserError as exc:
-            print(f"{prog}: error: {exc}", file=sys.stderr)
+            print(f"{prog}: error: {printable(str(exc), lines=False)}", file=sys.stderr)
             return exc.exit_code
         except KeyboardInterrupt:
             return interrupted()
@@ -173,7 +202,8 @@ def run_cli(main: Callable[[Sequence[str] | None], int], argv: Sequence[str] | N
             if os.environ.get("RAYTRAIN_MNIST_TRACEBACK"):
                 raise
             print(
-                f"{prog}: internal error: {exc.__class__.__name__}: {first_line(exc)} "
+                f"{prog}: internal error: {exc.__class__.__name__}: "
+                f"{printable(first_line(exc), lines=False)} "
                 "(set RAYTRAIN_MNIST_TRACEBACK=1 for the traceback)",
                 file=sys.stderr,
             )

@@ -47,7 +47,7 @@ from pathlib import Path
 from urllib.parse import urlsplit
 
 from raytrain_mnist import compat
-from raytrain_mnist._cli import ArgumentParser, Command
+from raytrain_mnist._cli import ArgumentParser, Command, printable
 from raytrain_mnist.errors import (
     EXIT_FAILURE,
     EXIT_INTERRUPTED,
@@ -335,33 +335,6 @@ def _auth_error(url: str, status: int) -> UserError:
         "(RAY_AUTH_TOKEN, else RAY_AUTH_TOKEN_PATH, else ~/.ray/auth_token) is not the "
         "cluster's; `ray get-auth-token` on the head prints the right one"
     )
-
-
-#: Bidirectional overrides and isolates: they reorder what a terminal shows.
-_BIDI = frozenset("\u202a\u202b\u202c\u202d\u202e\u2066\u2067\u2068\u2069")
-
-
-def _shown(char: str) -> str:
-    code = ord(char)
-    if code < 0x20 or code == 0x7F:  # C0 and DEL in caret notation: ESC is ^[, BEL ^G
-        return "^" + chr(code ^ 0x40)
-    return f"\\x{code:02x}" if code < 0x100 else f"\\u{code:04x}"
-
-
-#: Every character a terminal obeys rather than shows, the line feed and the tab included.
-_ESCAPES = {
-    code: _shown(chr(code)) for code in [*range(0x20), 0x7F, *range(0x80, 0xA0), *map(ord, _BIDI)]
-}
-_KEEP_LINES = {**_ESCAPES, ord("\n"): "\n", ord("\t"): "\t"}
-
-
-def printable(text: str, lines: bool = True) -> str:
-    """``text`` from a cluster (logs, entry points, statuses, messages) as a terminal may show
-    it: control characters (ESC and so CSI and OSC sequences, BEL, CR, the C1 set, bidi
-    overrides) are written visibly, ``\\x1b]0;title\\x07`` as ``^[]0;title^G``; line feeds
-    and tabs stay unless ``lines`` is false (one row of a table: ``^J``, ``^I``). Character by
-    character, so a sequence split across chunks is caught too."""
-    return str(text).translate(_KEEP_LINES if lines else _ESCAPES)
 
 
 def _last_line(text: str) -> str:
