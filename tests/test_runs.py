@@ -16,7 +16,7 @@ import pytest
 
 from raytrain_mnist.config import FitConfig, RunSettings, TrainConfig
 from raytrain_mnist.driver import runs
-from raytrain_mnist.driver.runs import Run
+from raytrain_mnist.driver.runs import Run, claim
 from raytrain_mnist.errors import UserError
 from tests.conftest import MARKER_VAR, REPO, kill_marked
 
@@ -136,6 +136,7 @@ def test_an_s3_lease_refuses_a_second_and_a_dead_owners_is_taken_over(s3):
                 {
                     "token": "old",
                     "host": os.uname().nodename,
+                    "host_id": claim.host_id(),  # this host and PID namespace
                     "pid": int(dead),
                     "pid_started": 0,
                     "renewed": time.time(),
@@ -145,7 +146,8 @@ def test_an_s3_lease_refuses_a_second_and_a_dead_owners_is_taken_over(s3):
     with Run(storage, "r").claim(fresh=True) as fresh:
         assert not fresh.exists("summary.json")  # --fresh: the old run was copied aside
     assert Run(storage, "r.previous-1").summary() == {"status": "finished"}
-    # Someone else's lease on another host is honoured until it expires.
+    # Someone else's lease on another host is honoured until this command has watched it
+    # unchanged for the TTL (its own clock: the lease's timestamp is never compared).
     with fs.open_output_stream(lease) as f:
         f.write(
             json.dumps(
