@@ -670,3 +670,32 @@ def test_an_s3_search_resumes_from_its_own_records_and_never_runs_what_storage_h
     assert {k: v for k, v in best_again.items() if k != "wall_time_s"} == {
         k: v for k, v in best.items() if k != "wall_time_s"
     }
+
+
+def test_a_lost_experiment_claim_stops_every_trial():
+    """The Tune stopper ends the whole search once the experiment's hold is lost (another
+    command's token in its lease), as it does after Ctrl-C; before that it lets trials run."""
+    from raytrain_mnist.driver import searching
+    from raytrain_mnist.driver.events import log_event
+    from raytrain_mnist.driver.runs import Claim
+
+    claim = Claim()
+    session = searching._Session(
+        sink=log_event,
+        plan={},
+        searched=[],
+        train=TrainConfig(),
+        metric="val_accuracy",
+        runs_root="unused",
+        ended={},
+        claim=claim,
+    )
+    token = searching._SESSION.set(session)
+    try:
+        stopper = searching._search_stop()
+        assert not stopper.stop_all()
+        claim.handled = True
+        claim.lose("the lease on search 'x' was taken by another command")
+        assert stopper.stop_all()
+    finally:
+        searching._SESSION.reset(token)

@@ -72,7 +72,7 @@ from raytrain_mnist.driver.events import (
     log_event,
 )
 from raytrain_mnist.driver.fitting import default_invocation
-from raytrain_mnist.driver.runs import BEST_FILE, RUNS_DIR, SEARCH_FILE, Run, data_identity
+from raytrain_mnist.driver.runs import BEST_FILE, RUNS_DIR, SEARCH_FILE, Claim, Run, data_identity
 from raytrain_mnist.driver.search_space import (
     SearchSpace,
     TuneSettings,
@@ -205,6 +205,7 @@ def search(
     fit_words = list(default_invocation() if fit_invocation is None else fit_invocation)
     plan = draw_trials(space, settings, identity)
     with experiment.claim(run.fresh, "search"):  # one search per directory at a time
+        experiment.held.handled = True  # a lost claim stops the search, with one line
         resuming = _check_experiment(experiment, identity, plan, settings.resume)
         experiment.write_json(SEARCH_FILE, identity)
         experiment.write_json(PLAN_FILE, _plan_record(plan))
@@ -217,10 +218,17 @@ def search(
             metric=settings.metric,
             runs_root=f"{experiment.dir}/{RUNS_DIR}",
             ended=ended,
+            claim=experiment.held,
         )
         _tune(space, settings, train, run, experiment, data, resuming, session)
         trials = collect_trials(plan, session, settings.resolved_mode)
         result = _result(space, settings, train, run, experiment, trials, fit_words, started)
+        if experiment.held.lost.is_set():
+            # Another command may hold the experiment now: nothing more is written into it.
+            sink(
+                Note(f"{experiment.held.reason}: the search stopped; its trials' checkpoints stay")
+            )
+            return result
         # Still claimed: a second command never reads a half-written result.
         experiment.write_bytes(RESULTS_FILE, results_csv(trials, space.searched, settings.metric))
         from raytrain_mnist.driver.tune_plots import trials_png
@@ -502,6 +510,7 @@ class _Session:
     stopped: set[str] = field(default_factory=set)  # stopped early by the scheduler
     errors: dict[str, str] = field(default_factory=dict)  # name -> the error's line
     stop: threading.Event = field(default_factory=threading.Event)  # Ctrl-C: stop the trials
+    claim: Claim | None = None  # the experiment's hold: when it is lost, the trials stop too
 
     def train_of(self, name: str) -> dict:
         return _trial_config(self.train, self.plan[name]).to_dict()
@@ -600,7 +609,9 @@ def _search_stop():
             return False
 
         def stop_all(self):
-            return _session().stop.is_set()
+            session = _session()
+            lost = session.claim is not None and session.claim.lost.is_set()
+            return session.stop.is_set() or lost
 
     return SearchStop()
 
