@@ -68,7 +68,8 @@ PACKAGE_SUFFIXES = (".py", ".html")
 #: `rsync_exclude`): secrets (environment files, keys, cloud credentials), and bulk the cluster
 #: has its own of. A deny-list misses what it does not name; ``submit`` itself uploads an
 #: allow-list. One list, gitignore patterns that mean the same to rsync; tests/test_submit.py
-#: holds the three equal.
+#: holds the three equal. The checkout's data/, runs/, ... are anchored ("/runs/"): a bare
+#: "runs/" also left out the package's own raytrain_mnist/driver/runs/.
 EXCLUDES = [
     ".env",
     ".env.*",
@@ -76,10 +77,10 @@ EXCLUDES = [
     "*.key",
     ".aws/",
     ".ray/",
-    "data/",
-    "runs/",
-    "checkpoints/",
-    "mlruns/",
+    "/data/",
+    "/runs/",
+    "/checkpoints/",
+    "/mlruns/",
     "*.pt",
     "evaluation_*/",
     ".git/",
