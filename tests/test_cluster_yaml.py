@@ -1,4 +1,6 @@
-"""cluster.yaml is valid for `ray up` and keeps its promises; offline, no cloud calls."""
+"""cluster.yaml and cluster-onprem.yaml are valid for `ray up` and keep their promises; offline,
+no cloud calls. The two share their file mounts, setup and start commands word for word
+(tests/test_ray_up.py runs the on-prem one for real)."""
 
 from __future__ import annotations
 
@@ -11,6 +13,21 @@ import yaml
 from .conftest import REPO
 
 CLUSTER_YAML = REPO / "cluster.yaml"
+ONPREM_YAML = REPO / "cluster-onprem.yaml"
+#: What both cluster files do alike on every node: what is synced (and left out), how each
+#: node is set up, how Ray starts. Only the provider, the node types, auth, sizes and the
+#: per-kind setup (the storage path, boto3 for the AWS autoscaler) differ.
+SHARED_KEYS = (
+    "file_mounts",
+    "cluster_synced_files",
+    "file_mounts_sync_continuously",
+    "rsync_exclude",
+    "rsync_filter",
+    "initialization_commands",
+    "setup_commands",
+    "head_start_ray_commands",
+    "worker_start_ray_commands",
+)
 
 
 @pytest.fixture(scope="module")
@@ -109,39 +126,94 @@ def test_job_drivers_have_a_node_type_with_the_workers_profile(config):
     assert config["max_workers"] >= workers
 
 
+def _pins(config: dict) -> dict[str, str]:
+    """The exact versions the setup commands install: {distribution: version}."""
+    return dict(re.findall(r'"([\w.-]+)==([\w.]+)"', _commands(config, "setup_commands")))
+
+
 def test_checkpoints_go_to_shared_storage_and_the_package_is_installed(config):
     setup = _commands(config, "setup_commands")
-    assert re.search(r"RAYTRAIN_MNIST_STORAGE_PATH=s3://\S+", setup)
-    assert "~/raytrain_mnist" in config["file_mounts"]
-    assert re.search(r"pip install .*-e ~/raytrain_mnist", setup)
-    # Every dependency of the package is pinned to an exact version.
-    for requirement in (
-        "ray[default,train,tune]",
-        "torch",
-        "torchvision",
-        "numpy",
-        "filelock",
-        "matplotlib",
-        "mlxtend",
-    ):
-        assert re.search(rf'"{re.escape(requirement)}==[\d.]+"', setup), requirement
-    for excluded in ("data/", "runs/", "checkpoints/", ".git/", ".venv/"):
+    for kind in ("head_setup_commands", "worker_setup_commands"):
+        assert re.search(r"RAYTRAIN_MNIST_STORAGE_PATH=s3://\S+", _commands(config, kind)), kind
+    assert "~/raytrain-mnist" in config["file_mounts"]
+    # The package with its dependencies: pyproject.toml is the one list (serve, rich,
+    # tensorboard come with it), nothing installed apart with --no-deps.
+    assert re.search(r"pip install (--quiet )?-e ~/raytrain-mnist ", setup)
+    assert "--no-deps" not in setup and "ray[" not in setup
+    # The dependencies that decide what runs are pinned to an exact version.
+    assert {"ray", "torch", "torchvision", "numpy", "pyarrow"} <= set(_pins(config))
+    # Anchored: the package's own driver/runs/ is synced, the checkout's runs/ is not.
+    for excluded in ("/data/", "/runs/", "/checkpoints/", ".git/", ".venv/"):
         assert excluded in config["rsync_exclude"]
 
 
 def test_pins_match_the_tested_versions(config):
-    """The cluster runs what this checkout is tested with (ray's client and server must match)."""
-    import ray
-    import torch
+    """The cluster runs what this checkout is tested with (ray's client and server must
+    match), and what tests/test_ray_up.py finds installed: it runs the same pip offline."""
+    from importlib.metadata import version
 
-    setup = _commands(config, "setup_commands")
-    assert f'"ray[default,train,tune]=={ray.__version__}"' in setup
-    assert f'"torch=={torch.__version__.split("+")[0]}"' in setup
+    for name, pinned in _pins(config).items():
+        assert version(name).split("+")[0] == pinned, name
 
 
-def test_every_key_is_commented():
+def test_the_package_requires_serve_and_the_extras_the_commands_import():
+    import tomllib
+
+    requires = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["dependencies"]
+    ray_requirement = next(r for r in requires if r.startswith("ray["))
+    assert {"default", "serve", "train", "tune"} <= set(re.findall(r"\w+", ray_requirement[4:]))
+    assert any(r.startswith("rich") for r in requires)
+    assert any(r.startswith("tensorboard") for r in requires)
+
+
+@pytest.fixture(scope="module")
+def onprem() -> dict:
+    """cluster-onprem.yaml as `ray up` would use it (the local provider's own preparation)."""
+    from ray.autoscaler._private.util import prepare_config, validate_config
+
+    prepared = prepare_config(yaml.safe_load(ONPREM_YAML.read_text()))
+    validate_config(prepared)
+    return prepared
+
+
+def test_onprem_runs_exactly_the_commands_of_cluster_yaml(raw):
+    onprem = yaml.safe_load(ONPREM_YAML.read_text())
+    for key in SHARED_KEYS:
+        assert onprem[key] == raw[key], key
+
+
+def test_the_autoscaler_is_v1_and_worker_hosts_leave_nothing_running(raw):
+    """`ray up` puts RAY_enable_autoscaler_v2=1 before the head's start commands; v2 cannot
+    start the local provider's hosts (ray-project/ray#57153), so the command turns it off
+    after it. A worker's log monitor outlives its raylet: workers start without one."""
+    (head_start,) = [c for c in raw["head_start_ray_commands"] if "ray start" in c]
+    assert re.search(r"RAY_enable_autoscaler_v2=0\b.*ray start --head", head_start)
+    (worker_start,) = [c for c in raw["worker_start_ray_commands"] if "ray start" in c]
+    assert "--include-log-monitor=false" in worker_start
+
+
+def test_onprem_is_the_seed_tutorials_two_machines_joining_on_demand(onprem):
+    provider = onprem["provider"]
+    assert provider["type"] == "local"
+    assert provider["head_ip"] == "192.168.1.201" and provider["worker_ips"] == ["192.168.1.202"]
+    assert set(onprem["auth"]) == {"ssh_user", "ssh_private_key"}
+    # One node type (the local provider's); the worker hosts start with no Ray, join when a
+    # run asks and all may join.
+    (node_type,) = onprem["available_node_types"].values()
+    assert node_type["min_workers"] == 0
+    assert node_type["max_workers"] == onprem["max_workers"] == len(provider["worker_ips"])
+    # The head trains too: the local provider declares no resources (Ray detects them), so
+    # nothing keeps the first rank off node 0, and the autoscaler sizes worker hosts by it.
+    assert node_type["resources"] == {}
+    for kind in ("head_setup_commands", "worker_setup_commands"):
+        assert "RAYTRAIN_MNIST_STORAGE_PATH=/" in _commands(onprem, kind), kind
+    assert "0.0.0.0" not in yaml.safe_dump(onprem)
+
+
+@pytest.mark.parametrize("path", [CLUSTER_YAML, ONPREM_YAML], ids=lambda p: p.name)
+def test_every_key_is_commented(path):
     """Ray's example-minimal.yaml style: a comment above (or beside) every key."""
-    lines = CLUSTER_YAML.read_text().splitlines()
+    lines = path.read_text().splitlines()
     uncommented = []
     for i, line in enumerate(lines):
         key = re.match(r"^\s*(- )?([\w.\"~/-]+)\s*:(\s|$)", line)
@@ -168,9 +240,9 @@ def _runs_location(config: dict) -> tuple[str, str]:
     """The bucket and prefix the nodes store runs in (RAYTRAIN_MNIST_STORAGE_PATH)."""
     found = re.search(
         r"RAYTRAIN_MNIST_STORAGE_PATH=s3://([^/\s']+)/([^\s']+)",
-        _commands(config, "setup_commands"),
+        _commands(config, "head_setup_commands"),
     )
-    assert found, "no s3:// storage path in setup_commands"
+    assert found, "no s3:// storage path in head_setup_commands"
     return found[1], found[2].rstrip("/")
 
 
