@@ -5,6 +5,8 @@ from __future__ import annotations
 import io
 from collections.abc import Sequence
 
+from raytrain_mnist.driver.plots import PLAIN
+
 
 def trials_png(trials: Sequence[dict], title: str, metric: str = "val_accuracy") -> bytes:
     """``metric`` per epoch, one line per trial, as PNG bytes.
@@ -36,8 +38,8 @@ def trials_png(trials: Sequence[dict], title: str, metric: str = "val_accuracy")
         )
     epochs = sorted({h["epoch"] for t in trials for h in t["history"]})
     ax.set_xticks(epochs or [1])
+    ax.set_title(title, **PLAIN)  # an experiment's name is drawn as written, never as mathtext
     ax.set(
-        title=title,
         xlabel="epoch",
         ylabel=metric.replace("_", " ") + (" (%)" if scale == 100 else ""),
     )
