@@ -23,6 +23,7 @@ import os
 import sys
 from typing import Any, TextIO
 
+from raytrain_mnist._cli import terminated
 from raytrain_mnist.driver.events import (
     EpochCommitted,
     Event,
@@ -97,7 +98,10 @@ class Renderer:
         elif isinstance(event, Stopping):
             # After the terminal's "^C". The bar (on stdout) is left as it is: the run's
             # last lines and its summary follow.
-            print(f"\n{event.text}", file=self.err, flush=True)
+            text = event.text
+            if terminated() and text.startswith("Ctrl-C:"):  # the same stop, by SIGTERM
+                text = "SIGTERM:" + text.removeprefix("Ctrl-C:")
+            print(f"\n{text}", file=self.err, flush=True)
         else:  # a Note, or any other event: its line
             self.line(event.text)
 

@@ -101,6 +101,7 @@ def test_sigterm_stops_fit_as_ctrl_c_does_and_exits_143(tiny_mnist, tmp_path, ra
     assert err[-1] == "raytrain-mnist: terminated", err[-30:]
     assert err[-2].startswith("interrupted after ") and " epoch(s); resume with: " in err[-2]
     assert "--name terminated" in err[-2] and "Traceback" not in out + "\n".join(err)
+    assert "SIGTERM: stopping the workers; the last committed checkpoint is kept" in err
     summary = json.loads((storage / "terminated" / "summary.json").read_text())
     assert summary["status"] == "interrupted" and 1 <= summary["epochs_completed"] < 30
     assert summary["latest_checkpoint"]
