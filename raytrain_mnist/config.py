@@ -41,7 +41,6 @@ _opt = option
 AMP_CHOICES = ("off", "bf16", "fp16")
 SYNC_BN_CHOICES = ("auto", "on", "off")
 SCHEDULE_CHOICES = ("onecycle", "constant")
-OPTIMIZER_CHOICES = ("sgd", "adamw")
 BACKEND_CHOICES = ("auto", "nccl", "gloo")
 INIT_METHOD_CHOICES = ("env", "tcp")
 DATASET_CHOICES = ("auto", "mnist", "sample")
@@ -64,13 +63,6 @@ class TrainConfig:
     """Hyperparameters of one training run; identical on every worker."""
 
     epochs: int = _opt(2, "number of passes over the training set")
-    optimizer: str = _opt("sgd", "optimizer", OPTIMIZER_CHOICES)
-    beta2: float = _opt(0.999, "AdamW beta2")
-    warmup_pct: float = _opt(0.25, "one-cycle warm-up share")
-    cycle_momentum: int = _opt(1, "cycle momentum")
-    div_factor: float = _opt(25.0, "div")
-    final_div_factor: float = _opt(1e4, "final div")
-    label_smoothing: float = _opt(0.0, "label smoothing")
     batch_size: int = _opt(128, "global batch size, split evenly across the workers")
     lr: float = _opt(0.1, "peak learning rate of SGD (the one-cycle schedule warms up to it)")
     momentum: float = _opt(0.9, "SGD momentum (Nesterov)")
