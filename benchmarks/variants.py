@@ -52,7 +52,7 @@ def _product_loop(args, rank: int = 0, world: int = 1, sampler=None) -> None:
         to_device,
         train_one_epoch,
     )
-    from raytrain_mnist.worker.optim import build_optimizer
+    from raytrain_mnist.worker.optim import StepRecipe, build_optimizer
     from raytrain_mnist.worker.score import evaluate
 
     keep_freed_memory()  # part of the product's training path, as in every fit worker
@@ -60,7 +60,8 @@ def _product_loop(args, rank: int = 0, world: int = 1, sampler=None) -> None:
     device = torch.device(args.device)
     if device.type == "cuda":
         torch.backends.cudnn.benchmark = True  # as fit's workers do
-    cfg = TrainConfig(epochs=args.epochs, batch_size=args.batch_size)
+    # fit's default recipe (optimizer, schedule, label smoothing, shifts) at these sizes.
+    cfg = TrainConfig(epochs=args.epochs, batch_size=args.batch_size, seed=args.seed)
     data = to_device(load_mnist(args.data_dir, args.dataset), device)
     torch.manual_seed(cfg.seed)
     model = ConvNet().to(device)
@@ -87,7 +88,14 @@ def _product_loop(args, rank: int = 0, world: int = 1, sampler=None) -> None:
         set_epoch(loader, epoch, cfg.seed)
         started = time.perf_counter()
         train = train_one_epoch(
-            model, loader, optimizer, scheduler, scaler, contextlib.nullcontext(), device
+            model,
+            loader,
+            optimizer,
+            scheduler,
+            scaler,
+            contextlib.nullcontext(),
+            device,
+            recipe=StepRecipe.of(cfg),
         )
         seconds = time.perf_counter() - started
         if first_step is None:
@@ -221,12 +229,15 @@ def ray_example(args) -> None:
 
 
 def main() -> None:
+    from raytrain_mnist.config import DEFAULT_EPOCHS
+
     parser = argparse.ArgumentParser()
     parser.add_argument("variant", choices=["plain", "torchrun", "ray_example"])
     parser.add_argument("--data-dir", required=True)
-    parser.add_argument("--epochs", type=int, default=2)
+    parser.add_argument("--epochs", type=int, default=DEFAULT_EPOCHS)
     parser.add_argument("--batch-size", type=int, default=128)
     parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--seed", type=int, default=0, help="plain and torchrun only")
     parser.add_argument("--workers", type=int, default=1)
     parser.add_argument("--storage", default="/tmp/raytrain_mnist_bench")
     parser.add_argument("--device", default="cpu", help="cpu, or cuda: data resident on the GPU")

@@ -41,6 +41,7 @@ _opt = option
 AMP_CHOICES = ("off", "bf16", "fp16")
 SYNC_BN_CHOICES = ("auto", "on", "off")
 SCHEDULE_CHOICES = ("onecycle", "constant")
+OPTIMIZER_CHOICES = ("sgd", "adamw")
 BACKEND_CHOICES = ("auto", "nccl", "gloo")
 INIT_METHOD_CHOICES = ("env", "tcp")
 DATASET_CHOICES = ("auto", "mnist", "sample")
@@ -48,8 +49,8 @@ PLACEMENT_CHOICES = ("PACK", "SPREAD", "STRICT_SPREAD")
 PROGRESS_CHOICES = ("auto", "bar", "lines", "off")
 #: The largest seed ``torch.manual_seed`` and ``torch.Generator.manual_seed`` accept.
 SEED_MAX = 2**64 - 1
-#: Where optim.build_optimizer's one-cycle schedule stops warming up (a share of all steps).
-ONECYCLE_PCT_START = 0.25
+#: The largest ``--max-shift``: a shift of half an image moves most of a digit out of it.
+MAX_SHIFT = 13
 #: Longest run name: a file name, with room for the ``.previous-N`` of ``--fresh``.
 NAME_MAX = 200
 #: The training set TrainConfig's defaults are sized for: full MNIST.
@@ -62,15 +63,32 @@ CHECKPOINT_METRIC = "val_accuracy"
 class TrainConfig:
     """Hyperparameters of one training run; identical on every worker."""
 
-    epochs: int = _opt(2, "number of passes over the training set")
+    epochs: int = _opt(1, "number of passes over the training set")
     batch_size: int = _opt(128, "global batch size, split evenly across the workers")
-    lr: float = _opt(0.1, "peak learning rate of SGD (the one-cycle schedule warms up to it)")
-    momentum: float = _opt(0.9, "SGD momentum (Nesterov)")
-    weight_decay: float = _opt(5e-4, "L2 weight decay")
+    optimizer: str = _opt(
+        "adamw", "AdamW (decoupled weight decay) or SGD (Nesterov momentum)", OPTIMIZER_CHOICES
+    )
+    lr: float = _opt(0.02, "peak learning rate (the one-cycle schedule warms up to it)")
+    momentum: float = _opt(
+        0.7,
+        "AdamW's beta1, or SGD's momentum (one-cycle SGD cycles it from 0.95 to 0.85 and "
+        "back instead, as PyTorch's OneCycleLR does)",
+    )
+    beta2: float = _opt(0.9, "AdamW's beta2 (the average of squared gradients); SGD ignores it")
+    weight_decay: float = _opt(0.05, "weight decay: decoupled with AdamW, L2 with SGD")
     schedule: str = _opt(
         "onecycle",
         "learning-rate schedule: one-cycle warm-up and anneal, or constant",
         SCHEDULE_CHOICES,
+    )
+    warmup_pct: float = _opt(0.25, "share of all steps the one-cycle schedule warms up over")
+    label_smoothing: float = _opt(
+        0.1, "label smoothing of the training loss (0: plain cross-entropy)"
+    )
+    max_shift: int = _opt(
+        1,
+        "shift each training image by a random -N..N pixels along each axis, on its "
+        "device (0: no augmentation)",
     )
     amp: str = _opt(
         "off", "mixed precision: bf16 runs on CPU and GPU, fp16 needs a GPU", AMP_CHOICES
@@ -90,6 +108,17 @@ class TrainConfig:
         if self.momentum >= 1:
             raise ConfigError(f"--momentum must be in [0, 1), got {self.momentum}")
         _check_float("weight-decay", self.weight_decay)
+        _check_choice("optimizer", self.optimizer, OPTIMIZER_CHOICES)
+        _check_float("beta2", self.beta2)
+        if self.beta2 >= 1:
+            raise ConfigError(f"--beta2 must be in [0, 1), got {self.beta2}")
+        _check_float("warmup-pct", self.warmup_pct, positive=True)
+        if self.warmup_pct >= 1:
+            raise ConfigError(f"--warmup-pct must be in (0, 1), got {self.warmup_pct}")
+        _check_float("label-smoothing", self.label_smoothing)
+        if self.label_smoothing >= 1:
+            raise ConfigError(f"--label-smoothing must be in [0, 1), got {self.label_smoothing}")
+        _check_int("max-shift", self.max_shift, 0, MAX_SHIFT)
         _check_int("seed", self.seed, 0)
         # The order of epoch e is seeded with seed + e, and torch takes 64-bit seeds.
         if self.seed + self.epochs - 1 > SEED_MAX:
@@ -593,12 +622,12 @@ def check_data_fits(train: TrainConfig, run: RunSettings, train_size: int) -> No
                 f"{largest} or less"
             )
         total = train.epochs * steps
-        # OneCycleLR divides by its warm-up length in steps, ONECYCLE_PCT_START * total - 1.
-        if train.schedule == "onecycle" and ONECYCLE_PCT_START * total - 1 == 0:
+        # OneCycleLR divides by its warm-up length in steps, warmup_pct * total - 1.
+        if train.schedule == "onecycle" and train.warmup_pct * total - 1 == 0:
             raise ConfigError(
                 f"--epochs {train.epochs} x {steps} step(s) per epoch is {total} steps, a "
                 "one-cycle warm-up of no step (PyTorch's OneCycleLR fails on it); change "
-                "--epochs or --batch-size, or use --schedule constant"
+                "--epochs, --batch-size or --warmup-pct, or use --schedule constant"
             )
     # A resize restores the schedule from the checkpoint, its length included: every size
     # must take the same steps per epoch (padded shares can add one at large sizes).

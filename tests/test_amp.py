@@ -27,7 +27,7 @@ def _fp16_setup(seed: int = 0):
     torch.manual_seed(seed)
     model = build_model(sync_bn=False)
     optimizer, scheduler = build_optimizer(
-        model, TrainConfig(amp="off", schedule="constant", lr=0.01), 100
+        model, TrainConfig(optimizer="sgd", amp="off", schedule="constant", lr=0.01), 100
     )
     scaler = grad_scaler("fp16", CPU)
     # The default first scale (2**16) overflows on the first steps and calibrates itself

@@ -232,7 +232,7 @@ def _run_dir_with_checkpoint(tmp_path, payload: bytes | None = None, state: dict
         }
     }
     (run_dir / "checkpoint_manager_snapshot.json").write_text(json.dumps(snapshot))
-    cfg = FitConfig(TrainConfig(), RunSettings(dataset="sample", name="r"))
+    cfg = FitConfig(TrainConfig(epochs=2), RunSettings(dataset="sample", name="r"))
     (run_dir / RUN_FILE).write_text(json.dumps(fit_identity(cfg, load_sample())))
     return storage
 
@@ -313,7 +313,7 @@ def test_resuming_with_other_settings_is_refused(tmp_path):
         "--lr",
         "0.01",
     )
-    _assert_one_line_error(result, 2, "was started with other settings (lr: 0.1 then, 0.01 now)")
+    _assert_one_line_error(result, 2, "was started with other settings (lr: 0.02 then, 0.01 now)")
     assert _tree(storage) == before
 
 

@@ -24,7 +24,9 @@ from raytrain_mnist.worker.score import evaluate, shard
 
 WORLD, GLOBAL_BATCH, SEED = 3, 24, 7
 TEST_SIZE = 203  # not a multiple of 3: a DistributedSampler would pad the last shard
-CFG = TrainConfig(lr=0.05, momentum=0.9, weight_decay=1e-3, schedule="constant", seed=SEED)
+CFG = TrainConfig(
+    optimizer="sgd", lr=0.05, momentum=0.9, weight_decay=1e-3, schedule="constant", seed=SEED
+)
 
 
 def _on_each_worker(config):

@@ -255,7 +255,10 @@ def _check_training_state(
     state: dict[str, Any], cfg: TrainConfig, model: ConvNet, path: str | os.PathLike
 ) -> None:
     """Load optimizer, schedule and scaler state as the worker does, then take one step."""
-    optimizer, scheduler = build_optimizer(model, cfg, 1)
+    # Any length will do (the loaded state brings the run's), except one whose one-cycle
+    # warm-up is zero steps long, which OneCycleLR divides by (epochs 4 at 25 %, say).
+    steps = 2 if cfg.warmup_pct * cfg.epochs == 1 else 1
+    optimizer, scheduler = build_optimizer(model, cfg, steps)
     for part, target in (("optimizer", optimizer), ("scheduler", scheduler)):
         try:
             if not isinstance(state[part], dict):

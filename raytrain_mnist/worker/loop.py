@@ -37,7 +37,13 @@ from raytrain_mnist.data import MnistData
 from raytrain_mnist.model import ConvNet, normalize
 from raytrain_mnist.worker import checkpoint as ckpt
 from raytrain_mnist.worker.feed import ProgressFeed
-from raytrain_mnist.worker.optim import amp_context, build_optimizer, grad_scaler
+from raytrain_mnist.worker.optim import (
+    StepRecipe,
+    amp_context,
+    build_optimizer,
+    grad_scaler,
+    shift_images,
+)
 from raytrain_mnist.worker.score import all_reduce_sum, evaluate
 
 logger = logging.getLogger(__name__)
@@ -127,22 +133,27 @@ def train_step(
     scheduler,
     scaler: torch.amp.GradScaler,
     autocast,
+    recipe: StepRecipe = StepRecipe(),
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """One optimizer step on one batch of uint8 ``images``; returns the (detached) loss and
-    logits, in the precision autocast gave them.
+    """One optimizer step on one batch of uint8 ``images``, shifted and the loss smoothed as
+    ``recipe`` says; returns the (detached) loss and logits, in the precision autocast gave
+    them. With label smoothing the step minimises the smoothed cross-entropy and returns the
+    plain one, comparable to ``val_loss``.
 
     With fp16 the scaler multiplies the loss before backward; when any gradient comes out
     inf or NaN, ``scaler.step`` skips the optimizer step and ``scaler.update`` lowers the
     scale, so an overflow costs one batch instead of poisoning the weights.
     """
     with autocast:
-        logits = model(normalize(images))
-        loss = F.cross_entropy(logits, labels)
+        logits = model(normalize(shift_images(images, recipe.max_shift)))
+        loss = F.cross_entropy(logits, labels, label_smoothing=recipe.label_smoothing)
     optimizer.zero_grad(set_to_none=True)
     scaler.scale(loss).backward()  # DDP all-reduces gradients during backward
     scaler.step(optimizer)
     scaler.update()
     scheduler.step()
+    if recipe.label_smoothing:
+        loss = F.cross_entropy(logits.detach().float(), labels)
     return loss.detach(), logits.detach()
 
 
@@ -155,6 +166,7 @@ def train_one_epoch(
     autocast,
     device: torch.device,
     on_step=None,
+    recipe: StepRecipe = StepRecipe(),
 ) -> dict[str, float]:
     """One pass over ``loader``; returns loss and accuracy over every rank's samples, the
     steps taken, the CPU seconds (user + system) all ranks' processes spent on them, and
@@ -166,7 +178,9 @@ def train_one_epoch(
     sums = torch.zeros(3, dtype=torch.float64, device=device)  # loss, correct, count
     steps, first_step_at = 0, None
     for images, labels in loader:
-        loss, logits = train_step(model, images, labels, optimizer, scheduler, scaler, autocast)
+        loss, logits = train_step(
+            model, images, labels, optimizer, scheduler, scaler, autocast, recipe
+        )
         n = labels.numel()
         sums[0] += loss.double() * n
         sums[1] += (logits.argmax(1) == labels).sum()
@@ -266,6 +280,7 @@ class Training:
     autocast: contextlib.AbstractContextManager
     device: torch.device
     sync_bn: bool
+    recipe: StepRecipe = StepRecipe()  # the images' shifts, the loss's label smoothing
 
     def train_one_epoch(self, on_step=None) -> dict[str, float]:
         """:func:`train_one_epoch` over this rank's loader."""
@@ -278,6 +293,7 @@ class Training:
             self.autocast,
             self.device,
             on_step,
+            self.recipe,
         )
 
     def evaluate(
@@ -341,6 +357,7 @@ def prepare_training(
         autocast=amp_context(cfg.amp, device),
         device=device,
         sync_bn=sync_bn,
+        recipe=StepRecipe.of(cfg),
     )
 
 

@@ -1,0 +1,292 @@
+"""Training recipes, one epoch at a time: test accuracy per named recipe and seed.
+
+    python -m benchmarks.recipes --data-dir ../shared/data/mnist --recipes default,seed-2ep \\
+        --seeds 0-4 --out benchmarks/results/recipes.json
+
+A recipe is a set of :class:`~raytrain_mnist.config.TrainConfig` values (optimizer, learning
+rate and schedule, batch size, label smoothing, ...). Each run is the plain loop of
+``benchmarks/variants.py``: one process, no Ray, the package's own loader, optimizer and
+schedule (``worker.optim.build_optimizer``), train step and evaluation, so a recipe's figure
+is what ``fit`` gets with the same flags (the global batch is the batch of one process, so 1
+and 2 workers run the same recipe). The data is loaded once for every run.
+
+Per run: the test accuracy after each epoch, the training seconds (evaluations excluded),
+and, with ``--eval-at``, the accuracy at those shares of the first epoch as well (the model in
+eval mode; training is not changed by it), so that *seconds to 99 %* is the training time up
+to the first evaluation at >= 99.0 %. Accuracy is deterministic for a recipe, seed and thread
+count; seconds depend on the machine and its load.
+
+``--set NAME=VALUE`` changes a recipe for one invocation (its name then carries the change):
+how a search screens a variant before it becomes a named recipe. The JSON accumulates: a run
+replaces the earlier one of the same recipe, settings, seed and epochs, and the summary (mean,
+min, max over seeds per recipe) is recomputed over everything the file holds.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import platform
+import statistics
+import time
+from pathlib import Path
+
+#: The seed project's recipe (the defaults before the one-epoch recipe), here for one epoch:
+#: SGD with Nesterov momentum, one-cycle to 0.1 over 25 % of the steps, global batch 128.
+SEED_2EP = {
+    "batch_size": 128,
+    "optimizer": "sgd",
+    "lr": 0.1,
+    "momentum": 0.9,
+    "beta2": 0.9,  # AdamW only
+    "weight_decay": 5e-4,
+    "schedule": "onecycle",
+    "warmup_pct": 0.25,
+    "label_smoothing": 0.0,
+    "max_shift": 0,
+}
+
+#: AdamW as tuomaso/train_mnist_fast runs it (betas 0.7 / 0.9, one-cycle without cycling
+#: beta1, peak 0.01), on this ConvNet and batch.
+ADAMW_TUOMASO = {**SEED_2EP, "optimizer": "adamw", "lr": 0.01, "momentum": 0.7, "beta2": 0.9}
+
+#: Named recipes, spelled in full (not as changes to TrainConfig's defaults, which follow the
+#: winner), so that each name keeps its meaning. ``default`` is TrainConfig's own.
+RECIPES: dict[str, dict] = {
+    "seed-2ep": SEED_2EP,
+    "sgd-b64-ls": {**SEED_2EP, "batch_size": 64, "lr": 0.15, "label_smoothing": 0.1},
+    "adamw-tuomaso": ADAMW_TUOMASO,
+    "adamw-ls": {**ADAMW_TUOMASO, "lr": 0.02, "label_smoothing": 0.1},
+    "adamw-ls-wd": {**ADAMW_TUOMASO, "lr": 0.02, "label_smoothing": 0.1, "weight_decay": 0.05},
+    "fast-1ep": {
+        **ADAMW_TUOMASO,
+        "lr": 0.02,
+        "label_smoothing": 0.1,
+        "weight_decay": 0.05,
+        "max_shift": 1,
+    },
+}
+
+
+def recipe(name: str) -> dict:
+    """The TrainConfig values of recipe ``name`` (``default``: TrainConfig's own)."""
+    from raytrain_mnist.config import TrainConfig
+
+    if name == "default":
+        values = TrainConfig().to_dict()
+        return {k: v for k, v in values.items() if k not in ("epochs", "seed", "amp", "sync_bn")}
+    if name not in RECIPES:
+        raise SystemExit(f"no recipe {name!r}; known: default, {', '.join(RECIPES)}")
+    return dict(RECIPES[name])
+
+
+def parse_set(items: list[str]) -> dict:
+    """``--set lr=0.2`` items as TrainConfig values, typed by the field."""
+    import typing
+
+    from raytrain_mnist.config import TrainConfig
+
+    hints = typing.get_type_hints(TrainConfig)
+    values = {}
+    for item in items:
+        name, _, text = item.partition("=")
+        name = name.strip().replace("-", "_")
+        if name not in hints or not text:
+            raise SystemExit(f"--set {item!r}: write FIELD=VALUE with a TrainConfig field")
+        values[name] = hints[name](text)
+    return values
+
+
+def parse_seeds(text: str) -> list[int]:
+    """``0-4`` or ``0,3,7``."""
+    seeds: list[int] = []
+    for part in text.split(","):
+        low, sep, high = part.partition("-")
+        seeds += list(range(int(low), int(high) + 1)) if sep else [int(low)]
+    return seeds
+
+
+def run_one(data, settings: dict, seed: int, epochs: int, eval_at: list[float]) -> dict:
+    """Train ``settings`` for ``epochs`` from ``seed`` on the plain loop; return the run's
+    record (accuracy per epoch and at the ``eval_at`` shares of epoch 1, training seconds)."""
+    import contextlib
+
+    import torch
+
+    from raytrain_mnist.config import TrainConfig
+    from raytrain_mnist.model import ConvNet
+    from raytrain_mnist.worker.loop import make_train_loader, set_epoch, train_one_epoch
+    from raytrain_mnist.worker.optim import StepRecipe, build_optimizer
+    from raytrain_mnist.worker.score import evaluate
+
+    cfg = TrainConfig(**settings, epochs=epochs, seed=seed)
+    device = torch.device("cpu")
+    torch.manual_seed(cfg.seed)  # as fit's workers do
+    model = ConvNet()
+    loader = make_train_loader(data.train_images, data.train_labels, cfg.batch_size, cfg.seed)
+    steps = len(loader)
+    optimizer, scheduler = build_optimizer(model, cfg, steps)
+    scaler = torch.amp.GradScaler("cpu", enabled=False)
+    marks = {max(1, round(share * steps)): share for share in eval_at if 0 < share < 1}
+    evals: list[dict] = []
+    eval_s = [0.0]
+    clock = {"started": 0.0}
+
+    def score(epoch: int, step: int, share: float) -> None:
+        started = time.perf_counter()
+        val = evaluate(model, data.test_images, data.test_labels, device)
+        now = time.perf_counter()
+        evals.append(
+            {
+                "epoch": epoch,
+                "step": step,
+                "share": share,
+                "val_accuracy": val["val_accuracy"],
+                "val_loss": val["val_loss"],
+                "train_s": clock["trained"] + (started - clock["started"]) - eval_s[0],
+            }
+        )
+        eval_s[0] += now - started
+
+    def on_step(step: int, _sums) -> None:
+        if clock["epoch"] == 1 and step in marks:
+            score(1, step, marks[step])
+            model.train()
+
+    clock["trained"] = 0.0
+    for epoch in range(cfg.epochs):
+        set_epoch(loader, epoch, cfg.seed)
+        clock.update(epoch=epoch + 1, started=time.perf_counter())
+        eval_s[0] = 0.0
+        train = train_one_epoch(
+            model,
+            loader,
+            optimizer,
+            scheduler,
+            scaler,
+            contextlib.nullcontext(),
+            device,
+            on_step=on_step,
+            recipe=StepRecipe.of(cfg),
+        )
+        score(epoch + 1, steps, 1.0)
+        clock["trained"] = evals[-1]["train_s"]
+        evals[-1]["train_loss"] = train["train_loss"]
+    reached = next((e for e in evals if e["val_accuracy"] >= 0.99), None)
+    return {
+        "seed": seed,
+        "epochs": epochs,
+        "val_accuracy": evals[-1]["val_accuracy"],
+        "epoch_accuracy": [e["val_accuracy"] for e in evals if e["share"] == 1.0],
+        "train_s": evals[-1]["train_s"],
+        "s_to_99": None if reached is None else reached["train_s"],
+        "epochs_to_99": None if reached is None else reached["epoch"] - 1 + reached["share"],
+        "steps_per_epoch": steps,
+        "evals": evals,
+    }
+
+
+def summarize(runs: list[dict]) -> dict:
+    """Per recipe and epochs: mean, min, max test accuracy over its seeds, and seconds."""
+    groups: dict[str, list[dict]] = {}
+    for run in runs:
+        groups.setdefault(f"{run['recipe']} / {run['epochs']} ep", []).append(run)
+    summary = {}
+    for key, group in groups.items():
+        group.sort(key=lambda r: r["seed"])
+        accuracy = [r["val_accuracy"] for r in group]
+        reached = [r["s_to_99"] for r in group if r["s_to_99"] is not None]
+        summary[key] = {
+            "recipe": group[0]["recipe"],
+            "epochs": group[0]["epochs"],
+            "settings": group[0]["settings"],
+            "seeds": [r["seed"] for r in group],
+            "mean": statistics.fmean(accuracy),
+            "min": min(accuracy),
+            "max": max(accuracy),
+            "train_s_median": statistics.median(r["train_s"] for r in group),
+            "reached_99": f"{len(reached)}/{len(group)}",
+            "s_to_99_median": statistics.median(reached) if reached else None,
+        }
+    return summary
+
+
+def _same(a: dict, b: dict) -> bool:
+    keys = ("recipe", "settings", "seed", "epochs")
+    return all(a[k] == b[k] for k in keys)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--data-dir", required=True)
+    parser.add_argument("--recipes", default="default", help="comma-separated recipe names")
+    parser.add_argument("--set", action="append", default=[], metavar="FIELD=VALUE")
+    parser.add_argument("--seeds", default="0-4", help="e.g. 0-4 or 0,3,7")
+    parser.add_argument("--epochs", type=int, default=1)
+    parser.add_argument("--threads", type=int, default=2, help="torch threads")
+    parser.add_argument(
+        "--eval-at",
+        default="0.5,0.75,0.9",
+        help="shares of the first epoch at which to evaluate too ('' for none)",
+    )
+    parser.add_argument("--out", help="JSON file the runs accumulate in")
+    args = parser.parse_args()
+
+    import torch
+
+    from raytrain_mnist.data import load_mnist
+    from raytrain_mnist.worker.loop import keep_freed_memory
+
+    keep_freed_memory()  # as in every fit worker
+    torch.set_num_threads(args.threads)
+    changes = parse_set(args.set)
+    suffix = "".join(f" {k}={v}" for k, v in changes.items())
+    plan = [(name + suffix, {**recipe(name), **changes}) for name in args.recipes.split(",")]
+    eval_at = [float(x) for x in args.eval_at.split(",") if x.strip()]
+    seeds = parse_seeds(args.seeds)
+    data = load_mnist(args.data_dir, "mnist")
+
+    out = Path(args.out) if args.out else None
+    saved = json.loads(out.read_text()) if out and out.exists() else {"runs": []}
+    for name, settings in plan:
+        for seed in seeds:
+            record = run_one(data, settings, seed, args.epochs, eval_at)
+            record = {"recipe": name, "settings": settings, **record}
+            record["threads"] = args.threads
+            record["date"] = datetime.date.today().isoformat()
+            marks = " ".join(
+                f"{e['share']:.2f}:{100 * e['val_accuracy']:.2f}"
+                for e in record["evals"]
+                if e["epoch"] == 1
+            )
+            s99 = record["s_to_99"]
+            print(
+                f"{name:40s} seed {seed}: {100 * record['val_accuracy']:.2f} %  "
+                f"train {record['train_s']:.1f} s  to 99 %: "
+                f"{'-' if s99 is None else f'{s99:.1f} s'}  [{marks}]",
+                flush=True,
+            )
+            if out:
+                saved["runs"] = [r for r in saved["runs"] if not _same(r, record)] + [record]
+                saved["summary"] = summarize(saved["runs"])
+                saved["machine"] = {
+                    "platform": platform.platform(),
+                    "cores": os.cpu_count(),
+                    "torch": torch.__version__,
+                    "note": "seconds measured on a shared, loaded machine: noisy",
+                }
+                out.parent.mkdir(parents=True, exist_ok=True)
+                out.write_text(json.dumps(saved, indent=1) + "\n")
+    for key, row in summarize(
+        [r for r in saved["runs"] if r["recipe"] in {n for n, _ in plan}] if out else []
+    ).items():
+        print(
+            f"{key:44s} mean {100 * row['mean']:.3f}  min {100 * row['min']:.2f}  "
+            f"max {100 * row['max']:.2f}  seeds {row['seeds']}  99 % reached {row['reached_99']}"
+        )
+
+
+if __name__ == "__main__":
+    main()
