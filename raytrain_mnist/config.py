@@ -57,6 +57,13 @@ NAME_MAX = 200
 FULL_TRAIN_SIZE = 60_000
 #: The metric that ranks a run's checkpoints (Ray keeps the best by it) and Tune's trials.
 CHECKPOINT_METRIC = "val_accuracy"
+#: The most one checkpoint may hold: its ``state.pt`` on disk and unpacked
+#: (worker/checkpoint.py), and a checkpoint directory downloaded from an object store
+#: (driver/runs/storage.py). Ours hold the ConvNet with its optimizer state (under 2 MB);
+#: 256 MiB leaves room for a model a hundred times larger, while a planted or runaway file
+#: or prefix can neither fill memory or the local disk nor keep a command downloading for
+#: an hour.
+MAX_CHECKPOINT_BYTES = 256 * 2**20
 
 
 @dataclass(frozen=True)

@@ -337,7 +337,7 @@ def test_the_size_and_record_bounds(tmp_path, monkeypatch):
     with pytest.raises(ckpt.CheckpointError, match=f"its archive lists {records} records"):
         ckpt.load(path)
     monkeypatch.setattr(ckpt, "MAX_RECORDS", records)
-    monkeypatch.setattr(ckpt, "MAX_STATE_BYTES", total - 1)
+    monkeypatch.setattr(ckpt, "MAX_CHECKPOINT_BYTES", total - 1)
     # The file itself is larger than what its records unpack to: the file's size first.
     with pytest.raises(ckpt.CheckpointError, match=r"bytes, more than a checkpoint holds"):
         ckpt.load(path)
@@ -361,7 +361,7 @@ def test_a_stored_archive_whose_records_unpack_past_the_bound_is_refused(tmp_pat
     planted = tmp_path / "overlapping.pt"
     planted.write_bytes(bytes(raw))
     expected = first.file_size * records
-    monkeypatch.setattr(ckpt, "MAX_STATE_BYTES", max(len(raw), expected - 1))
+    monkeypatch.setattr(ckpt, "MAX_CHECKPOINT_BYTES", max(len(raw), expected - 1))
     with pytest.raises(ckpt.CheckpointError, match=f"its records unpack to {expected} bytes"):
         ckpt.load(planted)
 
@@ -369,6 +369,8 @@ def test_a_stored_archive_whose_records_unpack_past_the_bound_is_refused(tmp_pat
 def test_a_sparse_giant_state_file_is_refused_by_its_size(tmp_path):
     path = ckpt.save(tmp_path, {"model": ConvNet().state_dict()})
     with path.open("r+b") as f:
-        f.truncate(ckpt.MAX_STATE_BYTES + 1)  # sparse: costs no disk
-    with pytest.raises(ckpt.CheckpointError, match=f"{ckpt.MAX_STATE_BYTES + 1} bytes, more than"):
+        f.truncate(ckpt.MAX_CHECKPOINT_BYTES + 1)  # sparse: costs no disk
+    with pytest.raises(
+        ckpt.CheckpointError, match=f"{ckpt.MAX_CHECKPOINT_BYTES + 1} bytes, more than"
+    ):
         ckpt.load(tmp_path)

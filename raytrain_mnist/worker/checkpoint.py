@@ -11,7 +11,8 @@ refused, never executed. That refusal is only as good as torch's: releases befor
 known bypasses, so loading needs at least that. Before torch reads anything, the archive is
 checked with :mod:`zipfile` (sizes from its central directory): the records ``torch.save``
 writes are stored uncompressed, so a compressed one (which could inflate without bound), more
-than :data:`MAX_RECORDS` records, or more than :data:`MAX_STATE_BYTES` in all is refused.
+than :data:`MAX_RECORDS` records, or more than
+:data:`~raytrain_mnist.config.MAX_CHECKPOINT_BYTES` in all is refused.
 """
 
 from __future__ import annotations
@@ -29,7 +30,7 @@ from typing import Any
 
 import torch
 
-from raytrain_mnist.config import TrainConfig
+from raytrain_mnist.config import MAX_CHECKPOINT_BYTES, TrainConfig
 from raytrain_mnist.errors import ConfigError, UserError, first_line
 from raytrain_mnist.model import ConvNet
 from raytrain_mnist.worker.optim import build_optimizer
@@ -41,9 +42,6 @@ FORMAT = "raytrain_mnist/1"
 MIN_TORCH = (2, 10)
 
 
-#: The most a ``state.pt`` may hold, on disk and unpacked. Ours hold the ConvNet with its
-#: optimizer state (under 2 MB); this leaves room for a model a hundred times larger.
-MAX_STATE_BYTES = 256 * 2**20
 #: The most records its archive may list (torch.save writes one per tensor storage, plus a
 #: few: ours hold under a hundred). Bounds the central directory zipfile reads.
 MAX_RECORDS = 10_000
@@ -93,19 +91,20 @@ def load(path: str | os.PathLike) -> dict[str, Any]:
 
 def check_archive(path: str | os.PathLike) -> None:
     """Refuse, before torch inflates a byte of it, a ``state.pt`` that is not the plain zip
-    archive ``torch.save`` writes: larger than :data:`MAX_STATE_BYTES`, a central directory of
-    more than :data:`MAX_RECORDS` records, a compressed or encrypted record, or records that
-    unpack to more than :data:`MAX_STATE_BYTES` (overlapping records included)."""
+    archive ``torch.save`` writes: larger than :data:`MAX_CHECKPOINT_BYTES`, a central
+    directory of more than :data:`MAX_RECORDS` records, a compressed or encrypted record, or
+    records that unpack to more than :data:`MAX_CHECKPOINT_BYTES` (overlapping records
+    included)."""
     path = Path(path)
     refused = f"refusing to load {path}:"
     corrupt = f"{path} is corrupt or truncated (not the zip archive torch.save writes)"
     try:
         with path.open("rb") as f:
             size = os.fstat(f.fileno()).st_size
-            if size > MAX_STATE_BYTES:
+            if size > MAX_CHECKPOINT_BYTES:
                 raise CheckpointError(
                     f"{refused} {size} bytes, more than a checkpoint holds "
-                    f"({MAX_STATE_BYTES} at most)"
+                    f"({MAX_CHECKPOINT_BYTES} at most)"
                 )
             count = _record_count(f, size)
             if count is None:
@@ -134,10 +133,10 @@ def check_archive(path: str | os.PathLike) -> None:
         if record.file_size != record.compress_size or record.header_offset > size:
             raise CheckpointError(corrupt)
         total += record.file_size
-    if total > MAX_STATE_BYTES:
+    if total > MAX_CHECKPOINT_BYTES:
         raise CheckpointError(
             f"{refused} its records unpack to {total} bytes, more than a checkpoint "
-            f"holds ({MAX_STATE_BYTES} at most)"
+            f"holds ({MAX_CHECKPOINT_BYTES} at most)"
         )
 
 

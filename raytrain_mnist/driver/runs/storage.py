@@ -16,14 +16,9 @@ import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 
-from raytrain_mnist.config import ConfigError, check_run_name
+from raytrain_mnist.config import MAX_CHECKPOINT_BYTES, ConfigError, check_run_name
 from raytrain_mnist.errors import EXIT_USAGE, UserError, first_line
 
-#: The most a checkpoint directory downloaded from an object store may hold. Ours hold one
-#: ``state.pt`` of the ConvNet (under 2 MB with its optimizer state); 256 MiB leaves room for
-#: a model a hundred times larger, while a planted or runaway prefix can neither fill the
-#: local disk nor keep a command downloading for an hour.
-MAX_CHECKPOINT_BYTES = 256 * 2**20
 #: What a URI reads as more than a path (a query, a fragment, an escape, a Windows
 #: separator): never inside a name recorded in a run's files.
 _URI_SPECIAL = frozenset("?#%\\")
