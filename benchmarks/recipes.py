@@ -33,20 +33,14 @@ import statistics
 import time
 from pathlib import Path
 
-#: The seed project's recipe (the defaults before the one-epoch recipe), here for one epoch:
-#: SGD with Nesterov momentum, one-cycle to 0.1 over 25 % of the steps, global batch 128.
-SEED_2EP = {
-    "batch_size": 128,
-    "optimizer": "sgd",
-    "lr": 0.1,
-    "momentum": 0.9,
-    "beta2": 0.9,  # AdamW only
-    "weight_decay": 5e-4,
-    "schedule": "onecycle",
-    "warmup_pct": 0.25,
-    "label_smoothing": 0.0,
-    "max_shift": 0,
-}
+from raytrain_mnist.config import RECIPES as PRODUCT_RECIPES
+
+#: fit's recipes (``--recipe``) without their epochs, which a run here sets with --epochs:
+#: ``seed-2ep`` is ``classic`` (the defaults before the one-epoch recipe: SGD with Nesterov
+#: momentum, one-cycle to 0.1 over 25 % of the steps, global batch 128), ``fast-1ep`` is
+#: ``one-epoch``, the defaults.
+SEED_2EP = {k: v for k, v in PRODUCT_RECIPES["classic"].items() if k != "epochs"}
+FAST_1EP = {k: v for k, v in PRODUCT_RECIPES["one-epoch"].items() if k != "epochs"}
 
 #: AdamW as tuomaso/train_mnist_fast runs it (betas 0.7 / 0.9, one-cycle without cycling
 #: beta1, peak 0.01), on this ConvNet and batch.
@@ -56,17 +50,21 @@ ADAMW_TUOMASO = {**SEED_2EP, "optimizer": "adamw", "lr": 0.01, "momentum": 0.7, 
 #: winner), so that each name keeps its meaning. ``default`` is TrainConfig's own.
 RECIPES: dict[str, dict] = {
     "seed-2ep": SEED_2EP,
+    # The seed tutorial's own (yangkky/distributed_tutorial's mnist-distributed.py): plain SGD
+    # at a constant 1e-4, no momentum or weight decay, batch 100 (per GPU there; global here).
+    "tutorial": {
+        **SEED_2EP,
+        "batch_size": 100,
+        "lr": 1e-4,
+        "momentum": 0.0,
+        "weight_decay": 0.0,
+        "schedule": "constant",
+    },
     "sgd-b64-ls": {**SEED_2EP, "batch_size": 64, "lr": 0.15, "label_smoothing": 0.1},
     "adamw-tuomaso": ADAMW_TUOMASO,
     "adamw-ls": {**ADAMW_TUOMASO, "lr": 0.02, "label_smoothing": 0.1},
     "adamw-ls-wd": {**ADAMW_TUOMASO, "lr": 0.02, "label_smoothing": 0.1, "weight_decay": 0.05},
-    "fast-1ep": {
-        **ADAMW_TUOMASO,
-        "lr": 0.02,
-        "label_smoothing": 0.1,
-        "weight_decay": 0.05,
-        "max_shift": 1,
-    },
+    "fast-1ep": FAST_1EP,
 }
 
 
@@ -76,7 +74,7 @@ def recipe(name: str) -> dict:
 
     if name == "default":
         values = TrainConfig().to_dict()
-        return {k: v for k, v in values.items() if k not in ("epochs", "seed", "amp", "sync_bn")}
+        return {k: values[k] for k in FAST_1EP}  # the recipe's fields, not amp or seed
     if name not in RECIPES:
         raise SystemExit(f"no recipe {name!r}; known: default, {', '.join(RECIPES)}")
     return dict(RECIPES[name])

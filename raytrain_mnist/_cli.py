@@ -35,7 +35,13 @@ from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
-from raytrain_mnist.config import check_no_credentials, python_command
+from raytrain_mnist.config import (
+    DEFAULT_RECIPE,
+    RECIPE_SUMMARY,
+    RECIPES,
+    check_no_credentials,
+    python_command,
+)
 from raytrain_mnist.config import command_line as command_line  # re-exported
 from raytrain_mnist.config import flags_of as flags_of  # re-exported
 from raytrain_mnist.errors import (
@@ -120,6 +126,33 @@ def add_dataclass_args(
             help=f"{meta.get('help')}{shown}",
             metavar=None if meta.get("choices") else f.name.upper(),
         )
+
+
+def add_recipe_arg(parser: argparse.ArgumentParser) -> None:
+    """``--recipe NAME``: the training flags' defaults come from that named recipe
+    (``config.RECIPES``); training flags given beside it change its values."""
+    parser.add_argument(
+        "--recipe",
+        choices=tuple(RECIPES),
+        default=DEFAULT_RECIPE,
+        help="start from a named recipe: "
+        + "; ".join(f"{name} = {text}" for name, text in RECIPE_SUMMARY.items())
+        + f" (default: {DEFAULT_RECIPE})",
+    )
+
+
+def parse_with_recipe(
+    parser: argparse.ArgumentParser,
+    argv: Sequence[str] | None,
+    namespace: argparse.Namespace | None = None,
+) -> argparse.Namespace:
+    """``parser.parse_args`` with the training flags' defaults taken from ``--recipe``'s
+    values (read first, so that a flag beside it wins wherever it stands)."""
+    first = ArgumentParser(prog=parser.prog, add_help=False)
+    add_recipe_arg(first)
+    known, _ = first.parse_known_args(argv)
+    parser.set_defaults(**RECIPES[known.recipe])
+    return parser.parse_args(argv, namespace=namespace)
 
 
 def invocation(command: str) -> list[str]:

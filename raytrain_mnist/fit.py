@@ -19,13 +19,15 @@ from raytrain_mnist._cli import (
     ArgumentParser,
     Command,
     add_dataclass_args,
+    add_recipe_arg,
     dataclass_from_args,
     interrupted,
     invocation,
+    parse_with_recipe,
     setup_logging,
 )
 from raytrain_mnist.config import (
-    DEFAULT_EPOCHS,
+    RECIPES,
     FitConfig,
     RunSettings,
     TrainConfig,
@@ -43,6 +45,7 @@ def build_parser() -> ArgumentParser:
         prog="raytrain-mnist fit",
         description="Train the MNIST ConvNet data-parallel on a Ray cluster (or a local Ray).",
     )
+    add_recipe_arg(parser)
     add_dataclass_args(parser, TrainConfig, "training")
     add_dataclass_args(parser, RunSettings, "run", types={"num_workers": parse_workers})
     return parser
@@ -50,14 +53,15 @@ def build_parser() -> ArgumentParser:
 
 def parse_config(argv: Sequence[str] | None = None) -> FitConfig:
     # argparse keeps a value already in the namespace: None marks "--epochs not given".
-    args = build_parser().parse_args(argv, namespace=argparse.Namespace(epochs=None))
+    args = parse_with_recipe(build_parser(), argv, argparse.Namespace(epochs=None))
     auto_epochs = args.epochs is None
     if auto_epochs:
-        args.epochs = DEFAULT_EPOCHS
+        args.epochs = RECIPES[args.recipe]["epochs"]
     return FitConfig(
         train=dataclass_from_args(TrainConfig, args),
         run=dataclass_from_args(RunSettings, args),
         auto_epochs=auto_epochs,
+        recipe=args.recipe,
     )
 
 

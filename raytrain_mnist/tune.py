@@ -20,12 +20,14 @@ from raytrain_mnist._cli import (
     ArgumentParser,
     Command,
     add_dataclass_args,
+    add_recipe_arg,
     command_line,
     dataclass_from_args,
     invocation,
+    parse_with_recipe,
     setup_logging,
 )
-from raytrain_mnist.config import RunSettings, TrainConfig
+from raytrain_mnist.config import RunSettings, TrainConfig, recipe_config
 from raytrain_mnist.console import TrialsTable
 from raytrain_mnist.driver.events import format_value
 from raytrain_mnist.driver.runs import BEST_FILE
@@ -93,6 +95,7 @@ def build_parser() -> ArgumentParser:
         metavar="EPOCHS",
         help="epochs of every trial that is not stopped early (the same as --epochs)",
     )
+    add_recipe_arg(parser)
     add_dataclass_args(parser, TrainConfig, "training (every trial, unless searched)")
     add_dataclass_args(parser, RunSettings, "run (as in fit; --name names the search)")
     return parser
@@ -102,8 +105,8 @@ def parse_command(argv: Sequence[str] | None = None) -> TuneCommand:
     # A searchable training flag given on the command line fixes that parameter; argparse
     # keeps a value already in the namespace, so the sentinel marks "not given".
     namespace = argparse.Namespace(**{name: _UNSET for name in searchable()})
-    args = build_parser().parse_args(argv, namespace=namespace)
-    defaults = TrainConfig()
+    args = parse_with_recipe(build_parser(), argv, namespace)
+    defaults = recipe_config(args.recipe)
     given = {n: getattr(args, n) for n in searchable() if getattr(args, n) is not _UNSET}
     for name in searchable():
         if getattr(args, name) is _UNSET:

@@ -220,3 +220,82 @@ def test_a_checkpoint_passes_the_resume_check_whatever_the_warm_up(tmp_path, epo
 def test_bad_recipe_values_name_the_flag(kwargs, message):
     with pytest.raises(ConfigError, match=message):
         TrainConfig(**kwargs)
+
+
+# --------------------------------------------------------------------------- --recipe
+
+
+def test_the_one_epoch_recipe_is_the_defaults_and_classic_the_earlier_ones():
+    from raytrain_mnist.config import DEFAULT_RECIPE, RECIPES, recipe_config
+
+    defaults = TrainConfig()
+    assert DEFAULT_RECIPE == "one-epoch"
+    assert recipe_config("one-epoch") == defaults
+    classic = recipe_config("classic")
+    assert (classic.epochs, classic.optimizer, classic.lr, classic.momentum) == (2, "sgd", 0.1, 0.9)
+    assert (classic.label_smoothing, classic.max_shift, classic.weight_decay) == (0.0, 0, 5e-4)
+    # Every recipe names every value that differs between recipes: none leans on a default.
+    assert len({frozenset(r) for r in RECIPES.values()}) == 1
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["--recipe", "classic", "--lr", "0.05"],
+        ["--lr", "0.05", "--recipe", "classic"],  # a flag wins wherever it stands
+        ["--lr=0.05", "--recipe=classic"],
+    ],
+)
+def test_fit_starts_from_the_named_recipe_and_flags_beside_it_win(argv):
+    from raytrain_mnist.config import recipe_config
+    from raytrain_mnist.fit import parse_config
+
+    cfg = parse_config(argv)
+    assert cfg.recipe == "classic" and cfg.auto_epochs
+    assert cfg.train == recipe_config("classic", lr=0.05)
+
+
+def test_a_recipe_runs_resume_command_rebuilds_its_config():
+    """The resume command names the recipe and only what differs from it, and parses back to
+    the same config (epochs sized for the sample included)."""
+    import shlex
+
+    from raytrain_mnist.driver.fitting import resume_command
+    from raytrain_mnist.fit import parse_config
+
+    cfg = parse_config(["--recipe", "classic", "--momentum", "0.8", "--dataset", "sample"])
+    sized = dataclasses.replace(
+        cfg, train=dataclasses.replace(cfg.train, epochs=epochs_for(cfg.train, 4000))
+    )
+    words = shlex.split(resume_command(sized, "r"))
+    words = words[words.index("fit") + 1 :]
+    assert words == ["--recipe", "classic", "--epochs", "31", "--momentum", "0.8"] + [
+        "--dataset",
+        "sample",
+        "--name",
+        "r",
+    ]
+    again = parse_config(words)
+    assert again.train == sized.train
+    assert again.run == dataclasses.replace(sized.run, name="r")
+    # The default recipe is not spelled out at all.
+    assert "--recipe" not in resume_command(parse_config([]), "r")
+
+
+def test_tune_fills_what_it_does_not_search_from_the_recipe():
+    from raytrain_mnist.config import recipe_config
+    from raytrain_mnist.tune import parse_command
+
+    cmd = parse_command(["--recipe", "classic", "--weight-decay", "0.001"])
+    assert cmd.train == recipe_config("classic", weight_decay=0.001)
+
+
+def test_an_unknown_recipe_is_one_line_naming_the_choices(capsys):
+    from raytrain_mnist.fit import parse_config
+
+    with pytest.raises(SystemExit) as stop:
+        parse_config(["--recipe", "fastest"])
+    assert stop.value.code == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1
+    assert "--recipe: invalid choice: 'fastest'" in err and "'classic'" in err

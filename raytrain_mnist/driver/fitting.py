@@ -29,7 +29,8 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from raytrain_mnist.config import (
-    DEFAULT_EPOCHS,
+    DEFAULT_RECIPE,
+    RECIPES,
     FitConfig,
     RunSettings,
     check_data_fits,
@@ -86,9 +87,9 @@ def resume_command(cfg: FitConfig, name: str, invocation: Sequence[str] | None =
     """The command that continues run ``name`` of ``cfg`` (never ``--fresh``), started by the
     words ``invocation`` (default: :func:`default_invocation`)."""
     start = default_invocation() if invocation is None else list(invocation)
-    return command_line(
-        [*start, *flags_of(cfg.train, cfg.run, skip=("fresh", "name")), "--name", name]
-    )
+    recipe = [] if cfg.recipe == DEFAULT_RECIPE else ["--recipe", cfg.recipe]
+    flags = flags_of(cfg.train, cfg.run, skip=("fresh", "name"), defaults=RECIPES[cfg.recipe])
+    return command_line([*start, *recipe, *flags, "--name", name])
 
 
 class _Serialized:
@@ -252,10 +253,11 @@ def _train(
         else "using the connected Ray"
     )
     with cluster.connect(address, request):
+        full_epochs = RECIPES[cfg.recipe]["epochs"]
         sized = (
             f"; {cfg.train.epochs} epochs, as many steps as "
-            f"{DEFAULT_EPOCHS} on full MNIST (--epochs sets them)"
-            if cfg.auto_epochs and cfg.train.epochs != DEFAULT_EPOCHS
+            f"{full_epochs} on full MNIST (--epochs sets them)"
+            if cfg.auto_epochs and cfg.train.epochs != full_epochs
             else ""
         )
         emit(
