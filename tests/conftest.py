@@ -13,6 +13,7 @@ import signal
 import socket
 import subprocess
 import sys
+import uuid
 from pathlib import Path
 
 import numpy as np
@@ -125,6 +126,61 @@ def tiny_mnist(tmp_path_factory, sample_digits) -> Path:
     """2048 training digits: epochs long enough for the failure scenario to kill things
     between them."""
     return write_tiny_mnist(tmp_path_factory.mktemp("tiny"), sample_digits, n_train=2048)
+
+
+# --------------------------------------------------------------------------- S3 (moto)
+
+
+def aws_env(url: str, key: tuple[str, str] = ("testing", "testing")) -> dict[str, str]:
+    """The standard AWS environment that points pyarrow, Ray, boto3 and every subprocess at
+    the S3-compatible server at ``url`` with ``key`` (access key id, secret)."""
+    return {
+        "AWS_ENDPOINT_URL": url,
+        "AWS_ACCESS_KEY_ID": key[0],
+        "AWS_SECRET_ACCESS_KEY": key[1],
+        "AWS_REGION": "us-east-1",
+    }
+
+
+class MotoS3:
+    """What the :func:`s3` fixture yields: ``s3()`` makes a fresh bucket and returns
+    ``s3://<bucket>/runs``; :meth:`bucket` returns a fresh bucket's name; :attr:`client` is a
+    boto3 client of the server."""
+
+    def __init__(self, client) -> None:
+        self.client = client
+
+    def bucket(self) -> str:
+        name = f"runs-{uuid.uuid4().hex[:8]}"
+        self.client.create_bucket(Bucket=name)
+        return name
+
+    def __call__(self) -> str:
+        return f"s3://{self.bucket()}/runs"
+
+
+@pytest.fixture(scope="module")
+def monkeypatch_module():
+    with pytest.MonkeyPatch.context() as patch:
+        yield patch
+
+
+@pytest.fixture(scope="module")
+def s3(monkeypatch_module) -> MotoS3:
+    """A moto S3 server on loopback (one per test module) and the AWS environment pointing at
+    it for the module's tests (:func:`aws_env`, as pyarrow, Ray and every subprocess read it);
+    yields a :class:`MotoS3`, a fresh-bucket factory."""
+    moto_server = pytest.importorskip("moto.server")
+    boto3 = pytest.importorskip("boto3")
+    server = moto_server.ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
+    server.start()
+    try:
+        host, port = server.get_host_and_port()
+        for key, value in aws_env(f"http://{host}:{port}").items():
+            monkeypatch_module.setenv(key, value)
+        yield MotoS3(boto3.client("s3"))
+    finally:
+        server.stop()
 
 
 # --------------------------------------------------------------------------- shared Rays

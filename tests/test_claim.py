@@ -25,7 +25,6 @@ from raytrain_mnist.driver.runs import Run
 from raytrain_mnist.driver.runs.claim import LOCK_FILE, Lease, host_id
 from raytrain_mnist.errors import UserError
 from tests.conftest import MARKER_VAR, REPO, kill_marked, run_cli_here
-from tests.test_runs import monkeypatch_module, s3  # noqa: F401 (the moto S3 server)
 
 
 def _lease_path(run: Run) -> str:
@@ -93,7 +92,7 @@ def _claimer(storage: str, name: str, skew_s: float, *extra: str, prefix=()):
 
 
 def test_a_rival_in_another_pid_namespace_with_a_skewed_clock_is_refused_while_the_owner_renews(
-    s3,  # noqa: F811
+    s3,
 ):
     """The rival's clock runs six hours ahead (the owner's lease looks six hours old to it)
     and the owner's pid does not exist in its process table (same hostname): both misled the
@@ -117,7 +116,7 @@ def test_a_rival_in_another_pid_namespace_with_a_skewed_clock_is_refused_while_t
 
 
 def test_a_lease_stamped_hours_ago_is_honoured_while_renewed_and_taken_over_once_it_stops(
-    s3,  # noqa: F811
+    s3,
 ):
     """An owner in another PID namespace whose clock is six hours behind: its lease says it
     was renewed six hours ago, and is still honoured while it is renewed. Once the owner is
@@ -238,7 +237,7 @@ def _flaky(run: Run) -> tuple[Flaky, pyarrow.fs.PyFileSystem]:
     return handler, pyarrow.fs.PyFileSystem(handler)
 
 
-def test_transient_store_errors_neither_lose_the_lease_nor_end_its_heartbeat(s3):  # noqa: F811
+def test_transient_store_errors_neither_lose_the_lease_nor_end_its_heartbeat(s3):
     run = Run(s3(), "r")
     run.files.check_writable()
     flaky, fs = _flaky(run)
@@ -262,7 +261,7 @@ def test_transient_store_errors_neither_lose_the_lease_nor_end_its_heartbeat(s3)
     assert _read_lease(run) is None  # released through the flaky store too
 
 
-def test_renewals_failing_for_most_of_the_ttl_lose_the_lease_in_one_line(s3):  # noqa: F811
+def test_renewals_failing_for_most_of_the_ttl_lose_the_lease_in_one_line(s3):
     run = Run(s3(), "r")
     run.files.check_writable()
     flaky, fs = _flaky(run)
@@ -291,7 +290,7 @@ def test_renewals_failing_for_most_of_the_ttl_lose_the_lease_in_one_line(s3):  #
         lease.release()
 
 
-def test_a_lease_taken_by_another_token_is_lost_and_release_leaves_it(s3):  # noqa: F811
+def test_a_lease_taken_by_another_token_is_lost_and_release_leaves_it(s3):
     run = Run(s3(), "r")
     reasons: list[str] = []
     lost = threading.Event()
@@ -313,7 +312,7 @@ def test_a_lease_taken_by_another_token_is_lost_and_release_leaves_it(s3):  # no
         assert f.read() == theirs  # not deleted, not rewritten
 
 
-def test_release_deletes_only_its_own_lease(s3):  # noqa: F811
+def test_release_deletes_only_its_own_lease(s3):
     """Released before its heartbeat has seen the other token: still left alone."""
     run = Run(s3(), "r")
     run.files.check_writable()
@@ -329,7 +328,7 @@ def test_release_deletes_only_its_own_lease(s3):  # noqa: F811
 
 
 def test_a_fit_whose_lease_is_taken_stops_in_one_line_and_keeps_its_checkpoint(
-    s3,  # noqa: F811
+    s3,
     tiny_mnist,
     tmp_path,
 ):

@@ -52,7 +52,7 @@ import uuid
 
 import pytest
 
-from tests.conftest import MARKER_VAR, REPO, free_ports, kill_marked
+from tests.conftest import MARKER_VAR, REPO, aws_env, free_ports, kill_marked
 
 POLICY = REPO / "docs" / "iam" / "worker-policy.json"
 PLACEHOLDER = "REPLACE_ME-bucket"
@@ -128,13 +128,10 @@ class IamS3:
 
     def env(self, key: tuple[str, str]) -> dict[str, str]:
         """The environment of a command that holds ``key`` (as a node's instance profile
-        would give it), the endpoint the way tests/test_runs.py passes it."""
+        would give it), the endpoint the way conftest's ``s3`` passes it (:func:`aws_env`)."""
         return {
             **{k: v for k, v in os.environ.items() if not k.startswith("AWS_")},
-            "AWS_ENDPOINT_URL": self.url,
-            "AWS_ACCESS_KEY_ID": key[0],
-            "AWS_SECRET_ACCESS_KEY": key[1],
-            "AWS_REGION": "us-east-1",
+            **aws_env(self.url, key),
             "AWS_EC2_METADATA_DISABLED": "true",
             "AWS_CONFIG_FILE": os.devnull,
             "AWS_SHARED_CREDENTIALS_FILE": os.devnull,

@@ -1,5 +1,5 @@
 """The run's one home (driver/runs/): names, identity, claims, and ``s3://`` with the guarantees
-of a local path, against a real S3-compatible server (moto) on 127.0.0.1."""
+of a local path, against a real S3-compatible server (moto, conftest's ``s3``) on 127.0.0.1."""
 
 from __future__ import annotations
 
@@ -18,44 +18,7 @@ from raytrain_mnist.config import FitConfig, RunSettings, TrainConfig
 from raytrain_mnist.driver import runs
 from raytrain_mnist.driver.runs import Run, claim
 from raytrain_mnist.errors import UserError
-from tests.conftest import MARKER_VAR, REPO, kill_marked
-
-# --------------------------------------------------------------------------- S3 server
-
-
-@pytest.fixture(scope="module")
-def s3(monkeypatch_module):
-    """A moto S3 server on loopback and the standard AWS environment pointing at it (as
-    pyarrow, Ray and every subprocess read it); yields a fresh-bucket factory."""
-    moto_server = pytest.importorskip("moto.server")
-    boto3 = pytest.importorskip("boto3")
-    server = moto_server.ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
-    server.start()
-    host, port = server.get_host_and_port()
-    env = {
-        "AWS_ENDPOINT_URL": f"http://{host}:{port}",
-        "AWS_ACCESS_KEY_ID": "testing",
-        "AWS_SECRET_ACCESS_KEY": "testing",
-        "AWS_REGION": "us-east-1",
-    }
-    for key, value in env.items():
-        monkeypatch_module.setenv(key, value)
-    client = boto3.client("s3")
-
-    def bucket() -> str:
-        name = f"runs-{uuid.uuid4().hex[:8]}"
-        client.create_bucket(Bucket=name)
-        return f"s3://{name}/runs"
-
-    yield bucket
-    server.stop()
-
-
-@pytest.fixture(scope="module")
-def monkeypatch_module():
-    with pytest.MonkeyPatch.context() as patch:
-        yield patch
-
+from tests.conftest import MARKER_VAR, REPO, kill_marked, run_cli
 
 # --------------------------------------------------------------------------- names, identity
 
@@ -196,17 +159,6 @@ def test_resume_commands_rebuild_the_same_config_from_every_entry_point(monkeypa
 # --------------------------------------------------------------------------- s3 end to end
 
 
-def _cli(*args, env=None, timeout=300):
-    return subprocess.run(
-        [sys.executable, "-m", "raytrain_mnist", *args],
-        capture_output=True,
-        text=True,
-        cwd=REPO,
-        timeout=timeout,
-        env={**os.environ, **(env or {})},
-    )
-
-
 def test_an_s3_run_is_claimed_reported_refused_kept_resumed_and_evaluated(s3, tiny_mnist, tmp_path):
     """Through the real CLI and Ray's own storage: everything a local run guarantees."""
     storage = s3()
@@ -224,17 +176,17 @@ def test_an_s3_run_is_claimed_reported_refused_kept_resumed_and_evaluated(s3, ti
         "--name",
         "s3run",
     ]
-    first = _cli("fit", "--epochs", "2", *common)
+    first = run_cli("fit", "--epochs", "2", *common)
     assert first.returncode == 0, first.stdout + first.stderr
     summary = Run(storage, "s3run").summary()
     assert summary["status"] == "finished" and summary["epochs_completed"] == 2
     assert summary["best_checkpoint"].startswith(f"{storage}/s3run/checkpoint_")
 
-    again = _cli("fit", "--epochs", "2", *common)
+    again = run_cli("fit", "--epochs", "2", *common)
     assert again.returncode == 0 and "already finished" in again.stdout, again
     assert "starting run" not in again.stdout
 
-    other = _cli("fit", "--epochs", "2", "--lr", "0.05", *common)
+    other = run_cli("fit", "--epochs", "2", "--lr", "0.05", *common)
     assert other.returncode == 2 and "other settings" in other.stderr, other
     assert Run(storage, "s3run").summary() == summary
 
@@ -257,7 +209,7 @@ def test_an_s3_run_is_claimed_reported_refused_kept_resumed_and_evaluated(s3, ti
                 break
         else:
             raise AssertionError("".join(seen))
-        clash = _cli("fit", "--epochs", "12", *common, timeout=120)
+        clash = run_cli("fit", "--epochs", "12", *common, timeout=120)
         assert clash.returncode == 1 and "'s3run' is already running" in clash.stderr, clash
         fresh.send_signal(signal.SIGINT)
         out, _ = fresh.communicate(timeout=120)
@@ -275,7 +227,7 @@ def test_an_s3_run_is_claimed_reported_refused_kept_resumed_and_evaluated(s3, ti
     assert final["status"] == "finished" and final["resumed_from_epoch"] >= 1
     assert [h["epoch"] for h in final["history"]] == list(range(1, 13))
 
-    report = _cli(
+    report = run_cli(
         "evaluate",
         f"{storage}/s3run",
         "--data-dir",
@@ -302,7 +254,7 @@ def test_a_sample_run_is_not_resumed_on_full_mnist(tmp_path, tiny_mnist):
         cfg = FitConfig(TrainConfig(), RunSettings(name="r"))
         run.write_json(runs.RUN_FILE, runs.fit_identity(cfg, load_sample()))
     before = _tree(storage)
-    result = _cli(
+    result = run_cli(
         "fit", "--name", "r", "--storage-path", str(storage), "--data-dir", str(tiny_mnist)
     )
     assert result.returncode == 2, result

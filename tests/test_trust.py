@@ -391,29 +391,6 @@ def test_a_uri_recorded_in_a_run_stays_in_its_bucket_and_prefix():
 # --------------------------------------------------------------------------- object stores
 
 
-@pytest.fixture(scope="module")
-def s3():
-    """A moto S3 server on loopback, the AWS environment pointing at it, and a bucket."""
-    moto_server = pytest.importorskip("moto.server")
-    boto3 = pytest.importorskip("boto3")
-    server = moto_server.ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
-    server.start()
-    host, port = server.get_host_and_port()
-    with pytest.MonkeyPatch.context() as patch:
-        for key, value in {
-            "AWS_ENDPOINT_URL": f"http://{host}:{port}",
-            "AWS_ACCESS_KEY_ID": "testing",
-            "AWS_SECRET_ACCESS_KEY": "testing",
-            "AWS_REGION": "us-east-1",
-        }.items():
-            patch.setenv(key, value)
-        bucket = f"trust-{uuid.uuid4().hex[:8]}"
-        client = boto3.client("s3")
-        client.create_bucket(Bucket=bucket)
-        yield client, bucket
-    server.stop()
-
-
 def _upload(run_dir: Path, bucket: str, name: str) -> str:
     import pyarrow.fs
 
@@ -429,7 +406,7 @@ def _upload(run_dir: Path, bucket: str, name: str) -> str:
 
 
 def test_a_checkpoint_download_is_bounded(s3, run_copy, tiny_mnist, tmp_path, monkeypatch):
-    client, bucket = s3
+    client, bucket = s3.client, s3.bucket()
     uri = _upload(run_copy, bucket, f"r-{uuid.uuid4().hex[:6]}")
     best = Path(Run.at(run_copy).best_checkpoint()).name
     size = sum(p.stat().st_size for p in (run_copy / best).rglob("*") if p.is_file())
@@ -461,7 +438,7 @@ def test_a_checkpoint_download_is_bounded(s3, run_copy, tiny_mnist, tmp_path, mo
 
 
 def test_a_planted_snapshot_entry_on_s3_is_never_followed(s3, run_copy, tiny_mnist, tmp_path):
-    _, bucket = s3
+    bucket = s3.bucket()
     original = (run_copy / SNAPSHOT_FILE).read_text()
     for name in ("../other/checkpoint_1", f"s3://{bucket}/elsewhere", "checkpoint_1?versionId=1"):
         (run_copy / SNAPSHOT_FILE).write_text(original)

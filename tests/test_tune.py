@@ -30,7 +30,6 @@ from raytrain_mnist.driver.search_space import SEARCH_SPACE, Param, SearchSpace,
 from raytrain_mnist.driver.searching import SearchResult
 from raytrain_mnist.worker import checkpoint as ckpt
 from tests.conftest import MARKER_VAR, REPO, kill_marked, run_cli, write_tiny_mnist
-from tests.test_runs import monkeypatch_module, s3  # noqa: F401  (the moto S3 server)
 
 BEST_KEYS = {
     "best_val_accuracy",
@@ -561,7 +560,7 @@ def test_ctrl_c_stops_the_search_prints_its_table_and_resume_command_and_exits_1
 
 
 def test_an_s3_search_resumes_from_its_own_records_and_never_runs_what_storage_holds(
-    s3,  # noqa: F811  (the fixture imported above)
+    s3,
     mixed_mnist,
     tmp_path,
     ray_env,
@@ -571,14 +570,12 @@ def test_an_s3_search_resumes_from_its_own_records_and_never_runs_what_storage_h
     weights-only checkpoint: the planted pickles never run, the trial that ended is not
     trained again, the interrupted one resumes from its committed epoch, and searching once
     more trains nothing and returns the same result."""
-    import boto3
-
     from raytrain_mnist.driver.runs import Run
 
     storage = s3()
     bucket, _, prefix = storage.removeprefix("s3://").partition("/")
     exp = f"{storage}/s3search"
-    client = boto3.client("s3")
+    client = s3.client
     command = _tune_command(
         mixed_mnist,
         storage,
