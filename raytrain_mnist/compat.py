@@ -19,6 +19,7 @@ them: the worker, the driver and Serve replicas may all import it.
 | :func:`session_logs_dir` | ``ray._private.worker.global_worker.node`` | a failed run points at Ray's default log folder |
 | :func:`autoscaler_ceiling` | ``ray._private.state.state.get_max_resources_from_cluster_config`` | placement checks cannot count nodes an autoscaler would add |
 | :func:`controller_callback_base` | ``ray.train.v2._internal.execution.callback.ControllerCallback`` | Ctrl-C cannot abort a run's controller: the run stops only with the Ray that runs it |
+| :func:`worker_group_callback_base` | ``ray.train.v2._internal.execution.callback.WorkerGroupCallback`` | ``summary.json``'s timeline has no "worker group started" moment |
 | :func:`quiet_train_report_log` | ``ray.train.v2._internal.execution.context`` | every report logs an INFO line |
 | :func:`serve_http_config` | ``ray.serve.context._get_global_client`` | a second ``serve`` with other HTTP settings is not refused up front |
 | :data:`JOB_SDK_LOGGERS` | logger names under ``ray._private.runtime_env`` | the Jobs SDK logs INFO lines per upload |
@@ -101,6 +102,17 @@ def controller_callback_base() -> type | None:
     except ImportError:
         return None
     return ControllerCallback
+
+
+def worker_group_callback_base() -> type | None:
+    """Ray Train V2's worker-group callback class, whose ``before_init_train_context`` runs
+    on the controller once the worker actors are up, before Ray forms their process group
+    (fit's start-up timeline). None when the class moved."""
+    try:
+        from ray.train.v2._internal.execution.callback import WorkerGroupCallback
+    except ImportError:
+        return None
+    return WorkerGroupCallback
 
 
 #: Loggers of the Jobs SDK that log an INFO line per request, upload and closed log stream,

@@ -75,7 +75,13 @@ def fit_and_show(cfg: FitConfig) -> FitResult:
     come, then the summary (or the line of a run that had finished before)."""
     renderer = Renderer(cfg.run.progress)
     try:
-        result = fitting.fit(cfg, renderer, invocation=invocation("fit"), poll_s=renderer.poll_s)
+        result = fitting.fit(
+            cfg,
+            renderer,
+            invocation=invocation("fit"),
+            poll_s=renderer.poll_s,
+            started_at=fitting.process_started_at(),
+        )
     finally:
         renderer.close()
     if result.already_finished:

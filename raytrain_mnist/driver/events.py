@@ -27,10 +27,41 @@ class Event:
     the one line that says it."""
 
 
+#: The moments of a fit's start-up, in the order they happen, and who spends the time that
+#: leads up to each (summary.json's ``timeline["startup_s"]``: seconds from the command's
+#: start). ``process_group_formed``, ``model_prepared`` and ``first_step`` are rank 0's own
+#: stamps; ``controller_started`` and ``worker_group_started`` the Train controller's.
+STARTUP = {
+    "fit_called": "Python, imports, flags: fit() called",
+    "data_loaded": "data loaded (driver)",
+    "ray_ready": "Ray started or connected (ray.init), placement checked",
+    "trainer_started": "run.json, tracking, progress channel, data put: trainer.fit() called",
+    "controller_started": "Train controller actor started",
+    "worker_group_started": "worker actors up (placement group, processes, imports)",
+    "process_group_formed": "process group formed (rank 0's train function starts)",
+    "model_prepared": "data fetched, model built, prepare_model / prepare_data_loader",
+    "first_step": "first optimizer step done",
+}
+#: The moments of its teardown, from the last epoch's report to the summary
+#: (``timeline["teardown_s"]``); the command exits after ``summary.json`` is written.
+TEARDOWN = {
+    "last_report": "last epoch evaluated (rank 0): checkpoint saved, reported",
+    "checkpoint_committed": "its checkpoint committed (controller)",
+    "workers_finished": "train functions seen finished (controller's poll)",
+    "worker_group_shut_down": "worker group shut down",
+    "controller_finished": "controller finished",
+    "fit_returned": "trainer.fit() returned (driver)",
+    "summary_built": "progress drained, summary built",
+    "ray_shut_down": "Ray shut down (a Ray fit started)",
+    "files_written": "training_curves.png, tracking closed",
+}
+
+
 @dataclass(frozen=True)
 class Phase(Event):
-    """A start-up phase reached: data loaded, starting a local Ray, workers starting, N
-    worker(s) started, first step. ``elapsed_s``: seconds since the run began."""
+    """A start-up moment reached (:data:`STARTUP`; also "starting a local Ray", "workers
+    starting"). ``elapsed_s``: seconds since the command started (since ``fit`` was called,
+    from Python), at the moment it happened, not when the driver heard of it."""
 
     text: str
     elapsed_s: float

@@ -22,6 +22,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
+import os
 import threading
 import time
 from collections.abc import Sequence
@@ -43,6 +44,7 @@ from raytrain_mnist.driver import cluster, runs
 from raytrain_mnist.driver.events import Event, EventSink, Note, Phase, Stopping, log_event
 from raytrain_mnist.driver.monitor import (
     RunMonitor,
+    Timeline,
     abort_run,
     controller_callbacks,
     start_channel,
@@ -103,12 +105,26 @@ class _Serialized:
             self._sink(event)
 
 
+def process_started_at() -> float | None:
+    """When this process started (unix time, to 10 ms), from ``/proc/self/stat``: a command
+    passes it to :func:`fit` as ``started_at``, so the timeline counts Python's start and the
+    imports too. None where there is no ``/proc``."""
+    try:
+        with open("/proc/self/stat") as f:
+            ticks = int(f.read().rsplit(")", 1)[1].split()[19])  # field 22, starttime
+        age = time.clock_gettime(time.CLOCK_BOOTTIME) - ticks / os.sysconf("SC_CLK_TCK")
+    except (OSError, ValueError, IndexError, AttributeError):
+        return None
+    return time.time() - age
+
+
 def fit(
     cfg: FitConfig,
     on_event: EventSink | None = None,
     *,
     invocation: Sequence[str] | None = None,
     poll_s: float = 0.5,
+    started_at: float | None = None,
 ) -> FitResult:
     """Train as ``cfg`` says, or report the run of that name as it finished before.
 
@@ -118,12 +134,24 @@ def fit(
     :func:`default_invocation`). ``poll_s``: how often the driver collects the run's
     progress (a redrawn bar wants it sooner). Ctrl-C while training stops the run's workers
     and returns an ``interrupted`` result; the committed checkpoints stay.
+
+    ``started_at``: when the command started (unix time; the CLI passes
+    :func:`process_started_at`): the phases' seconds and ``summary.json``'s ``timeline``
+    count from it. Default: this call.
     """
     started = time.perf_counter()
+    called = time.time()
+    timeline = (
+        Timeline(started_at, "process start")
+        if started_at is not None and started_at <= called
+        else Timeline(called, "fit() called")
+    )
+    timeline.mark("fit_called", called)
     emit = _Serialized(on_event or log_event)
 
-    def phase(text: str) -> None:
-        emit(Phase(text, time.perf_counter() - started))
+    def phase(text: str, key: str | None = None) -> None:
+        elapsed = time.time() - timeline.t0 if key is None else timeline.mark(key)
+        emit(Phase(text, elapsed))
 
     from raytrain_mnist.data import load_mnist
 
@@ -132,7 +160,10 @@ def fit(
     cfg = _sized_for_data(cfg, data.train_size)
     check_data_fits(cfg.train, cfg.run, data.train_size)
     run = Run(cfg.run.storage_path, runs.default_name(cfg))
-    phase(f"data loaded: {data.train_size} train / {data.test_size} test images ({data.kind})")
+    phase(
+        f"data loaded: {data.train_size} train / {data.test_size} test images ({data.kind})",
+        "data_loaded",
+    )
     identity = runs.fit_identity(cfg, data)
     with run.claim(cfg.run.fresh):
         run.held.handled = True  # a lost claim stops the run, with one line (Stopping)
@@ -150,7 +181,7 @@ def fit(
             )
         prior = _resume_point(run, cfg)
         summary, error, tracker, logs = _train(
-            cfg, run, data, identity, prior, started, emit, phase, poll_s
+            cfg, run, data, identity, prior, started, emit, phase, poll_s, timeline
         )
         # Still claimed: a second command never sees a half-written or stale summary. A
         # claim lost meanwhile: another command may hold the run, nothing more is written.
@@ -169,6 +200,10 @@ def fit(
                 ),
             )
         tracker.close(summary)
+        timeline.mark("files_written")
+        summary["timeline"] = timeline.to_dict(summary["timeline"]["worker_clock"])
+        if lost is None:  # again, with the teardown's last moments
+            run.write_json(SUMMARY_FILE, summary)
     status = summary["status"]
     return FitResult(
         status,
@@ -234,6 +269,7 @@ def _train(
     emit: EventSink,
     phase,
     poll_s: float,
+    timeline: Timeline,
 ):
     """Connect, train, summarize: (summary, error or None, the tracker, worker logs)."""
     address = cluster.resolve_address(cfg.run.address)
@@ -253,6 +289,7 @@ def _train(
         else "using the connected Ray"
     )
     with cluster.connect(address, request):
+        phase("Ray ready", "ray_ready")
         full_epochs = RECIPES[cfg.recipe]["epochs"]
         sized = (
             f"; {cfg.train.epochs} epochs, as many steps as "
@@ -282,6 +319,7 @@ def _train(
             "data": ray.put(data),
             "cpus_per_worker": cpus_per_worker,
             "progress": None if cfg.run.progress == "off" else channel,
+            "compile": cfg.run.compile,
         }
         trainer = build_trainer(
             cfg.run,
@@ -293,9 +331,9 @@ def _train(
             callbacks=controller_callbacks(channel),
         )
         result = error = logs = None
-        phase("workers starting")
+        phase("workers starting", "trainer_started")
         monitor = RunMonitor(
-            channel, cfg.train.epochs, prior, emit, started, on_epoch=tracker.log, poll_s=poll_s
+            channel, cfg.train.epochs, prior, emit, timeline, on_epoch=tracker.log, poll_s=poll_s
         )
         with monitor:
             try:
@@ -303,6 +341,8 @@ def _train(
             except ray.train.TrainingFailedError as exc:
                 error, logs = exc, cluster.worker_logs_dir()
                 logger.debug("training failed: %s (worker logs: %s)", cause_line(exc), logs)
+            finally:
+                timeline.mark("fit_returned")
         metrics = (
             result.metrics
             if result is not None
@@ -311,6 +351,10 @@ def _train(
         summary = _summarize(
             cfg, run, data, cpus_per_worker, metrics, monitor, time.perf_counter() - started, error
         )
+        timeline.mark("summary_built")
+    if local:
+        timeline.mark("ray_shut_down")
+    summary["timeline"] = timeline.to_dict(monitor.clock)
     return summary, error, tracker, logs
 
 

@@ -15,7 +15,17 @@ Three pieces, one per process that takes part:
 The items are plain dicts. Rank 0's carry ``progress`` (its kind), and its ``ready`` carries
 ``world_size``, ``started_at`` (which worker-group start it came from) and
 ``resumed_from_epoch``; a committed epoch is the epoch's report (no ``progress`` key) with
-its ``checkpoint`` path.
+its ``checkpoint`` path and ``committed_at``. The controller's carry ``progress:
+"controller"`` and a ``moment`` (``controller_started``, ``worker_group_started``, ``state``
+changes, ``controller_finished``) with ``at``. The channel stamps every item with
+``received`` (its own clock, on the driver's node).
+
+The same items make the run's timeline (:class:`Timeline`): every moment of start-up and
+teardown on the driver's clock. The controller runs on the driver's node (Ray puts it
+there), so its ``time.time()`` is the driver's. A worker's stamps are its own clock's: on the
+driver's node they are used as they are; on another node they are shifted by the offset its
+``ready`` message showed (the channel's ``received`` minus the worker's ``at``), which puts
+them at most one message's transit (milliseconds on a LAN) late and never early.
 """
 
 from __future__ import annotations
@@ -27,7 +37,15 @@ from collections.abc import Callable
 from typing import Any
 
 from raytrain_mnist import compat
-from raytrain_mnist.driver.events import EpochCommitted, EventSink, Note, Phase, StepProgress
+from raytrain_mnist.driver.events import (
+    STARTUP,
+    TEARDOWN,
+    EpochCommitted,
+    EventSink,
+    Note,
+    Phase,
+    StepProgress,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -42,6 +60,7 @@ class RunChannel:
         self.controller = None
 
     def put(self, item: dict) -> None:
+        item["received"] = time.time()  # the driver's node's clock: the timeline's offsets
         self.items.append(item)
 
     def set_controller(self, handle: list) -> None:
@@ -79,26 +98,51 @@ def controller_callbacks(channel) -> list:
     import ray
     from ray.train import UserCallback
 
+    def moment(name: str, **item) -> None:
+        channel.put.remote({"progress": "controller", "moment": name, "at": time.time(), **item})
+
     class EpochFeed(UserCallback):
         """After every rank has reported an epoch and its checkpoint is committed."""
 
         def after_report(self, run_context, metrics, checkpoint):
             channel.put.remote(
-                {**metrics[0], "checkpoint": checkpoint.path if checkpoint else None}
+                {
+                    **metrics[0],
+                    "checkpoint": checkpoint.path if checkpoint else None,
+                    "committed_at": time.time(),
+                }
             )
 
     callbacks: list = [EpochFeed()]
     # The controller's handle: a public hook for it does not exist in Ray 2.60.
     ControllerCallback = compat.controller_callback_base()
-    if ControllerCallback is None:
-        return callbacks
+    if ControllerCallback is not None:
 
-    class ControllerFeed(ControllerCallback):
-        def after_controller_start(self, train_run_context):
-            # In a list: a bare handle passed to a task is not the same as one sent as data.
-            channel.set_controller.remote([ray.get_runtime_context().current_actor])
+        class ControllerFeed(ControllerCallback):
+            def after_controller_start(self, train_run_context):
+                moment("controller_started")
+                # In a list: a bare handle passed to a task is not the same as one sent as data.
+                channel.set_controller.remote([ray.get_runtime_context().current_actor])
 
-    return callbacks + [ControllerFeed()]
+            def after_controller_state_update(self, previous_state, current_state):
+                moment("state", to=type(current_state).__name__)
+
+            def after_controller_finish(self, result):
+                moment("controller_finished")
+
+        callbacks.append(ControllerFeed())
+    WorkerGroupCallback = compat.worker_group_callback_base()
+    if WorkerGroupCallback is not None:
+
+        class WorkerGroupFeed(WorkerGroupCallback):
+            def before_init_train_context(self, workers):
+                # The worker actors are up (each has imported torch and Ray Train); Ray
+                # forms their process group next.
+                moment("worker_group_started", world_size=len(workers))
+                return {}
+
+        callbacks.append(WorkerGroupFeed())
+    return callbacks
 
 
 def abort_run(channel, is_running: Callable[[], bool]) -> None:
@@ -136,14 +180,56 @@ def epoch_entry(metrics: dict) -> dict:
     return {k: v for k, v in metrics.items() if k not in _RUN_KEYS}
 
 
+class Timeline:
+    """The moments of a run's start-up and teardown (:data:`~.events.STARTUP`,
+    :data:`~.events.TEARDOWN`), as unix times on the driver's clock, and their seconds since
+    ``t0`` (the command's start). A start-up moment keeps its first time (a restarted worker
+    group does not move it), a teardown moment its last."""
+
+    def __init__(self, t0: float, t0_is: str) -> None:
+        self.t0, self.t0_is = t0, t0_is
+        self.at: dict[str, float] = {}
+
+    def mark(self, key: str, at: float | None = None) -> float:
+        """Record moment ``key`` (now, or at unix time ``at``); returns its seconds since t0."""
+        at = time.time() if at is None else at
+        if key in STARTUP:
+            self.at.setdefault(key, at)
+        elif key in TEARDOWN:
+            self.at[key] = at
+        else:
+            raise KeyError(key)
+        return self.at[key] - self.t0
+
+    def seconds(self, key: str) -> float | None:
+        return None if key not in self.at else self.at[key] - self.t0
+
+    def to_dict(self, clock: str = "") -> dict[str, Any]:
+        """``summary.json``'s ``timeline``: ``t0`` (unix time) and what it is, ``startup_s``
+        and ``teardown_s`` (each moment's seconds since t0, in order; a moment not reached
+        is absent), and how the workers' clock was put on the driver's (``clock``)."""
+
+        def part(keys) -> dict[str, float]:
+            return {k: round(self.at[k] - self.t0, 3) for k in keys if k in self.at}
+
+        return {
+            "t0": self.t0,
+            "t0_is": self.t0_is,
+            "startup_s": part(STARTUP),
+            "teardown_s": part(TEARDOWN),
+            "worker_clock": clock,
+        }
+
+
 class RunMonitor:
     """Drains ``channel`` from a thread every ``poll_s`` seconds and hands what it carries to
     ``on_event`` as events: rank 0's progress (worker-group starts, the first step, steps
     within an epoch) and the epochs as they commit (each also to ``on_epoch``: TensorBoard,
     MLflow). Builds the run's history (the epochs before a resume, from its checkpoint, and
-    those seen now) and its record of worker-group restarts and resizes. ``started`` is the
-    ``time.perf_counter()`` the phases' elapsed seconds count from. Use it as a context
-    manager: what is left in the channel is drained on exit."""
+    those seen now) and its record of worker-group restarts and resizes. The moments it
+    sees (the controller's, rank 0's) go into ``timeline``, whose ``t0`` the phases' elapsed
+    seconds count from. Use it as a context manager: what is left in the channel is drained
+    on exit."""
 
     def __init__(
         self,
@@ -151,13 +237,20 @@ class RunMonitor:
         epochs: int,
         prior: list[dict],
         on_event: EventSink,
-        started: float,
+        timeline: Timeline,
         on_epoch: Callable[[dict], Any] | None = None,
         poll_s: float = 0.5,
     ) -> None:
+        import ray
+
         self.channel, self.epochs = channel, epochs
         self.on_event, self.on_epoch = on_event, on_epoch
-        self.started, self.poll_s = started, poll_s
+        self.timeline, self.poll_s = timeline, poll_s
+        self._node = ray.get_runtime_context().get_node_id()
+        self._offset = 0.0  # the current worker group rank 0's clock, to the driver's
+        #: How the workers' stamps were put on the driver's clock.
+        self.clock = "rank 0 on the driver's node: the same clock"
+        self._shown: set[str] = set()
         self.prior = [epoch_entry(h) for h in prior]
         self.seen: list[dict] = []
         self.restarts = 0  # worker-group restarts seen (after a failure, or a resize)
@@ -165,7 +258,6 @@ class RunMonitor:
         #: new size trains).
         self.resizes: list[dict] = []
         self._group: tuple | None = None  # (started_at, world size) of the current group
-        self._first_step = False
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="RunMonitor", daemon=True)
 
@@ -177,6 +269,16 @@ class RunMonitor:
         self._stop.set()
         self._thread.join(timeout=10)
         self._flush()
+        # The controller's last moments are sent as it finishes: they can reach the channel
+        # just after trainer.fit() returned.
+        for _ in range(10):
+            if self._ended or not self._flush():
+                break
+            time.sleep(0.05)
+
+    @property
+    def _ended(self) -> bool:
+        return "controller_finished" in self.timeline.at or "controller" not in self._shown
 
     @property
     def history(self) -> list[dict]:
@@ -185,39 +287,99 @@ class RunMonitor:
         by_epoch.update({m["epoch"]: epoch_entry(m) for m in self.seen})
         return [by_epoch[e] for e in sorted(by_epoch)]
 
-    def _phase(self, text: str) -> None:
-        self.on_event(Phase(text, time.perf_counter() - self.started))
+    def _phase(self, key: str, text: str, at: float | None) -> None:
+        """Moment ``key`` at ``at`` (driver clock) into the timeline; its phase line (once)."""
+        if at is None:
+            return
+        elapsed = self.timeline.mark(key, at)
+        if key in STARTUP and key not in self._shown:
+            self._shown.add(key)
+            self.on_event(Phase(text, elapsed))
+
+    def _mark(self, key: str, at: float | None) -> None:
+        if at is not None:
+            self.timeline.mark(key, at)
+
+    def _worker_time(self, at: float | None) -> float | None:
+        return None if at is None else at + self._offset
 
     def _run(self) -> None:
         while not self._stop.wait(self.poll_s):
             self._flush()
 
-    def _flush(self) -> None:
+    def _flush(self) -> bool:
+        """Drain the channel once; False when it could not be asked."""
         import ray
 
         if not ray.is_initialized():  # a call now would start a new Ray of its own
-            return
+            return False
         try:
             items = ray.get(self.channel.drain.remote(), timeout=10)
         except Exception:  # the cluster is going away; what was shown stays shown
-            return
+            return False
         for m in items:
             kind = m.get("progress")
             if kind == "step":
                 self.on_event(StepProgress(m, self.epochs))
                 continue
+            if kind == "controller":
+                self._controller_moment(m)
+                continue
+            if kind == "ready":
+                self._clock_of(m)
             # Each worker-group start stamps its reports (rank 0 also announces it before its
             # first epoch): a new stamp is a new group, after a failure or a resize.
             self._group_started(m)
-            if kind == "first_step":
-                if not self._first_step:
-                    self._first_step = True
-                    self._phase("first step")
+            if kind == "ready":
+                backend = m.get("backend")
+                self._phase(
+                    "process_group_formed",
+                    "process group formed" + (f" ({backend})" if backend else ""),
+                    self._worker_time(m.get("started_at")),
+                )
+                self._phase(
+                    "model_prepared", "model prepared", self._worker_time(m.get("prepared_at"))
+                )
+            elif kind == "first_step":
+                self._phase("first_step", "first step", self._worker_time(m.get("at")))
             elif kind is None:  # a committed epoch
                 self.seen.append(m)
+                self._mark("last_report", self._worker_time(m.get("evaluated_at")))
+                self._mark("checkpoint_committed", m.get("committed_at"))
                 self.on_event(EpochCommitted(m, self.epochs))
                 if self.on_epoch is not None:
                     self.on_epoch(m)
+        return True
+
+    def _clock_of(self, m: dict) -> None:
+        """Rank 0's clock of this worker group, from its ``ready`` message."""
+        if m.get("node_id") in (None, self._node) or "received" not in m:
+            self._offset = 0.0
+            self.clock = "rank 0 on the driver's node: the same clock"
+        else:
+            self._offset = m["received"] - m["at"]
+            self.clock = (
+                f"rank 0 on another node: its stamps + {self._offset:+.3f} s (the channel's "
+                "receipt of its ready message minus its send time: at most that message's "
+                "transit late)"
+            )
+
+    def _controller_moment(self, m: dict) -> None:
+        """A moment the Train controller sent (its clock is the driver's)."""
+        self._shown.add("controller")
+        moment, at = m.get("moment"), m.get("at")
+        if moment == "controller_started":
+            self._phase("controller_started", "controller started", at)
+        elif moment == "worker_group_started":
+            self._phase("worker_group_started", f"{m.get('world_size')} worker(s) started", at)
+        elif moment == "controller_finished":
+            self._mark("controller_finished", at)
+        elif moment == "state":
+            state = m.get("to")
+            if state == "ShuttingDownState":
+                self._mark("workers_finished", at)
+            elif state in ("FinishedState", "ErroredState", "AbortedState"):
+                self._mark("worker_group_shut_down", at)
 
     def _group_started(self, m: dict) -> None:
         started_at, size = m.get("started_at"), m.get("world_size")
@@ -228,8 +390,11 @@ class RunMonitor:
         if previous is None:
             if resumed:
                 self.on_event(Note(f"resumed from the checkpoint of epoch {resumed}"))
-            if m.get("progress") == "ready":
-                self._phase(f"{size} worker(s) started")
+            if m.get("progress") == "ready" and "worker_group_started" not in self._shown:
+                # Without the controller's moment (a Ray whose callback class moved).
+                self._shown.add("worker_group_started")
+                at = self._worker_time(m.get("at")) or time.time()
+                self.on_event(Phase(f"{size} worker(s) started", at - self.timeline.t0))
             return
         self.restarts += 1
         if size is not None and previous[1] is not None and size != previous[1]:

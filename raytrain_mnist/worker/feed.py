@@ -5,9 +5,10 @@ sends small dicts, fire-and-forget, to an actor the driver owns (its ``put``). E
 carries ``"progress"`` (its kind) and ``"at"`` (unix time, when it was sent):
 
 * ``"ready"``: the worker group is set up and about to train: ``world_size``,
-  ``started_at`` (when this worker-group start began, unix time), ``resumed_from_epoch``
-  (None on a fresh start), ``device`` (``"cpu"``, ``"cuda"``) and ``backend`` (the process
-  group's, None on one worker).
+  ``started_at`` (when this worker-group start's train function began, unix time: Ray has
+  formed the process group by then), ``prepared_at`` (the model and loader prepared),
+  ``node_id`` (whose clock these are), ``resumed_from_epoch`` (None on a fresh start),
+  ``device`` (``"cpu"``, ``"cuda"``) and ``backend`` (the process group's).
 * ``"first_step"``: the first optimizer step of this worker-group start has been taken.
 * ``"step"``: ``epoch`` (1-based), ``images`` and ``total`` (this epoch's images so far and
   in all, over every rank), ``seconds`` (since the epoch began) and ``loss`` (the mean over
@@ -46,11 +47,18 @@ class ProgressFeed:
         resumed_from_epoch: int | None,
         device: str,
         backend: str | None,
+        prepared_at: float | None = None,
     ) -> None:
+        if self.actor is None:
+            return
+        import ray
+
         self.send(
             "ready",
             world_size=world_size,
             started_at=started_at,
+            prepared_at=prepared_at,
+            node_id=ray.get_runtime_context().get_node_id(),
             resumed_from_epoch=resumed_from_epoch,
             device=device,
             backend=backend,

@@ -450,6 +450,7 @@ def train_func_per_worker(config: dict[str, Any]) -> None:
 
     state = resume_state()
     training = prepare_training(cfg, data, device, world_size)
+    prepared_at = time.time()  # the driver's start-up timeline: "model prepared"
     start_epoch, history, best = (0, [], 0.0) if state is None else restore(training, state)
     resumed_from = None if state is None else start_epoch
     placement = _worker_placement(device)
@@ -458,7 +459,7 @@ def train_func_per_worker(config: dict[str, Any]) -> None:
     feed = ProgressFeed(
         config.get("progress") if rank == 0 else None, cfg.batch_size, len(training.loader)
     )
-    feed.ready(world_size, started_at, resumed_from, device.type, _backend())
+    feed.ready(world_size, started_at, resumed_from, device.type, _backend(), prepared_at)
 
     for epoch in range(start_epoch, cfg.epochs):
         set_epoch(training.loader, epoch, cfg.seed)
