@@ -9,6 +9,7 @@ seconds since the command started, read from ``BENCH_T0``): the same end points
 
     python -m benchmarks.variants plain      --data-dir D --epochs 2 --batch-size 128 --threads 2
     python -m benchmarks.variants plain      --data-dir D --device cuda   (GPU-resident data)
+    python -m benchmarks.variants plain      --data-dir D --compile       (fit's --compile)
     torchrun --nproc_per_node 2 -m benchmarks.variants torchrun --data-dir D ...
     python -m benchmarks.variants ray_example --data-dir D --workers 2 ...
 """
@@ -65,6 +66,8 @@ def _product_loop(args, rank: int = 0, world: int = 1, sampler=None) -> None:
     data = to_device(load_mnist(args.data_dir, args.dataset), device)
     torch.manual_seed(cfg.seed)
     model = ConvNet().to(device)
+    if args.compile:  # as fit's --compile: the inner module, in place, before DDP
+        model.compile()
     loader = make_train_loader(
         data.train_images, data.train_labels, cfg.batch_size // world, cfg.seed
     )
@@ -86,7 +89,7 @@ def _product_loop(args, rank: int = 0, world: int = 1, sampler=None) -> None:
     epochs, first_step = [], None
     for epoch in range(cfg.epochs):
         set_epoch(loader, epoch, cfg.seed)
-        started = time.perf_counter()
+        started, started_at = time.perf_counter(), time.time()
         train = train_one_epoch(
             model,
             loader,
@@ -100,13 +103,17 @@ def _product_loop(args, rank: int = 0, world: int = 1, sampler=None) -> None:
         seconds = time.perf_counter() - started
         if first_step is None:
             first_step = train["first_step_at"] - _t0()
-        val = evaluate(
-            module, data.test_images, data.test_labels, device, rank=rank, world_size=world
-        )
+        with torch.compiler.set_stance("force_eager"):  # as fit evaluates (a no-op eager)
+            val = evaluate(
+                module, data.test_images, data.test_labels, device, rank=rank, world_size=world
+            )
         epochs.append(
             {
                 "images_per_s": train["train_images"] / seconds,
                 "train_s": seconds,
+                # The epoch's first step (with --compile, the compilation) and the rest.
+                "first_step_in_epoch_s": train["first_step_at"] - started_at,
+                "steps": train["train_steps"],
                 "cpu_s_per_step": train["cpu_s"] / train["train_steps"],
                 "val_accuracy": val["val_accuracy"],
                 "eval_done_s": _now(),
@@ -242,6 +249,9 @@ def main() -> None:
     parser.add_argument("--storage", default="/tmp/raytrain_mnist_bench")
     parser.add_argument("--device", default="cpu", help="cpu, or cuda: data resident on the GPU")
     parser.add_argument("--dataset", default="mnist", choices=["mnist", "sample"])
+    parser.add_argument(
+        "--compile", action="store_true", help="plain and torchrun: torch.compile the ConvNet"
+    )
     args = parser.parse_args()
     globals()[args.variant](args)
 

@@ -292,9 +292,20 @@ class RunSettings:
         "network interface for Gloo/NCCL traffic (sets GLOO_SOCKET_IFNAME and "
         "NCCL_SOCKET_IFNAME on every worker)",
     )
+    # How a run executes, not what it computes (so not TrainConfig): Inductor's kernels
+    # change float rounding no more than the worker or thread count does, the checkpoints
+    # are an eager run's, and a run may resume with or without it (same identity and name).
+    compile: bool = _opt(
+        False,
+        "torch.compile the ConvNet (Inductor) before DDP wraps it: the first step "
+        "compiles (~25 s on 2 CPU cores), which one epoch on CPU does not win back "
+        "(benchmarks/README.md); needs a C++ compiler on CPU ($CXX or g++), a C one on GPU",
+    )
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "num_workers", check_workers(self.num_workers))
+        if not isinstance(self.compile, bool):
+            raise ConfigError(f"--compile is on or off (true or false), got {self.compile!r}")
         _check_float("resize-check-s", self.resize_check_s, positive=True)
         _check_choice("progress", self.progress, PROGRESS_CHOICES)
         if self.cpus_per_worker is not None:
@@ -423,6 +434,33 @@ class FitConfig:
             )
         if r.backend == "nccl" and not r.use_gpu:
             raise ConfigError("--backend nccl needs --use-gpu; on CPU use --backend gloo")
+        if r.compile and r.address is None and not os.environ.get("RAY_ADDRESS"):
+            check_compiler(r.use_gpu)  # a local run trains here; a cluster's workers check
+
+
+def compiler_missing(use_gpu: bool) -> str | None:
+    """What ``torch.compile`` lacks on this machine to build its kernels, or None: on CPU
+    Inductor compiles C++ with ``$CXX``, else ``g++``; on GPU Triton builds its launchers with
+    ``$CC``, else ``gcc`` or ``clang``. Without one the first step fails."""
+    if use_gpu:
+        cc = os.environ.get("CC", "").strip()
+        names = [cc] if cc else ["gcc", "clang"]
+        what = f"a C compiler for Triton ({f'$CC is {cc!r}' if cc else 'gcc or clang, or $CC'})"
+    else:
+        cxx = os.environ.get("CXX", "").strip()
+        names = [cxx or "g++"]
+        what = f"a C++ compiler for Inductor ({f'$CXX is {cxx!r}' if cxx else 'g++, or $CXX'})"
+    return None if any(shutil.which(name.split()[0]) for name in names) else what
+
+
+def check_compiler(use_gpu: bool) -> None:
+    """Refuse ``--compile`` where :func:`compiler_missing` finds no compiler, in one line."""
+    missing = compiler_missing(use_gpu)
+    if missing is not None:
+        raise ConfigError(
+            f"--compile needs {missing} and finds none here; install one "
+            "(Debian: apt-get install g++), set the variable, or drop --compile"
+        )
 
 
 class WorkerRange(tuple):

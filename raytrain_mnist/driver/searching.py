@@ -300,6 +300,7 @@ def _trial(config: dict, setup: dict, data: list) -> None:
         "train": cfg.train.to_dict(),
         "data": data[0],
         "cpus_per_worker": setup["cpus_per_worker"],
+        "compile": cfg.run.compile,
     }
     trainer = build_trainer(
         cfg.run,

@@ -32,7 +32,7 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 from raytrain_mnist import compat
-from raytrain_mnist.config import TrainConfig
+from raytrain_mnist.config import TrainConfig, check_compiler
 from raytrain_mnist.data import MnistData
 from raytrain_mnist.model import ConvNet, normalize
 from raytrain_mnist.worker import checkpoint as ckpt
@@ -47,6 +47,7 @@ from raytrain_mnist.worker.optim import (
 from raytrain_mnist.worker.score import all_reduce_sum, evaluate
 
 logger = logging.getLogger(__name__)
+_NO_CONTEXT = contextlib.nullcontext()
 
 
 class BatchedTensorDataset(TensorDataset):
@@ -281,6 +282,7 @@ class Training:
     device: torch.device
     sync_bn: bool
     recipe: StepRecipe = StepRecipe()  # the images' shifts, the loss's label smoothing
+    compiled: bool = False  # the module is torch.compiled (training steps only)
 
     def train_one_epoch(self, on_step=None) -> dict[str, float]:
         """:func:`train_one_epoch` over this rank's loader."""
@@ -299,8 +301,14 @@ class Training:
     def evaluate(
         self, images: torch.Tensor, labels: torch.Tensor, rank: int, world_size: int
     ) -> dict[str, float]:
-        """:func:`evaluate` of the plain module: this rank's shard, the sums all-reduced."""
-        return evaluate(self.module, images, labels, self.device, self.autocast, rank, world_size)
+        """:func:`evaluate` of the plain module: this rank's shard, the sums all-reduced.
+        Eager even when compiled: an eval-mode graph would compile again (seconds) to score
+        ten batches (benchmarks/README.md)."""
+        eager = torch.compiler.set_stance("force_eager") if self.compiled else _NO_CONTEXT
+        with eager:
+            return evaluate(
+                self.module, images, labels, self.device, self.autocast, rank, world_size
+            )
 
     @property
     def lr(self) -> float:
@@ -331,14 +339,19 @@ def resume_state() -> dict[str, Any] | None:
 
 
 def prepare_training(
-    cfg: TrainConfig, data: MnistData, device: torch.device, world_size: int
+    cfg: TrainConfig, data: MnistData, device: torch.device, world_size: int, compile=False
 ) -> Training:
     """The model (DDP when ``world_size`` > 1), this rank's loader, the optimizer and its
     schedule, the scaler and the autocast context: freshly initialised, the same on every
-    rank."""
+    rank. With ``compile`` the ConvNet is compiled in place before DDP wraps it (PyTorch's
+    advice for DDP): its state_dict keeps the eager names, so checkpoints are the same."""
     torch.manual_seed(cfg.seed)  # same initial weights on every rank
     sync_bn = use_sync_bn(cfg.sync_bn, device, world_size)
-    model = ray.train.torch.prepare_model(build_model(sync_bn))
+    module = build_model(sync_bn)
+    if compile:
+        check_compiler(device.type == "cuda")  # a cluster's worker may lack one
+        module.compile()  # lazily: the first forward compiles
+    model = ray.train.torch.prepare_model(module)
     # The global batch: each step takes cfg.batch_size images over all ranks, whatever
     # the world size (a resize changes only the per-worker share).
     loader = make_train_loader(
@@ -358,6 +371,7 @@ def prepare_training(
         device=device,
         sync_bn=sync_bn,
         recipe=StepRecipe.of(cfg),
+        compiled=compile,
     )
 
 
@@ -439,7 +453,8 @@ def report_epoch(metrics: dict[str, Any], state: dict[str, Any] | None) -> None:
 def train_func_per_worker(config: dict[str, Any]) -> None:
     """Ray Train's entry point. ``config``: ``train`` (TrainConfig as a dict), ``data``
     (ObjectRef of :class:`MnistData`), ``cpus_per_worker`` (its torch threads), and
-    optionally ``progress`` (an actor whose ``put`` takes rank 0's progress dicts)."""
+    optionally ``progress`` (an actor whose ``put`` takes rank 0's progress dicts) and
+    ``compile`` (RunSettings.compile)."""
     started_at = time.time()  # tells the driver which worker-group start a report came from
     cfg = TrainConfig.from_dict(config["train"])
     ctx = ray.train.get_context()
@@ -449,7 +464,7 @@ def train_func_per_worker(config: dict[str, Any]) -> None:
     data: MnistData = to_device(ray.get(config["data"]), device)
 
     state = resume_state()
-    training = prepare_training(cfg, data, device, world_size)
+    training = prepare_training(cfg, data, device, world_size, config.get("compile", False))
     prepared_at = time.time()  # the driver's start-up timeline: "model prepared"
     start_epoch, history, best = (0, [], 0.0) if state is None else restore(training, state)
     resumed_from = None if state is None else start_epoch
