@@ -36,7 +36,7 @@ from raytrain_mnist.driver import deployment
 from raytrain_mnist.driver.deployment import build_app  # noqa: F401  (see below)
 from raytrain_mnist.driver.evaluation import load_checkpoint
 from raytrain_mnist.driver.targets import resolve_target
-from raytrain_mnist.errors import EXIT_TERMINATED
+from raytrain_mnist.errors import EXIT_TERMINATED, ConfigError
 from raytrain_mnist.serving.settings import TOKEN_ENV, ServeConfig, check_access, check_token
 
 # ``build_app`` is imported above so that ``serve deploy`` configs written before it moved
@@ -51,8 +51,8 @@ class ServeOptions:
     target: str  # RUN_DIR_OR_CHECKPOINT, resolved when the command runs (on the cluster's side)
     serve: ServeConfig
     write_config: str | None = None  # write a `serve deploy` config here instead of serving
-    #: POST /predict's bearer token (--auth-token, else $RAYTRAIN_MNIST_SERVE_TOKEN); never
-    #: printed, never written into a config file.
+    #: POST /predict's bearer token (--auth-token or --auth-token-file, else
+    #: $RAYTRAIN_MNIST_SERVE_TOKEN); never printed, never written into a config file.
     token: str | None = field(default=None, repr=False)
 
 
@@ -71,6 +71,12 @@ def build_parser() -> ArgumentParser:
         "keeps it out of the process list); needed beyond loopback unless --no-auth",
     )
     parser.add_argument(
+        "--auth-token-file",
+        metavar="FILE",
+        help="read the bearer token from FILE's first line instead (what `submit` carries a "
+        "token to the cluster in: the job table never holds it)",
+    )
+    parser.add_argument(
         "--write-config",
         metavar="FILE",
         help="write a Ray Serve config for `serve deploy` to FILE and exit (starts nothing)",
@@ -84,14 +90,28 @@ def parse_command(argv: Sequence[str] | None = None) -> ServeOptions:
     application reads its token where it is built)."""
     args = build_parser().parse_args(argv)
     cfg = dataclass_from_args(ServeConfig, args)
+    if args.auth_token is not None and args.auth_token_file is not None:
+        raise ConfigError("--auth-token and --auth-token-file contradict; give one")
     if args.auth_token is not None:
         token = check_token(args.auth_token, "--auth-token")
+    elif args.auth_token_file is not None:
+        token = check_token(read_token_file(args.auth_token_file), "--auth-token-file's token")
     elif os.environ.get(TOKEN_ENV):
         token = check_token(os.environ[TOKEN_ENV], f"${TOKEN_ENV}")
     else:
         token = None
     check_access(cfg, token, listening=not args.write_config)
     return ServeOptions(args.target, cfg, args.write_config, token)
+
+
+def read_token_file(path: str) -> str:
+    """The first line of ``path``, stripped (a token file may say more after it)."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            return f.readline(4096).strip()
+    except (OSError, UnicodeDecodeError) as exc:
+        why = getattr(exc, "strerror", None) or "not UTF-8 text"
+        raise ConfigError(f"--auth-token-file {path}: cannot read it ({why})") from None
 
 
 def run(options: ServeOptions) -> int:

@@ -25,6 +25,13 @@ explicit ``RAY_AUTH_MODE=token``, and a warning. ``RAY_AUTH_MODE=disabled`` send
 
 What comes from the cluster (job logs, entry points, statuses, messages) is printed with its
 terminal control characters shown, not obeyed (:func:`printable`).
+
+A submitted ``serve`` never takes ``--auth-token``: the entrypoint is stored in the cluster's
+job table, which ``submit list``, ``ray job list`` and the dashboard show to anyone who can
+reach the Jobs API, and so is the runtime environment (its ``env_vars`` included). The token
+comes from ``$RAYTRAIN_MNIST_SERVE_TOKEN`` or ``--auth-token-file FILE`` here and travels as a
+file in the job's uploaded working directory (:data:`SERVE_TOKEN_FILE`, mode 0600), which the
+job table names only by its content hash; the entrypoint says ``--auth-token-file`` that file.
 """
 
 from __future__ import annotations
@@ -42,7 +49,7 @@ import sys
 import tempfile
 import time
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from urllib.parse import urlsplit
 
@@ -55,6 +62,7 @@ from raytrain_mnist.errors import (
     UserError,
     first_line,
 )
+from raytrain_mnist.serving.settings import TOKEN_ENV
 
 DEFAULT_ADDRESS = "http://127.0.0.1:8265"
 #: What ``submit`` uploads from a checkout as its job's working directory, and nothing else
@@ -95,6 +103,11 @@ _SETTLE_TIMEOUT_S = 60.0  # a job whose log stream ended reaches a final status 
 _PACKAGE_DIR = Path(__file__).resolve().parent
 #: The environment's default for --driver-resource (docs/cluster.md: where drivers run).
 DRIVER_RESOURCE_VAR = "RAYTRAIN_MNIST_DRIVER_RESOURCE"
+#: Where a submitted ``serve`` finds its token: a file (mode 0600) in the job's working
+#: directory, its first line the token, its second a random line that keeps the package's
+#: content hash (the ``gcs://_ray_pkg_<hash>.zip`` the job table shows) from being a hash of
+#: the token. Never the entrypoint, never ``runtime_env.env_vars``: the job table shows both.
+SERVE_TOKEN_FILE = "serve-token"
 
 
 def build_parser() -> ArgumentParser:
@@ -363,6 +376,12 @@ def connect(address: str | None):
 
 def entrypoint(command: Sequence[str]) -> str:
     """The shell command the job runs on the cluster, checked here first."""
+    return job_command(command)[0]
+
+
+def job_command(command: Sequence[str]) -> tuple[str, str | None]:
+    """The shell command the job runs on the cluster, checked here first, and the token a
+    ``serve`` job carries in its working directory (:data:`SERVE_TOKEN_FILE`; None: none)."""
     from raytrain_mnist.__main__ import load_command
 
     commands = _commands()
@@ -379,9 +398,46 @@ def entrypoint(command: Sequence[str]) -> str:
         )
     # The command's own parse, as its CLI runs it: flag errors surface here as the command
     # reports them (exit status 2). It only parses and validates; paths in the flags
-    # (--data-dir, --storage-path, a checkpoint) are the cluster's and are not looked at.
-    load_command(name).parse(args)
-    return shlex.join(["python", "-m", f"raytrain_mnist.{name}", *args])
+    # (--data-dir, --storage-path, a checkpoint) are the cluster's and are not looked at;
+    # serve's --auth-token-file is read here, and its token travels (below).
+    the_command = load_command(name)
+    options = the_command.parse(args)
+    token = None
+    if name == "serve":
+        if the_command.build_parser().parse_args(args).auth_token is not None:
+            raise UserError(
+                "serve --auth-token would be stored in the cluster's job table, which anyone "
+                f"who can list its jobs reads; set ${TOKEN_ENV} or pass "
+                "--auth-token-file FILE instead (submit carries it in the job's files)",
+                EXIT_USAGE,
+            )
+        token = options.token
+        if token is not None:
+            args = _reading_the_staged_token(the_command, args)
+    return shlex.join(["python", "-m", f"raytrain_mnist.{name}", *args]), token
+
+
+def _reading_the_staged_token(the_command: Command, args: list[str]) -> list[str]:
+    """serve's ``args`` with their ``--auth-token-file`` (a path here) replaced by the one
+    that reads :data:`SERVE_TOKEN_FILE` in the job's working directory."""
+    flag = "--auth-token-file"
+    kept: list[str] = []
+    rest = iter(args)
+    for arg in rest:
+        if arg == "--":
+            kept += [arg, *rest]
+            break
+        word = arg.split("=", 1)[0]
+        if len(word) > len("--auth-token") and flag.startswith(word):  # argparse's prefixes
+            if "=" not in arg:
+                next(rest, None)
+            continue
+        kept.append(arg)
+    at = kept.index("--") if "--" in kept else len(kept)
+    kept[at:at] = [flag, SERVE_TOKEN_FILE]
+    if the_command.build_parser().parse_args(kept).auth_token_file != SERVE_TOKEN_FILE:
+        raise UserError(f"spell serve's {flag} FILE out in full", EXIT_USAGE)
+    return kept
 
 
 def upload_files(root: Path | None = None) -> list[str]:
@@ -413,23 +469,40 @@ def upload_files(root: Path | None = None) -> list[str]:
 
 
 @contextlib.contextmanager
-def staged_upload(root: Path | None = None) -> Iterator[dict]:
+def staged_upload(root: Path | None = None, serve_token: str | None = None) -> Iterator[dict]:
     """The job's runtime environment: a temporary directory holding a copy of
     :func:`upload_files` (and nothing else) as its working directory, removed once the job
-    is submitted (Ray uploads it during ``submit_job``)."""
+    is submitted (Ray uploads it during ``submit_job``). With ``serve_token``, it holds
+    :data:`SERVE_TOKEN_FILE` too."""
     root = Path(root) if root is not None else _PACKAGE_DIR.parent
     with tempfile.TemporaryDirectory(prefix="raytrain_mnist-upload-") as staging:
         for name in upload_files(root):
             target = Path(staging, name)
             target.parent.mkdir(parents=True, exist_ok=True)
             shutil.copyfile(root / name, target, follow_symlinks=False)
+        if serve_token is not None:
+            import secrets
+
+            # Ray's zip keeps the mode: 0600 on every node that unpacks it, too.
+            fd = os.open(
+                Path(staging, SERVE_TOKEN_FILE), os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600
+            )
+            with os.fdopen(fd, "w", encoding="utf-8") as f:
+                f.write(f"{serve_token}\n{secrets.token_hex(32)}\n")
         yield {"working_dir": staging}
 
 
-def submit(client, url: str, entry: str, wait: bool, driver_resource: str | None = None) -> int:
+def submit(
+    client,
+    url: str,
+    entry: str,
+    wait: bool,
+    driver_resource: str | None = None,
+    serve_token: str | None = None,
+) -> int:
     # Without entrypoint resources Ray pins the driver to the head (and the head's role).
     resources = {driver_resource: 1} if driver_resource else None
-    with _one_line_errors(url), staged_upload() as env:
+    with _one_line_errors(url), staged_upload(serve_token=serve_token) as env:
         job_id = client.submit_job(
             entrypoint=entry, runtime_env=env, entrypoint_resources=resources
         )
@@ -588,6 +661,8 @@ class SubmitOptions:
     address: str  # the Jobs API: --address, else the environment's, else the default
     entrypoint: str | None  # the shell command the job runs, its flags checked
     driver_resource: str | None = None  # the custom resource the driver's node must offer
+    #: The token a ``serve`` job carries in its working directory; never printed.
+    serve_token: str | None = field(default=None, repr=False)
 
 
 def parse(argv: Sequence[str]) -> SubmitOptions:
@@ -624,11 +699,11 @@ def parse(argv: Sequence[str]) -> SubmitOptions:
             "resource name; name one that a node offers, e.g. job_driver",
             EXIT_USAGE,
         )
-    entry = entrypoint(command) if command else None
+    entry, token = job_command(command) if command else (None, None)
     address = resolve_address(args.address)
     check_address(address)
     return SubmitOptions(
-        args.action, args.job_id, args.follow, args.no_wait, address, entry, resource
+        args.action, args.job_id, args.follow, args.no_wait, address, entry, resource, token
     )
 
 
@@ -641,6 +716,7 @@ def run(options: SubmitOptions) -> int:
             options.entrypoint,
             wait=not options.no_wait,
             driver_resource=options.driver_resource,
+            serve_token=options.serve_token,
         )
     if options.action == "status":
         return status(client, url, options.job_id)

@@ -29,8 +29,9 @@ starts the head, then, the cluster up throughout:
 - ``submit -- fit --num-workers 2 --placement-strategy STRICT_SPREAD`` makes the autoscaler
   start Ray on the worker host, where no raylet ran before (it logs in from the head, syncs,
   installs, starts); a rank trains on each host and the job succeeds;
-- ``submit -- serve RUN --host 0.0.0.0 --auth-token ...`` answers ``POST /predict`` from the
-  laptop with exactly the accuracy ``evaluate`` reports;
+- ``submit -- serve RUN --host 0.0.0.0`` with ``$RAYTRAIN_MNIST_SERVE_TOKEN`` set on the
+  laptop (submit carries it in the job's files; ``submit list`` never shows it) answers
+  ``POST /predict`` from the laptop with exactly the accuracy ``evaluate`` reports;
 - ``ray down -y`` leaves no Ray process on either host, killing each machine's PID 1 leaves
   nothing of what the test started, and Ray's state and SSH control sockets never reached
   the real /tmp.
@@ -508,8 +509,8 @@ def test_ray_up_on_prem_hosts_over_ssh(onprem, sample_digits):
     def laptop(*argv: str, timeout: float = 600, **env: str) -> subprocess.CompletedProcess:
         return onprem.on_laptop(*argv, timeout=timeout, env=onprem.env(**env))
 
-    def submit(*argv: str, timeout: float = 600) -> subprocess.CompletedProcess:
-        return laptop(RAYTRAIN_MNIST, "submit", *argv, timeout=timeout)
+    def submit(*argv: str, timeout: float = 600, **env: str) -> subprocess.CompletedProcess:
+        return laptop(RAYTRAIN_MNIST, "submit", *argv, timeout=timeout, **env)
 
     config = str(onprem.config)
     # The cluster's token, made on the laptop as docs/cluster.md says; `ray up` mounts it.
@@ -623,11 +624,12 @@ def test_ray_up_on_prem_hosts_over_ssh(onprem, sample_digits):
         f"{SHARED}/runs/spread",
         "--host",
         "0.0.0.0",  # inside the head's namespace: the segment
-        "--auth-token",
-        serve_token,
+        RAYTRAIN_MNIST_SERVE_TOKEN=serve_token,  # carried in the job's files, not its entrypoint
     )
     assert served.returncode == 0, served.stderr
     serve_job = served.stdout.strip()
+    listed = submit("list")
+    assert serve_job in listed.stdout and serve_token not in listed.stdout, listed
     url = f"http://{HEAD_IP}:8000/"
     _wait("the served model", lambda: _http(onprem, url + "health")[0] == 200, 300, 2)
     body = onprem.laptop.root / "digits.json"

@@ -127,13 +127,18 @@ def test_links_lead_to_files_and_headings(doc):
 @pytest.mark.parametrize(
     "doc", [README, REPO / "docs" / "cluster.md"], ids=lambda p: str(p.relative_to(REPO))
 )
-def test_every_command_shown_parses_with_the_real_parsers(doc):
+def test_every_command_shown_parses_with_the_real_parsers(doc, monkeypatch):
     found = package_commands(doc)
     assert found, f"no raytrain_mnist command found in {doc.name}"
     failures = []
     for command, args, line in found:
         try:
-            parse(command, args)
+            with monkeypatch.context() as env:  # VAR=value before the command: its environment
+                for word in shlex.split(line, comments=True):
+                    if not re.fullmatch(r"[A-Z_][A-Z0-9_]*=.*", word):
+                        break
+                    env.setenv(*word.split("=", 1))
+                parse(command, args)
         except SystemExit as exc:  # argparse: a usage error (or --help, status 0)
             if exc.code not in (0, None):
                 failures.append(f"{line}  -> exit {exc.code}")

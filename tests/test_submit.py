@@ -17,6 +17,7 @@ import re
 import secrets
 import shutil
 import signal
+import stat
 import subprocess
 import sys
 import tempfile
@@ -29,6 +30,7 @@ import pytest
 
 from raytrain_mnist import submit
 from raytrain_mnist.errors import EXIT_INTERRUPTED, UserError
+from raytrain_mnist.serving.settings import TOKEN_ENV
 
 from .conftest import MARKER_VAR, REPO, free_ports, kill_marked, write_tiny_mnist
 
@@ -334,16 +336,28 @@ def test_bf16_fit_job_is_followed_to_success_and_ctrl_c_detaches(head, tmp_path)
     assert_one_line_error(proc, "no job 'raysubmit_nope'")
 
 
-def _uploaded_files(head, job_id: str) -> set[str]:
-    """The files of a job's working directory on the head (Python's __pycache__ aside)."""
+def _jobs_api(head, path: str) -> str:
+    """What the Jobs API answers at ``path``, as it sends it."""
     request = urllib.request.Request(
-        f"{head['url']}/api/jobs/{job_id}", headers={"Authorization": f"Bearer {head['token']}"}
+        f"{head['url']}{path}", headers={"Authorization": f"Bearer {head['token']}"}
     )
     with urllib.request.urlopen(request, timeout=30) as response:
-        uri = json.load(response)["runtime_env"]["working_dir"]  # gcs://_ray_pkg_<hash>.zip
+        return response.read().decode()
+
+
+def _working_dir(head, job_id: str) -> Path:
+    """A job's working directory, unpacked on the head."""
+    info = json.loads(_jobs_api(head, f"/api/jobs/{job_id}"))
+    uri = info["runtime_env"]["working_dir"]  # gcs://_ray_pkg_<hash>.zip
     package = uri.removeprefix("gcs://").removesuffix(".zip")
     found = (head["root"] / "ray").glob(f"session_*/runtime_resources/*/{package}")
     (folder,) = {path.resolve() for path in found}  # session_latest links to the session
+    return folder
+
+
+def _uploaded_files(head, job_id: str) -> set[str]:
+    """The files of a job's working directory on the head (Python's __pycache__ aside)."""
+    folder = _working_dir(head, job_id)
     return {
         path.relative_to(folder).as_posix()
         for path in folder.rglob("*")
@@ -354,11 +368,14 @@ def _uploaded_files(head, job_id: str) -> set[str]:
 #: A job that prints, and fails with, a terminal's window-title sequence (OSC) and a CSI one.
 _HOSTILE = "\x1b]0;pwned\x07\x1b[2J"
 _SUBMIT_RAW = """
-import sys
+import json, sys
 from ray.job_submission import JobSubmissionClient
 
-print(JobSubmissionClient(sys.argv[1]).submit_job(entrypoint=sys.argv[2]))
+env = json.loads(sys.argv[3]) if len(sys.argv) > 3 else None
+print(JobSubmissionClient(sys.argv[1]).submit_job(entrypoint=sys.argv[2], runtime_env=env))
 """
+#: A serve token for the tests (never a real one).
+SERVE_TOKEN = "serve-test-token-" + "Qw7z" * 6
 
 
 def test_text_from_the_cluster_is_printed_with_control_characters_shown(head):
@@ -507,6 +524,59 @@ def test_failed_job_exits_non_zero_and_bad_flags_never_reach_the_cluster(head, t
     ], proc.stderr
 
 
+def test_a_submitted_serve_token_reaches_the_job_and_no_field_of_the_job_table(head, tmp_path):
+    """`submit -- serve` with $RAYTRAIN_MNIST_SERVE_TOKEN set where it runs (and not on the
+    head): the job's serve reads the token from its working directory, and nothing the Jobs
+    API shows of the job (entrypoint, runtime_env, message, logs) holds it; runtime_env's
+    env_vars would have shown it."""
+    env = client_env(head, RAY_AUTH_MODE="token", RAY_AUTH_TOKEN_PATH=str(head["token_path"]))
+    missing = tmp_path / "no-run"
+    proc = run_submit(
+        "--address",
+        head["url"],
+        *("--", "serve", str(missing), "--host", "0.0.0.0"),
+        env={**env, TOKEN_ENV: SERVE_TOKEN},
+    )
+    # The job got past serve's token check (without a token it fails with 'listens beyond
+    # loopback') and stopped at the run it was pointed at, which does not exist.
+    assert proc.returncode == 1, proc.stderr
+    assert re.fullmatch(
+        rf"raytrain-mnist: error: job raysubmit_\w+ failed \(exit code 2\): {missing} does not "
+        "exist.*",
+        proc.stderr.splitlines()[-1],
+    ), proc.stderr
+    job_id = re.search(r"submitted (raysubmit_\w+)", proc.stderr)[1]
+    info = json.loads(_jobs_api(head, f"/api/jobs/{job_id}"))
+    assert info["entrypoint"].endswith("--host 0.0.0.0 --auth-token-file serve-token")
+    assert set(info["runtime_env"]) == {"working_dir"}
+    for shown in (
+        proc.stdout + proc.stderr,
+        _jobs_api(head, f"/api/jobs/{job_id}"),
+        _jobs_api(head, "/api/jobs/"),
+        _jobs_api(head, f"/api/jobs/{job_id}/logs"),
+        run_submit("--address", head["url"], "list", env=env).stdout,
+    ):
+        assert SERVE_TOKEN not in shown
+    carried = _working_dir(head, job_id) / submit.SERVE_TOKEN_FILE
+    assert carried.read_text().splitlines()[0] == SERVE_TOKEN
+    assert stat.S_IMODE(carried.stat().st_mode) == 0o600  # as staged: Ray's zip keeps it
+
+    # What runtime_env.env_vars would have exposed: the Jobs API shows them to every caller.
+    probe = secrets.token_hex(16)
+    submitted = subprocess.run(
+        [sys.executable, "-c", _SUBMIT_RAW, head["url"], "true"]
+        + [json.dumps({"env_vars": {"PROBE": probe}})],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert submitted.returncode == 0, submitted.stderr
+    raw_job = submitted.stdout.strip().splitlines()[-1]
+    assert probe in _jobs_api(head, f"/api/jobs/{raw_job}")
+    assert probe in _jobs_api(head, "/api/jobs/")
+
+
 # --------------------------------------------------------------------------- no cluster needed
 
 
@@ -590,6 +660,78 @@ def test_credentials_in_a_uri_are_refused_before_any_cluster_is_contacted(comman
     assert_one_line_error(proc, "carries credentials; pass them through the environment")
     assert "no Ray dashboard answers" not in proc.stderr and proc.stdout == ""
     assert SECRET not in proc.stderr and "AKIAEXAMPLE" not in proc.stderr
+
+
+@pytest.mark.parametrize(
+    "flags",
+    [["--auth-token", SERVE_TOKEN], [f"--auth-token={SERVE_TOKEN}"], ["--auth-token", "short"]],
+    ids=["flag", "equals", "invalid"],
+)
+def test_a_serve_token_on_the_command_line_is_refused_before_anything_is_uploaded(
+    flags, monkeypatch, capsys
+):
+    """The entrypoint is in the job table: a token there is refused here, in one line, exit 2,
+    before any cluster is contacted (a closed port would be a connection error)."""
+    monkeypatch.setenv(TOKEN_ENV, SERVE_TOKEN)  # refused even with a token to carry
+    (closed,) = free_ports(1)
+    argv = ["--address", f"http://127.0.0.1:{closed}", "--", "serve", "runs/r", "--host", "::"]
+    code = submit.cli([*argv, *flags])
+    err = capsys.readouterr().err
+    assert code == 2 and len(err.strip().splitlines()) == 1, err
+    if flags[-1] != "short":
+        assert "--auth-token would be stored in the cluster's job table" in err, err
+        assert f"${TOKEN_ENV} or pass --auth-token-file FILE" in err
+    assert SERVE_TOKEN not in err and "no Ray dashboard answers" not in err
+
+
+def test_a_serve_token_travels_in_the_working_directory_not_the_entrypoint(
+    tmp_path, monkeypatch, capsys
+):
+    """From $RAYTRAIN_MNIST_SERVE_TOKEN or --auth-token-file (a path here, however spelled),
+    the entrypoint reads the staged file, which holds the token, mode 0600, and a line of its
+    own (so the package's content hash is not a hash of the token); serve reads it there."""
+    from raytrain_mnist.serve import parse_command
+
+    address = ["--address", "http://127.0.0.1:1", "--"]
+    monkeypatch.setenv(TOKEN_ENV, SERVE_TOKEN)
+    options = submit.parse([*address, "serve", "runs/r", "--host", "0.0.0.0"])
+    assert options.entrypoint == (
+        "python -m raytrain_mnist.serve runs/r --host 0.0.0.0 --auth-token-file serve-token"
+    )
+    assert options.serve_token == SERVE_TOKEN and SERVE_TOKEN not in repr(options)
+    assert submit.parse([*address, "fit"]).serve_token is None
+    monkeypatch.delenv(TOKEN_ENV)
+    assert submit.parse([*address, "serve", "runs/r"]).serve_token is None  # loopback: none
+    local = tmp_path / "my-token"
+    local.write_text(f"{SERVE_TOKEN[::-1]}\n")
+    for flags in (
+        ["--auth-token-file", str(local)],
+        [f"--auth-token-file={local}"],
+        ["--auth-token-f", str(local)],
+    ):
+        options = submit.parse([*address, "serve", *flags, "runs/r", "--replicas", "2"])
+        assert options.entrypoint == (
+            "python -m raytrain_mnist.serve runs/r --replicas 2 --auth-token-file serve-token"
+        )
+        assert options.serve_token == SERVE_TOKEN[::-1]
+    code = submit.cli([*address, "serve", "runs/r", "--auth-token-file", str(tmp_path / "none")])
+    err = capsys.readouterr().err
+    assert code == 2 and "cannot read it (No such file or directory)" in err, err
+
+    with (
+        submit.staged_upload(serve_token=SERVE_TOKEN) as env,
+        submit.staged_upload(serve_token=SERVE_TOKEN) as again,
+    ):
+        staged = Path(env["working_dir"], submit.SERVE_TOKEN_FILE)
+        assert stat.S_IMODE(staged.stat().st_mode) == 0o600
+        token, salt = staged.read_text().splitlines()
+        other = Path(again["working_dir"], submit.SERVE_TOKEN_FILE).read_text().splitlines()
+        assert token == SERVE_TOKEN == other[0] and len(salt) == 64 and salt != other[1]
+        monkeypatch.chdir(env["working_dir"])  # where the job runs
+        words = options.entrypoint.split()[3:]
+        assert parse_command(words).token == SERVE_TOKEN
+    with submit.staged_upload() as env:
+        assert not Path(env["working_dir"], submit.SERVE_TOKEN_FILE).exists()
 
 
 def test_parse_checks_and_returns_the_options():
