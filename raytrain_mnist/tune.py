@@ -32,7 +32,7 @@ from raytrain_mnist.console import TrialsTable
 from raytrain_mnist.driver.events import format_value
 from raytrain_mnist.driver.runs import BEST_FILE
 from raytrain_mnist.driver.search_space import (
-    SEARCH_SPACE,
+    SEARCH_SPACES,
     SearchSpace,
     TuneSettings,
     check_search,
@@ -83,8 +83,12 @@ def build_parser() -> ArgumentParser:
         metavar="NAME=SPEC",
         help="search a parameter over LOW:HIGH (floats; log-uniform for lr and weight_decay, "
         "uniform otherwise) or a list A,B,C, e.g. --range lr=1e-3:0.3 "
-        "--range batch_size=64,128 --range schedule=onecycle,constant. Default space: "
-        + "; ".join(f"{n} {p.describe()}" for n, p in SEARCH_SPACE.items()),
+        "--range batch_size=64,128 --range schedule=onecycle,constant. Default space, by "
+        "--recipe: "
+        + " | ".join(
+            f"{recipe}: " + "; ".join(f"{n} {p.describe()}" for n, p in space.items())
+            for recipe, space in SEARCH_SPACES.items()
+        ),
     )
     add_dataclass_args(parser, TuneSettings, "search")
     parser.add_argument_group("per trial").add_argument(
@@ -114,7 +118,7 @@ def parse_command(argv: Sequence[str] | None = None) -> TuneCommand:
     settings = dataclass_from_args(TuneSettings, args)
     train = dataclass_from_args(TrainConfig, args)
     run = dataclass_from_args(RunSettings, args)
-    space = SearchSpace.from_cli(args.set, args.range, given)
+    space = SearchSpace.from_cli(args.set, args.range, given, recipe=args.recipe)
     check_search(space, settings, train, run)
     return TuneCommand(space, settings, train, run, tuple(sys.argv[1:] if argv is None else argv))
 

@@ -25,8 +25,20 @@ from pathlib import Path
 import pytest
 from PIL import Image
 
-from raytrain_mnist.config import ConfigError, TrainConfig
-from raytrain_mnist.driver.search_space import SEARCH_SPACE, Param, SearchSpace, parse_range
+from raytrain_mnist.config import (
+    DEFAULT_RECIPE,
+    RECIPES,
+    ConfigError,
+    TrainConfig,
+    recipe_config,
+)
+from raytrain_mnist.driver.search_space import (
+    SEARCH_SPACE,
+    SEARCH_SPACES,
+    Param,
+    SearchSpace,
+    parse_range,
+)
 from raytrain_mnist.driver.searching import SearchResult
 from raytrain_mnist.worker import checkpoint as ckpt
 from tests.conftest import MARKER_VAR, REPO, kill_marked, run_cli, write_tiny_mnist
@@ -200,13 +212,16 @@ def test_search_space_from_the_command_line():
     tune_space = space.param_space()["train_loop_config"]
     assert tune_space["momentum"] == 0.85 and tune_space["weight_decay"] == 1e-4
     assert parse_range("schedule=onecycle,constant")[1].values == ("onecycle", "constant")
-    # TrainConfig's defaults lie inside the default space: one home for defaults.
-    defaults = TrainConfig()
-    for name, param in SEARCH_SPACE.items():
-        value = getattr(defaults, name)
-        assert (
-            (param.low <= value <= param.high) if param.low is not None else value in param.values
-        ), name
+    # Each recipe's values lie inside its default space, the defaults inside the default one.
+    assert SEARCH_SPACES[DEFAULT_RECIPE] == SEARCH_SPACE
+    assert recipe_config(DEFAULT_RECIPE) == TrainConfig()
+    assert set(SEARCH_SPACES) == set(RECIPES)
+    for recipe, params in SEARCH_SPACES.items():
+        values = recipe_config(recipe)
+        for name, param in params.items():
+            value = getattr(values, name)
+            inside = param.low <= value <= param.high if param.low is not None else None
+            assert inside if inside is not None else value in param.values, (recipe, name)
     with pytest.raises(ConfigError, match="unknown parameter"):
         parse_range("nope=1,2")
 

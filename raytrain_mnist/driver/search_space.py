@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 from typing import Any, Optional
 
 from raytrain_mnist.config import (
+    DEFAULT_RECIPE,
     ConfigError,
     FitConfig,
     RunSettings,
@@ -81,12 +82,24 @@ class Param:
 #: The default search space: log-uniform learning rate, a choice of global batch sizes,
 #: uniform momentum, log-uniform weight decay. TrainConfig's defaults (0.1, 128, 0.9, 5e-4)
 #: lie inside every range.
-SEARCH_SPACE: dict[str, Param] = {
-    "lr": Param("loguniform", 1e-3, 0.3),
-    "batch_size": Param("choice", values=(64, 128, 256)),
-    "momentum": Param("uniform", 0.8, 0.95),
-    "weight_decay": Param("loguniform", 1e-5, 1e-3),
+#: The default space of each ``--recipe``, around its values (AdamW's learning rates and
+#: decoupled weight decay live far from SGD's; ``momentum`` is AdamW's beta1).
+SEARCH_SPACES: dict[str, dict[str, Param]] = {
+    "one-epoch": {
+        "lr": Param("loguniform", 5e-3, 0.08),
+        "batch_size": Param("choice", values=(64, 128, 256)),
+        "momentum": Param("uniform", 0.6, 0.9),
+        "weight_decay": Param("loguniform", 5e-3, 0.2),
+    },
+    "classic": {
+        "lr": Param("loguniform", 1e-3, 0.3),
+        "batch_size": Param("choice", values=(64, 128, 256)),
+        "momentum": Param("uniform", 0.8, 0.95),
+        "weight_decay": Param("loguniform", 1e-5, 1e-3),
+    },
 }
+#: The default recipe's.
+SEARCH_SPACE: dict[str, Param] = SEARCH_SPACES[DEFAULT_RECIPE]
 
 
 def searchable() -> tuple[str, ...]:
@@ -171,9 +184,11 @@ class SearchSpace:
         sets: Iterable[str] = (),
         ranges: Iterable[str] = (),
         fixed: Mapping[str, Any] | None = None,
+        recipe: str = DEFAULT_RECIPE,
     ) -> SearchSpace:
-        """``fixed``: fields given as training flags (``--lr 0.05``), fixed like ``--set``."""
-        params = dict(SEARCH_SPACE)
+        """``fixed``: fields given as training flags (``--lr 0.05``), fixed like ``--set``;
+        the rest of the space is ``recipe``'s (:data:`SEARCH_SPACES`)."""
+        params = dict(SEARCH_SPACES[recipe])
         origin: dict[str, str] = {}
         changes = [
             (f"--{n.replace('_', '-')}", n, Param("fixed", values=(v,)))
