@@ -22,6 +22,7 @@ them: the worker, the driver and Serve replicas may all import it.
 | :func:`worker_group_callback_base` | ``ray.train.v2._internal.execution.callback.WorkerGroupCallback`` | ``summary.json``'s timeline has no "worker group started" moment |
 | :func:`quiet_train_report_log` | ``ray.train.v2._internal.execution.context`` | every report logs an INFO line |
 | :func:`serve_http_config` | ``ray.serve.context._get_global_client`` | a second ``serve`` with other HTTP settings is not refused up front |
+| :func:`serve_replica_grpc_on_loopback` | ``ray.serve._private.replica.add_port_to_grpc_server`` | a loopback serve's replica listens on every interface (its inter-deployment gRPC server) |
 | :data:`JOB_SDK_LOGGERS` | logger names under ``ray._private.runtime_env`` | the Jobs SDK logs INFO lines per upload |
 """
 
@@ -143,6 +144,32 @@ def serve_http_config() -> Any | None:
 
 
 # --------------------------------------------------------------------------- ray (worker)
+
+
+def serve_replica_grpc_on_loopback() -> None:
+    """In a Serve replica, before Serve starts the replica's inter-deployment gRPC server
+    (after the deployment's constructor): bind it to loopback. Ray 2.60 binds it to
+    ``[::]:0``, every interface, in every ingress mode, with no setting; a serve on loopback
+    must listen on nothing else. Serve uses that server only for handle calls over gRPC
+    (``RAY_SERVE_USE_GRPC_BY_DEFAULT``, off here), which reach it on the node's address:
+    loopback on the local Ray serve starts. Without the private name: a warning, and the
+    server stays on every interface."""
+    try:
+        from ray.serve._private import replica
+    except ImportError:
+        logging.getLogger(__name__).warning("Serve's replica module moved: gRPC on every interface")
+        return
+    add_port = getattr(replica, "add_port_to_grpc_server", None)
+    if add_port is None or getattr(add_port, "_on_loopback", False):
+        return
+
+    def add_port_on_loopback(server, address: str):
+        if address.startswith("[::]:"):
+            address = "127.0.0.1:" + address.rpartition(":")[2]
+        return add_port(server, address)
+
+    add_port_on_loopback._on_loopback = True
+    replica.add_port_to_grpc_server = add_port_on_loopback
 
 
 def quiet_train_report_log() -> None:

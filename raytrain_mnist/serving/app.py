@@ -37,6 +37,7 @@ from importlib import resources
 
 import numpy as np
 
+from raytrain_mnist import compat
 from raytrain_mnist.serving.images import MAX_BODY_BYTES, BadRequest, parse_images
 from raytrain_mnist.serving.settings import CPUS_PER_REPLICA, ServeConfig, is_loopback
 
@@ -113,6 +114,13 @@ class Parser:
             parsing.exception()  # retrieved: a cancelled request's 4xx is no "never retrieved"
 
 
+def _in_serve_replica() -> bool:
+    """Whether this process is a Serve replica (not the plain baseline, not a test)."""
+    import sys
+
+    return "ray.serve._private.replica" in sys.modules
+
+
 def loopback_host_header(value: str) -> bool:
     """A ``Host`` header that names this machine's loopback (``127.0.0.1``, ``localhost``,
     ``[::1]``, each with an optional port), as a browser sends it for a loopback URL. A
@@ -144,7 +152,6 @@ class DigitClassifier:
         access: Access | None = None,
     ) -> None:
         import torch
-        from ray import serve
 
         from raytrain_mnist.model import ConvNet
         from raytrain_mnist.worker.optim import amp_context
@@ -161,8 +168,17 @@ class DigitClassifier:
         self.info = {**info, "device": self.device.type, "max_batch_size": max_batch_size}
         self.page = page()
         self.access = access or Access()
+        if self.access.loopback_only and _in_serve_replica():
+            # Ray 2.60 starts an inter-deployment gRPC server in every replica, on every
+            # interface, once this constructor returns: on loopback it listens there only.
+            compat.serve_replica_grpc_on_loopback()
         self._token = None if self.access.token is None else self.access.token.encode()
         self._parse = Parser()
+        if max_batch_size == 1:  # no batching: each chunk's forward pass runs as it comes
+            self._batched = self._run_alone
+            return
+        from ray import serve
+
         # Built per replica, so --max-batch-size needs no class-level decorator (and this
         # module imports neither Ray nor torch until a replica or the driver needs them).
         # Items are chunks of images; a batch holds at most max_batch_size images.
@@ -171,6 +187,10 @@ class DigitClassifier:
             batch_wait_timeout_s=BATCH_WAIT_S,
             batch_size_fn=lambda chunks: sum(len(c) for c in chunks),
         )(self._run_batch)
+
+    async def _run_alone(self, chunk: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        # On the event loop: a replica has one CPU, so a thread would only add its hop.
+        return self._forward(chunk)
 
     async def _run_batch(self, chunks: list[np.ndarray]) -> list[tuple[np.ndarray, np.ndarray]]:
         # The forward pass leaves the event loop free to gather the next batch meanwhile.
@@ -309,11 +329,13 @@ def application(
     max_batch_size: int,
     use_gpu: bool,
     access: Access | None = None,
+    env_vars: dict | None = None,
 ):
     """The Serve application (``serve.run`` takes it): ``replicas`` copies of
     :class:`DigitClassifier` holding ``weights`` (a state dict, shipped to them by Ray).
     ``info`` is what ``GET /health`` reports beside the device and the batch size (nothing
-    local: no path); ``access`` who may use it."""
+    local: no path); ``access`` who may use it; ``env_vars`` the replicas' Serve settings
+    (their ingress: :func:`raytrain_mnist.driver.deployment.ingress_env`)."""
     from ray import serve
 
     # Room for a full batch in flight and the next one gathering.
@@ -330,6 +352,25 @@ def application(
         # Requests take milliseconds: a stopping replica need not wait 2 s between checks
         # for its last ones.
         graceful_shutdown_wait_loop_s=0.2,
-        ray_actor_options={"num_cpus": CPUS_PER_REPLICA, "num_gpus": 1 if use_gpu else 0},
+        ray_actor_options={
+            "num_cpus": CPUS_PER_REPLICA,
+            "num_gpus": 1 if use_gpu else 0,
+            **({"runtime_env": {"env_vars": env_vars}} if env_vars else {}),
+        },
     )
     return deployment.bind(weights, amp, info, max_batch_size, use_gpu, access)
+
+
+def asgi(classifier: DigitClassifier):
+    """``classifier`` as a bare ASGI application, no Ray: the same request handling (limits,
+    parsing, model) under any ASGI server. The serve benchmark's plain baseline runs it
+    under uvicorn."""
+    from starlette.requests import Request
+
+    async def app(scope, receive, send):
+        if scope["type"] != "http":
+            return  # lifespan, websockets: nothing to set up or answer
+        response = await classifier(Request(scope, receive))
+        await response(scope, receive, send)
+
+    return app

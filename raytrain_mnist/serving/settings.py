@@ -25,6 +25,11 @@ TOKEN_ENV = "RAYTRAIN_MNIST_SERVE_TOKEN"
 #: enough not to be guessed: ``python -c 'import secrets; print(secrets.token_urlsafe())'``.
 TOKEN_MIN_CHARS = 16
 _TOKEN = re.compile(r"[A-Za-z0-9\-._~+/]+=*")
+#: How HTTP reaches the replicas (docs/serve.md, "Ingress"): ``direct``, the one replica's own
+#: HTTP server on --host:--port; ``haproxy``, Ray's HAProxy in front of the replicas'
+#: servers; ``proxy``, Ray Serve's Python proxy; ``auto``: direct with one replica on a
+#: local Ray that serve starts, proxy otherwise.
+INGRESS_CHOICES = ("auto", "direct", "haproxy", "proxy")
 #: Host names a browser resolves to this machine whatever DNS says.
 _LOOPBACK_NAMES = ("localhost",)
 
@@ -56,6 +61,14 @@ class ServeConfig:
         "seconds a request's body may take to arrive; a slower one gets 408 (Serve's "
         "proxy ends any request 5 s after)",
     )
+    ingress: str = option(
+        "auto",
+        "how HTTP reaches the replicas: direct (the one replica's own server on --host:--port, "
+        "no proxy: the fastest), haproxy (HAProxy in front of the replicas), proxy (Ray "
+        "Serve's Python proxy); auto: direct with 1 replica on a local Ray, proxy otherwise "
+        "(docs/serve.md)",
+        choices=INGRESS_CHOICES,
+    )
     no_auth: bool = option(
         False,
         "listen beyond loopback without a token: anyone who reaches the port may use the model",
@@ -68,6 +81,13 @@ class ServeConfig:
         check_int("replicas", self.replicas, 1)
         check_int("max-batch-size", self.max_batch_size, 1)
         check_int("request-timeout-s", self.request_timeout_s, 1, 3600)
+        if self.ingress not in INGRESS_CHOICES:
+            raise ConfigError(f"--ingress must be one of {', '.join(INGRESS_CHOICES)}")
+        if self.ingress == "direct" and self.replicas > 1:
+            raise ConfigError(
+                "--ingress direct serves one replica on --port; for --replicas "
+                f"{self.replicas} pass --ingress haproxy or --ingress proxy"
+            )
 
     @property
     def loopback(self) -> bool:
