@@ -34,8 +34,11 @@ def _now() -> float:
 _STARTED = time.time()
 
 
-def _emit(epochs: list[dict], first_step_s: float) -> None:
-    print("RESULT " + json.dumps({"epochs": epochs, "first_step_s": first_step_s}), flush=True)
+def _emit(epochs: list[dict], first_step_s: float, moments: dict | None = None) -> None:
+    """``moments``: seconds since the command started at which the imports were done, the
+    data loaded and the model prepared (compare.py's start-up table)."""
+    result = {"epochs": epochs, "first_step_s": first_step_s, "moments": moments or {}}
+    print("RESULT " + json.dumps(result), flush=True)
 
 
 def _product_loop(args, rank: int = 0, world: int = 1, sampler=None) -> None:
@@ -56,6 +59,7 @@ def _product_loop(args, rank: int = 0, world: int = 1, sampler=None) -> None:
     from raytrain_mnist.worker.optim import StepRecipe, build_optimizer
     from raytrain_mnist.worker.score import evaluate
 
+    moments = {"imported_s": _now()}
     keep_freed_memory()  # part of the product's training path, as in every fit worker
     torch.set_num_threads(args.threads)
     device = torch.device(args.device)
@@ -64,6 +68,7 @@ def _product_loop(args, rank: int = 0, world: int = 1, sampler=None) -> None:
     # fit's default recipe (optimizer, schedule, label smoothing, shifts) at these sizes.
     cfg = TrainConfig(epochs=args.epochs, batch_size=args.batch_size, seed=args.seed)
     data = to_device(load_mnist(args.data_dir, args.dataset), device)
+    moments["data_loaded_s"] = _now()
     torch.manual_seed(cfg.seed)
     model = ConvNet().to(device)
     if args.compile:  # as fit's --compile: the inner module, in place, before DDP
@@ -86,6 +91,7 @@ def _product_loop(args, rank: int = 0, world: int = 1, sampler=None) -> None:
     optimizer, scheduler = build_optimizer(model, cfg, len(loader))
     scaler = torch.amp.GradScaler(device.type, enabled=False)
     module = getattr(model, "module", model)
+    moments["model_prepared_s"] = _now()
     epochs, first_step = [], None
     for epoch in range(cfg.epochs):
         set_epoch(loader, epoch, cfg.seed)
@@ -120,7 +126,7 @@ def _product_loop(args, rank: int = 0, world: int = 1, sampler=None) -> None:
             }
         )
     if rank == 0:
-        _emit(epochs, first_step)
+        _emit(epochs, first_step, moments)
 
 
 def plain(args) -> None:

@@ -45,7 +45,14 @@ def timed_fit(tmp_path_factory) -> dict:
     after = time.time()
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     summary = json.loads((storage / "timed" / "summary.json").read_text())
-    return {"summary": summary, "out": result.stdout, "before": before, "after": after}
+    curves = (storage / "timed" / "training_curves.png").read_bytes()
+    return {
+        "summary": summary,
+        "out": result.stdout,
+        "before": before,
+        "after": after,
+        "png": curves,
+    }
 
 
 def test_every_startup_and_teardown_moment_is_recorded_in_order(timed_fit):
@@ -59,6 +66,8 @@ def test_every_startup_and_teardown_moment_is_recorded_in_order(timed_fit):
     # Two epochs of training lie between the first step and the last report.
     assert timeline["teardown_s"]["last_report"] > timeline["startup_s"]["first_step"]
     assert "same clock" in timeline["worker_clock"]
+    # The curves, drawn while Ray shut down, were written before the last moment.
+    assert timed_fit["png"].startswith(b"\x89PNG")
 
 
 def test_the_timeline_lies_within_the_commands_wall_time(timed_fit):

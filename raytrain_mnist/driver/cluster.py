@@ -78,8 +78,9 @@ def default_cpus_per_worker(num_workers: int, local: bool) -> int:
 
 
 @contextlib.contextmanager
-def connect(address: str | None, request: Request) -> Iterator[bool]:
-    """Connect to ``address`` or start a local Ray sized for ``request``.
+def connect(address: str | None, request: Request, dashboard: bool = True) -> Iterator[bool]:
+    """Connect to ``address`` or start a local Ray sized for ``request`` (with its dashboard
+    unless ``dashboard`` is false: fit's own Ray goes without, benchmarks/README.md).
 
     Yields True when this call started Ray (and so will stop it). Raises :class:`UserError`
     when the cluster cannot be reached or can never place the request.
@@ -114,7 +115,9 @@ def connect(address: str | None, request: Request) -> Iterator[bool]:
         _check_local_gpus(request)  # seconds sooner than starting a Ray to find out
         needed = request.num_workers * request.cpus_per_worker + request.extra_cpus
         start_local(
-            max(os.cpu_count() or 1, int(needed + 0.999)), num_gpus=None if request.use_gpu else 0
+            max(os.cpu_count() or 1, int(needed + 0.999)),
+            num_gpus=None if request.use_gpu else 0,
+            dashboard=dashboard,
         )
         started = True
     try:
@@ -140,12 +143,16 @@ def _is_loopback(address: str) -> bool:
 
 
 def start_local(
-    num_cpus: int | None = None, num_gpus: int | None = None, log_to_driver: bool | None = None
+    num_cpus: int | None = None,
+    num_gpus: int | None = None,
+    log_to_driver: bool | None = None,
+    dashboard: bool = True,
 ) -> None:
     """Start a new single-node Ray in this process, every server on loopback, its dashboard
     on 127.0.0.1 (Tune with Train V2 leaks placement groups without it: ray-project/ray#54305).
     What fit, tune and evaluate start for themselves; a notebook calls it too. Stop it with
-    ``ray.shutdown()``."""
+    ``ray.shutdown()``. ``dashboard=False``: without it (fit's: a single run needs none, and
+    its eleven processes cost seconds of a start-up that is CPU-bound)."""
     import ray
 
     for key, value in LOCAL_TRAIN_ENV.items():
@@ -158,7 +165,7 @@ def start_local(
                 address="local",  # a new Ray, never one that `ray start` left running
                 num_cpus=num_cpus,
                 num_gpus=num_gpus,
-                include_dashboard=True,
+                include_dashboard=dashboard,
                 dashboard_host=LOOPBACK,
                 _node_ip_address=LOOPBACK,
                 runtime_env=local_runtime_env(),

@@ -34,6 +34,7 @@ class Event:
 STARTUP = {
     "fit_called": "Python, imports, flags: fit() called",
     "data_loaded": "data loaded (driver)",
+    "ray_starting": "run claimed, identity hashed, resume point read, ray imported",
     "ray_ready": "Ray started or connected (ray.init), placement checked",
     "trainer_started": "run.json, tracking, progress channel, data put: trainer.fit() called",
     "controller_started": "Train controller actor started",

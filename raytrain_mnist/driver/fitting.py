@@ -180,7 +180,7 @@ def fit(
                 already_finished=True,
             )
         prior = _resume_point(run, cfg)
-        summary, error, tracker, logs = _train(
+        summary, error, tracker, logs, curves = _train(
             cfg, run, data, identity, prior, started, emit, phase, poll_s, timeline
         )
         # Still claimed: a second command never sees a half-written or stale summary. A
@@ -190,15 +190,8 @@ def fit(
             summary["error"] = lost
         else:
             run.write_json(SUMMARY_FILE, summary)
-        if summary["history"] and lost is None:
-            from raytrain_mnist.driver.plots import training_curves_png
-
-            run.write_bytes(
-                CURVES_FILE,
-                training_curves_png(
-                    summary["history"], f"{run.name}: {cfg.run.num_workers} worker(s), {data.kind}"
-                ),
-            )
+        if curves is not None and lost is None:
+            run.write_bytes(CURVES_FILE, curves.png())
         tracker.close(summary)
         timeline.mark("files_written")
         summary["timeline"] = timeline.to_dict(summary["timeline"]["worker_clock"])
@@ -271,7 +264,8 @@ def _train(
     poll_s: float,
     timeline: Timeline,
 ):
-    """Connect, train, summarize: (summary, error or None, the tracker, worker logs)."""
+    """Connect, train, summarize: (summary, error or None, the tracker, worker logs, the
+    curves being drawn or None)."""
     address = cluster.resolve_address(cfg.run.address)
     import ray
 
@@ -286,9 +280,11 @@ def _train(
         if local
         else f"connecting to Ray at {address}"
         if address
-        else "using the connected Ray"
+        else "using the connected Ray",
+        "ray_starting",
     )
-    with cluster.connect(address, request):
+    # A single run needs no dashboard: without it its own Ray starts seconds sooner.
+    with cluster.connect(address, request, dashboard=False):
         phase("Ray ready", "ray_ready")
         full_epochs = RECIPES[cfg.recipe]["epochs"]
         sized = (
@@ -352,10 +348,45 @@ def _train(
             cfg, run, data, cpus_per_worker, metrics, monitor, time.perf_counter() - started, error
         )
         timeline.mark("summary_built")
+        # Drawn (matplotlib's import, the figure: a second or more) while Ray shuts down.
+        curves = (
+            _Drawing(
+                summary["history"], f"{run.name}: {cfg.run.num_workers} worker(s), {data.kind}"
+            )
+            if summary["history"]
+            else None
+        )
     if local:
         timeline.mark("ray_shut_down")
     summary["timeline"] = timeline.to_dict(monitor.clock)
-    return summary, error, tracker, logs
+    return summary, error, tracker, logs, curves
+
+
+class _Drawing:
+    """The training curves' PNG, drawn on a thread from the moment it is made."""
+
+    def __init__(self, history: list[dict], title: str) -> None:
+        self._png: bytes | None = None
+        self._error: BaseException | None = None
+        self._thread = threading.Thread(
+            target=self._draw, args=(history, title), name="curves", daemon=True
+        )
+        self._thread.start()
+
+    def _draw(self, history: list[dict], title: str) -> None:
+        try:
+            from raytrain_mnist.driver.plots import training_curves_png
+
+            self._png = training_curves_png(history, title)
+        except BaseException as exc:  # raised where the PNG is asked for
+            self._error = exc
+
+    def png(self) -> bytes:
+        self._thread.join()
+        if self._error is not None:
+            raise self._error
+        assert self._png is not None
+        return self._png
 
 
 def _fit_interruptibly(trainer, channel, emit: EventSink, held: runs.Claim | None = None):
