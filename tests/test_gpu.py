@@ -254,3 +254,44 @@ def test_evaluate_on_the_gpu_reproduces_fits_accuracy(one_worker_nccl, tmp_path)
     assert report["test_size"] == 10000
     # cuDNN may pick other kernels in another process: allow one image of difference.
     assert abs(report["accuracy"] - report["reported_val_accuracy"]) <= 1e-4, report
+
+
+def test_the_gpu_benchmark_runs_its_seeds_and_steps_on_cpu(tmp_path):
+    """benchmarks/gpu.py's code path, on CPU with the sample (--cpu-dry-run): the plain loop
+    over two seeds, their spread and the step table land in gpu.json and gpu.md (the
+    figures mean nothing here; a lent GPU machine runs it for real: docs/gpu.md)."""
+    import json
+    import subprocess
+
+    result = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "benchmarks.gpu",
+            "--data-dir",
+            str(tmp_path / "no-mnist"),
+            "--cpu-dry-run",
+            "--variants",
+            "plain",
+            "--seeds",
+            "2",
+            "--out",
+            str(tmp_path),
+        ],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert result.returncode in (0, 1), result.stdout[-2000:] + result.stderr[-2000:]
+    report = json.loads((tmp_path / "gpu.json").read_text())
+    assert [r["seed"] for r in report["seed_runs"]] == [0, 1]
+    assert report["seeds"]["seeds"] == 2 and report["settings"]["epochs"] == 1
+    accuracy = report["seeds"]["final_accuracy"]
+    assert 0.5 < accuracy["min"] <= accuracy["mean"] <= accuracy["max"] <= 1
+    steps = report["variants"]["plain"]["steps"]
+    assert {"Python, imports, flags", "load the data", "training and evaluation"} <= set(steps)
+    assert abs(steps["unaccounted"]) < 0.01, steps
+    assert set(report["checks"]) >= {"plain ran"} and "fit-1 ran" not in report["checks"]
+    markdown = (tmp_path / "gpu.md").read_text()
+    assert "over 2 seeds" in markdown and "| training and evaluation | ours |" in markdown

@@ -57,6 +57,7 @@ class RunChannel:
 
     def __init__(self) -> None:
         self.items: list[dict] = []
+        self.dropped = 0  # items before self.items[0]: acknowledged and dropped
         self.controller = None
 
     def put(self, item: dict) -> None:
@@ -69,9 +70,14 @@ class RunChannel:
     def get_controller(self):
         return self.controller
 
-    def drain(self) -> list[dict]:
-        items, self.items = self.items, []
-        return items
+    def drain(self, acknowledged: int = 0) -> tuple[int, list[dict]]:
+        """Drop the first ``acknowledged`` items ever put (the reader has handled them) and
+        return (the number dropped, the items kept). Nothing is dropped before the reader
+        says it has it: a read that timed out on a loaded machine loses nothing."""
+        if acknowledged > self.dropped:
+            del self.items[: acknowledged - self.dropped]
+            self.dropped = acknowledged
+        return self.dropped, list(self.items)
 
 
 def start_channel():
@@ -251,6 +257,7 @@ class RunMonitor:
         #: How the workers' stamps were put on the driver's clock.
         self.clock = "rank 0 on the driver's node: the same clock"
         self._shown: set[str] = set()
+        self._handled = 0  # items of the channel handled
         self.prior = [epoch_entry(h) for h in prior]
         self.seen: list[dict] = []
         self.restarts = 0  # worker-group restarts seen (after a failure, or a resize)
@@ -314,10 +321,12 @@ class RunMonitor:
         if not ray.is_initialized():  # a call now would start a new Ray of its own
             return False
         try:
-            items = ray.get(self.channel.drain.remote(), timeout=10)
-        except Exception:  # the cluster is going away; what was shown stays shown
+            dropped, items = ray.get(self.channel.drain.remote(self._handled), timeout=10)
+        except Exception:  # a loaded machine, or the cluster is going away: asked again
             return False
-        for m in items:
+        new = items[self._handled - dropped :]
+        self._handled = dropped + len(items)
+        for m in new:
             kind = m.get("progress")
             if kind == "step":
                 self.on_event(StepProgress(m, self.epochs))
