@@ -213,10 +213,10 @@ def fit_history(summary: dict) -> list[dict]:
 #: equivalents are in PLAIN_STEPS.
 STEPS = [
     ("Python, imports, flags", "ours", "start", "fit_called"),
-    ("load the data", "ours", "fit_called", "data_loaded"),
-    ("claim, identity, import ray", "ours", "data_loaded", "ray_starting"),
+    ("load the data (fit: torch imported here)", "ours", "fit_called", "data_loaded"),
+    ("claim, identity; ray imported", "ours", "data_loaded", "ray_starting"),
     ("ray.init", "Ray", "ray_starting", "ray_ready"),
-    ("run.json, tracking, channel, put, trainer", "ours", "ray_ready", "trainer_started"),
+    ("tracking, channel, data put; Ray Train imported", "ours", "ray_ready", "trainer_started"),
     ("controller actor starts", "Ray", "trainer_started", "controller_started"),
     ("worker actors start", "Ray", "controller_started", "worker_group_started"),
     ("process group", "Ray", "worker_group_started", "process_group_formed"),
@@ -236,7 +236,7 @@ STEPS = [
 #: The plain loop's steps: the moments its RESULT line gives (benchmarks/variants.py).
 PLAIN_STEPS = {
     "Python, imports, flags": ("start", "imported_s"),
-    "load the data": ("imported_s", "data_loaded_s"),
+    "load the data (fit: torch imported here)": ("imported_s", "data_loaded_s"),
     "data fetch, model, prepare_*": ("data_loaded_s", "model_prepared_s"),
     "to the first step": ("model_prepared_s", "first_step_s"),
     "training and evaluation": ("first_step_s", "last_eval_s"),
@@ -479,16 +479,21 @@ def main(argv=None) -> int:
     with tempfile.TemporaryDirectory(prefix="raytrain_bench_") as storage:
         for repeat in range(args.repeats):
             for variant in variants:  # interleaved, so drift hits every variant alike
+                load = os.getloadavg()[0]  # the machine's state: shared machines drift
                 row = measure_variant(variant, args, env, Path(storage))
+                row["load_1min"] = (load + os.getloadavg()[0]) / 2
                 runs[variant].append(row)
                 print(
                     f"[{repeat + 1}/{args.repeats}] {variant:<12} "
                     f"{row['images_per_s']:7.0f} img/s  start-up {row['startup_s']:5.1f} s  "
                     f"to 99% {_fmt(row['time_to_99_s'], '6.1f')} s  "
                     f"CPU/step {_fmt(row['cpu_s_per_step'], '.4f')} s  "
-                    f"wall {row['wall_s']:5.1f} s  peak {row['peak_rss_mb']:6.0f} MB",
+                    f"wall {row['wall_s']:5.1f} s  peak {row['peak_rss_mb']:6.0f} MB  "
+                    f"load {row['load_1min']:.1f}",
                     flush=True,
                 )
+            # After every repeat: a run cut short still leaves the repeats it finished.
+            write_results(args, runs, memory, repeat + 1)
         if args.memory:
             memory = memory_breakdown(args, env, Path(storage))
             print(
@@ -496,7 +501,13 @@ def main(argv=None) -> int:
                 + ", ".join(f"{k} {v:.0f}" for k, v in memory["pss_mb_by_kind"].items()),
                 flush=True,
             )
+    result = write_results(args, runs, memory, args.repeats)
+    print(render_markdown(result))
+    return 0
 
+
+def write_results(args, runs: dict[str, list[dict]], memory, repeats_done: int) -> dict:
+    """``results.json`` and ``results.md`` in ``--out`` from the repeats done so far."""
     table = {
         v: {k: _median([r[k] for r in rows]) for k in rows[0] if k != "steps"}
         | {"throughput_spread": _spread([r["images_per_s"] for r in rows])}
@@ -516,7 +527,7 @@ def main(argv=None) -> int:
     out.mkdir(parents=True, exist_ok=True)
     result = {
         "machine": machine,
-        "settings": vars(args),
+        "settings": {**vars(args), "repeats": repeats_done},
         "variants": table,
         "ratios": ratios,
         "memory_fit1": memory,
@@ -524,8 +535,7 @@ def main(argv=None) -> int:
     }
     (out / "results.json").write_text(json.dumps(result, indent=2))
     (out / "results.md").write_text(render_markdown(result))
-    print(render_markdown(result))
-    return 0
+    return result
 
 
 def _fmt(value, spec):

@@ -290,7 +290,7 @@ def test_the_gpu_benchmark_runs_its_seeds_and_steps_on_cpu(tmp_path):
     accuracy = report["seeds"]["final_accuracy"]
     assert 0.5 < accuracy["min"] <= accuracy["mean"] <= accuracy["max"] <= 1
     steps = report["variants"]["plain"]["steps"]
-    assert {"Python, imports, flags", "load the data", "training and evaluation"} <= set(steps)
+    assert {"Python, imports, flags", "training and evaluation"} <= set(steps)
     assert abs(steps["unaccounted"]) < 0.01, steps
     assert set(report["checks"]) >= {"plain ran"} and "fit-1 ran" not in report["checks"]
     markdown = (tmp_path / "gpu.md").read_text()
