@@ -132,6 +132,8 @@ def measure(name: str, args, env: dict, storage: Path, cache: Path) -> dict:
     command = fit_command(args, workers, storage, run_name, extra + (["--compile"] * compiled))
     _, start, wall, peak, _ = run_measured(command, env)
     summary = json.loads((storage / run_name / "summary.json").read_text())
+    if [w.get("compiled") for w in summary["workers"]] != [compiled] * workers:
+        raise RuntimeError(f"{name}: the workers say compiled {summary['workers']}")
     h = fit_history(summary)[0]
     epoch_start = h["evaluated_at"] - h["epoch_time_s"]
     steps = round(h["images_per_s"] * h["train_s"] / args.batch_size)
@@ -167,7 +169,7 @@ def eval_cost(data_dir: str, dataset: str, threads: int) -> dict:
     evaluate(model, data.test_images, data.test_labels, cpu)
     eager = time.perf_counter() - started
     with tempfile.TemporaryDirectory() as cache:
-        os.environ["TORCHINDUCTOR_CACHE_DIR"] = cache
+        os.environ["TORCHINDUCTOR_CACHE_DIR"] = cache  # read when Inductor first compiles
         model.compile()
         started = time.perf_counter()
         evaluate(model, data.test_images, data.test_labels, cpu)
@@ -175,6 +177,7 @@ def eval_cost(data_dir: str, dataset: str, threads: int) -> dict:
         started = time.perf_counter()
         evaluate(model, data.test_images, data.test_labels, cpu)
         again = time.perf_counter() - started
+        del os.environ["TORCHINDUCTOR_CACHE_DIR"]
     return {"eager_s": eager, "compiled_first_s": first, "compiled_again_s": again}
 
 
@@ -208,10 +211,11 @@ def main(argv=None) -> int:
         "RAY_AUTH_MODE": os.environ.get("RAY_AUTH_MODE", "disabled"),
         "PYTHONUNBUFFERED": "1",
     }
-    import torch
-
     runs: dict[str, list[dict]] = {v: [] for v in variants}
     load_before = os.getloadavg()
+    scoring = eval_cost(args.data_dir, args.dataset, args.cores) if args.eval else None
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(prefix="raytrain_compile_") as scratch:
         storage = Path(scratch) / "runs"
         for repeat in range(args.repeats):
@@ -229,24 +233,32 @@ def main(argv=None) -> int:
                     f"{100 * row['val_accuracy']:.2f} %",
                     flush=True,
                 )
-    table = {v: {k: _median([r[k] for r in rows]) for k in rows[0]} for v, rows in runs.items()}
-    ratios = {name: paired_ratio(runs, a, b, key) for name, a, b, key in RATIOS}
-    result = {
+                # After every run: one cut short keeps what it measured.
+                result = summarize(runs, args, load_before, scoring)
+                (out / "compile.json").write_text(json.dumps(result, indent=2))
+    print(render(result))
+    return 0
+
+
+def summarize(runs: dict, args, load_before, scoring: dict | None) -> dict:
+    """compile.json: the medians, the paired ratios, the runs, and where they ran."""
+    import torch
+
+    done = {v: rows for v, rows in runs.items() if rows}
+    table = {v: {k: _median([r[k] for r in rows]) for k in rows[0]} for v, rows in done.items()}
+    ratios = {name: paired_ratio(done, a, b, key) for name, a, b, key in RATIOS}
+    return {
         "machine": f"{platform.machine()}, {os.cpu_count()} cores, Python "
         f"{platform.python_version()}, torch {torch.__version__}, {_compiler()}",
         "settings": vars(args),
-        # The machine is shared: its load (1, 5, 15 min) when the run began and ended.
+        # The machine is shared: its load (1, 5, 15 min) when the run began and now.
         "load_average": {"before": load_before, "after": os.getloadavg()},
+        "runs_done": {v: len(rows) for v, rows in runs.items()},
         "variants": table,
         "ratios": {k: v for k, v in ratios.items() if v is not None},
-        "eval": eval_cost(args.data_dir, args.dataset, args.cores) if args.eval else None,
+        "eval": scoring,
         "runs": runs,
     }
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "compile.json").write_text(json.dumps(result, indent=2))
-    print(render(result))
-    return 0
 
 
 def render(result: dict) -> str:

@@ -244,8 +244,8 @@ def _backend() -> str | None:
     return dist.get_backend() if dist.is_available() and dist.is_initialized() else None
 
 
-def _worker_placement(device: torch.device) -> list[dict[str, Any]]:
-    """Where every rank runs, gathered once so rank 0 can report it."""
+def _worker_placement(device: torch.device, compiled: bool = False) -> list[dict[str, Any]]:
+    """Where and how every rank runs, gathered once so rank 0 can report it."""
     ctx = ray.train.get_context()
     me = {
         "rank": ctx.get_world_rank(),
@@ -254,6 +254,7 @@ def _worker_placement(device: torch.device) -> list[dict[str, Any]]:
         "pid": os.getpid(),
         "device": str(device),
         "backend": _backend(),
+        "compiled": compiled,
     }
     if device.type == "cuda":
         me["gpu"] = torch.cuda.get_device_name(device)
@@ -468,7 +469,7 @@ def train_func_per_worker(config: dict[str, Any]) -> None:
     prepared_at = time.time()  # the driver's start-up timeline: "model prepared"
     start_epoch, history, best = (0, [], 0.0) if state is None else restore(training, state)
     resumed_from = None if state is None else start_epoch
-    placement = _worker_placement(device)
+    placement = _worker_placement(device, training.compiled)
     if rank == 0:
         _log_start(training, cfg, device, world_size, resumed_from)
     feed = ProgressFeed(
