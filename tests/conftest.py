@@ -121,6 +121,21 @@ def write_tiny_mnist(
     return root
 
 
+def tiny_run_flags(data_dir, storage, name: str | None = None, *extra: str, **flags) -> list[str]:
+    """The flags of a small ``fit`` or ``tune`` on ``data_dir`` (a tiny MNIST, as
+    :func:`write_tiny_mnist` writes it) into ``storage``: one worker, batches of 32, the MNIST
+    files (never the sample), the run's ``name`` when given. A keyword sets a flag
+    (``epochs=2``: ``--epochs 2``, ``cpus_per_worker=1``: ``--cpus-per-worker 1``; None leaves
+    a default one out); ``extra`` words follow last, as they are."""
+    values = {"num_workers": 1, "batch_size": 32, "dataset": "mnist", **flags}
+    values.update(data_dir=data_dir, storage_path=storage, name=name)
+    words = []
+    for key, value in values.items():
+        if value is not None:
+            words += [f"--{key.replace('_', '-')}", str(value)]
+    return [*words, *extra]
+
+
 @pytest.fixture(scope="session")
 def tiny_mnist(tmp_path_factory, sample_digits) -> Path:
     """2048 training digits: epochs long enough for the failure scenario to kill things
@@ -310,6 +325,25 @@ def fitted(ray_local, tiny_mnist, tmp_path_factory) -> dict:
 def trained_run(fitted) -> dict:
     """The shared fit's summary.json."""
     return fitted["summary"]
+
+
+@pytest.fixture
+def ray_env():
+    """The environment of a command that starts its own Ray (on short unix socket paths, its
+    output unbuffered); whatever that Ray leaves is killed after the test, nothing else."""
+    import shutil
+    import tempfile
+
+    ray_tmp = Path(tempfile.mkdtemp(prefix="rt", dir="/tmp"))  # short: unix socket paths
+    env = {
+        **os.environ,
+        "PYTHONUNBUFFERED": "1",
+        "RAY_TMPDIR": str(ray_tmp),
+        MARKER_VAR: uuid.uuid4().hex,  # on every process of the Ray the command starts
+    }
+    yield env
+    kill_marked(env[MARKER_VAR])
+    shutil.rmtree(ray_tmp, ignore_errors=True)
 
 
 def run_cli_here(*args: str):

@@ -24,7 +24,7 @@ import pytest
 from raytrain_mnist.driver.runs import Run
 from raytrain_mnist.driver.runs.claim import LOCK_FILE, Lease, host_id
 from raytrain_mnist.errors import UserError
-from tests.conftest import MARKER_VAR, REPO, kill_marked, run_cli_here
+from tests.conftest import MARKER_VAR, REPO, kill_marked, run_cli_here, tiny_run_flags
 
 
 def _lease_path(run: Run) -> str:
@@ -345,8 +345,7 @@ def test_a_fit_whose_lease_is_taken_stops_in_one_line_and_keeps_its_checkpoint(
         proc = subprocess.Popen(
             [
                 *(sys.executable, "-m", "raytrain_mnist", "fit", "--epochs", "100"),
-                *("--num-workers", "1", "--batch-size", "32", "--dataset", "mnist"),
-                *("--data-dir", str(tiny_mnist), "--storage-path", storage, "--name", "taken"),
+                *tiny_run_flags(tiny_mnist, storage, "taken"),
             ],
             stdout=subprocess.PIPE,
             stderr=err,

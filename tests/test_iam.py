@@ -52,7 +52,7 @@ import uuid
 
 import pytest
 
-from tests.conftest import MARKER_VAR, REPO, aws_env, free_ports, kill_marked
+from tests.conftest import MARKER_VAR, REPO, aws_env, free_ports, kill_marked, tiny_run_flags
 
 POLICY = REPO / "docs" / "iam" / "worker-policy.json"
 PLACEHOLDER = "REPLACE_ME-bucket"
@@ -186,24 +186,10 @@ def _storage(iam_s3: IamS3) -> str:
 
 
 def _fit_args(iam_s3: IamS3, tiny_mnist, name: str, epochs: int) -> list[str]:
-    return [
-        "--epochs",
-        str(epochs),
-        "--num-workers",
-        "1",
-        "--cpus-per-worker",
-        "1",
-        "--batch-size",
-        "64",
-        "--dataset",
-        "mnist",
-        "--data-dir",
-        str(tiny_mnist),
-        "--storage-path",
-        _storage(iam_s3),
-        "--name",
-        name,
-    ]
+    storage = _storage(iam_s3)
+    return tiny_run_flags(
+        tiny_mnist, storage, name, epochs=epochs, cpus_per_worker=1, batch_size=64
+    )
 
 
 # --------------------------------------------------------------------------- what is enforced

@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from raytrain_mnist.worker import checkpoint as ckpt
-from tests.conftest import MARKER_VAR, REPO, kill_marked, marked
+from tests.conftest import MARKER_VAR, REPO, kill_marked, marked, tiny_run_flags
 
 ENV = {**os.environ, "PYTHONUNBUFFERED": "1"}
 
@@ -199,20 +199,7 @@ def test_ctrl_c_stops_cleanly_prints_the_resume_command_and_stops_its_own_ray(ti
             sys.executable,
             "-m",
             "raytrain_mnist.fit",
-            "--num-workers",
-            "1",
-            "--epochs",
-            "30",
-            "--batch-size",
-            "32",
-            "--dataset",
-            "mnist",
-            "--data-dir",
-            str(tiny_mnist),
-            "--storage-path",
-            str(storage),
-            "--name",
-            "stopped",
+            *tiny_run_flags(tiny_mnist, storage, "stopped", epochs=30),
         ],
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,

@@ -18,7 +18,7 @@ from raytrain_mnist.config import FitConfig, RunSettings, TrainConfig
 from raytrain_mnist.driver import runs
 from raytrain_mnist.driver.runs import Run, claim
 from raytrain_mnist.errors import UserError
-from tests.conftest import MARKER_VAR, REPO, kill_marked, run_cli
+from tests.conftest import MARKER_VAR, REPO, kill_marked, run_cli, tiny_run_flags
 
 # --------------------------------------------------------------------------- names, identity
 
@@ -162,20 +162,7 @@ def test_resume_commands_rebuild_the_same_config_from_every_entry_point(monkeypa
 def test_an_s3_run_is_claimed_reported_refused_kept_resumed_and_evaluated(s3, tiny_mnist, tmp_path):
     """Through the real CLI and Ray's own storage: everything a local run guarantees."""
     storage = s3()
-    common = [
-        "--num-workers",
-        "1",
-        "--batch-size",
-        "32",
-        "--dataset",
-        "mnist",
-        "--data-dir",
-        str(tiny_mnist),
-        "--storage-path",
-        storage,
-        "--name",
-        "s3run",
-    ]
+    common = tiny_run_flags(tiny_mnist, storage, "s3run")
     first = run_cli("fit", "--epochs", "2", *common)
     assert first.returncode == 0, first.stdout + first.stderr
     summary = Run(storage, "s3run").summary()

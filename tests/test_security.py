@@ -12,7 +12,7 @@ import uuid
 
 import psutil
 
-from .conftest import MARKER_VAR, REPO, kill_marked, marked, write_tiny_mnist
+from .conftest import MARKER_VAR, REPO, kill_marked, marked, tiny_run_flags, write_tiny_mnist
 
 
 def _is_loopback(ip: str) -> bool:
@@ -56,20 +56,7 @@ def test_the_ray_that_fit_starts_listens_on_loopback_only(tmp_path, sample_digit
             "-m",
             "raytrain_mnist",
             "fit",
-            "--num-workers",
-            "2",
-            "--cpus-per-worker",
-            "1",
-            "--epochs",
-            "1",
-            "--batch-size",
-            "32",
-            "--dataset",
-            "mnist",
-            "--data-dir",
-            str(data),
-            "--storage-path",
-            str(tmp_path / "runs"),
+            *tiny_run_flags(data, tmp_path / "runs", num_workers=2, cpus_per_worker=1, epochs=1),
         ],
         env=env,
         cwd=REPO,

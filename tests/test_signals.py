@@ -9,34 +9,13 @@ what shows it is training (an epoch committed, a trial started), never after a s
 from __future__ import annotations
 
 import json
-import os
-import shutil
 import signal
 import subprocess
 import sys
-import tempfile
 import time
-import uuid
 from pathlib import Path
 
-import pytest
-
-from tests.conftest import MARKER_VAR, REPO, kill_marked, marked
-
-
-@pytest.fixture
-def ray_env():
-    """Environment of a command that starts its own Ray; stops whatever Ray it leaves."""
-    ray_tmp = Path(tempfile.mkdtemp(prefix="rt", dir="/tmp"))  # short: unix socket paths
-    env = {
-        **os.environ,
-        "PYTHONUNBUFFERED": "1",
-        "RAY_TMPDIR": str(ray_tmp),
-        MARKER_VAR: uuid.uuid4().hex,  # on every process of the Ray the command starts
-    }
-    yield env
-    kill_marked(env[MARKER_VAR])
-    shutil.rmtree(ray_tmp, ignore_errors=True)
+from tests.conftest import MARKER_VAR, REPO, marked, tiny_run_flags
 
 
 def _terminate_when(command: list[str], env: dict, ready, tmp_path: Path):
@@ -79,20 +58,8 @@ def test_sigterm_stops_fit_as_ctrl_c_does_and_exits_143(tiny_mnist, tmp_path, ra
         "-m",
         "raytrain_mnist",
         "fit",
-        "--num-workers",
-        "1",
-        "--epochs",
-        "30",  # still training when the first epoch's line has been read
-        "--batch-size",
-        "32",
-        "--dataset",
-        "mnist",
-        "--data-dir",
-        str(tiny_mnist),
-        "--storage-path",
-        str(storage),
-        "--name",
-        "terminated",
+        # 30 epochs: still training when the first epoch's line has been read
+        *tiny_run_flags(tiny_mnist, storage, "terminated", epochs=30),
     ]
     status, out, err = _terminate_when(
         command, ray_env, lambda line: line.startswith("epoch   1/30"), tmp_path
@@ -115,20 +82,7 @@ def test_sigterm_stops_tune_as_ctrl_c_does_and_exits_143(tiny_mnist, tmp_path, r
         "-m",
         "raytrain_mnist",
         "tune",
-        "--num-workers",
-        "1",
-        "--cpus-per-worker",
-        "1",
-        "--batch-size",
-        "32",
-        "--dataset",
-        "mnist",
-        "--data-dir",
-        str(tiny_mnist),
-        "--storage-path",
-        str(tmp_path),
-        "--name",
-        "terminated",
+        *tiny_run_flags(tiny_mnist, tmp_path, "terminated", cpus_per_worker=1),
         "--num-samples",
         "2",
         "--max-epochs",

@@ -32,7 +32,7 @@ from raytrain_mnist import submit
 from raytrain_mnist.errors import EXIT_INTERRUPTED, UserError
 from raytrain_mnist.serving.settings import TOKEN_ENV
 
-from .conftest import MARKER_VAR, REPO, free_ports, kill_marked, write_tiny_mnist
+from .conftest import MARKER_VAR, REPO, free_ports, kill_marked, tiny_run_flags, write_tiny_mnist
 
 RAY = str(Path(sys.executable).with_name("ray"))
 
@@ -168,26 +168,11 @@ def _wait_for_jobs_api(url: str, token: str, proc, log: Path, timeout: float = 9
 
 
 def fit_args(head, tmp_path, name: str, *extra: str) -> list[str]:
+    runs = tmp_path / "runs"
     return [
         "--",
         "fit",
-        "--num-workers",
-        "1",
-        "--cpus-per-worker",
-        "1",
-        "--epochs",
-        "1",
-        "--batch-size",
-        "32",
-        "--dataset",
-        "mnist",
-        "--data-dir",
-        str(head["data"]),
-        "--storage-path",
-        str(tmp_path / "runs"),
-        "--name",
-        name,
-        *extra,
+        *tiny_run_flags(head["data"], runs, name, *extra, cpus_per_worker=1, epochs=1),
     ]
 
 
@@ -1088,19 +1073,7 @@ def test_the_token_does_not_go_to_another_host_over_plain_http_unless_asked(
 ):
     token = "tok-" + uuid.uuid4().hex
     (tmp_path / "home").mkdir()
-    env = {
-        k: v
-        for k, v in os.environ.items()
-        if k
-        not in (
-            "RAY_AUTH_MODE",
-            "RAY_AUTH_TOKEN",
-            "RAY_AUTH_TOKEN_PATH",
-            "RAY_ADDRESS",
-            "RAY_API_SERVER_ADDRESS",
-        )
-    }
-    env.update(HOME=str(tmp_path / "home"), RAY_AUTH_TOKEN=token)
+    env = client_env({"home": tmp_path / "home"}, RAY_AUTH_TOKEN=token)
     url, seen = outward_server["url"], outward_server["seen"]
 
     # A token is configured, the mode is not: kept back, with a warning, once.

@@ -12,11 +12,9 @@ import csv
 import json
 import os
 import shlex
-import shutil
 import signal
 import subprocess
 import sys
-import tempfile
 import time
 import uuid
 from collections.abc import Sequence
@@ -41,7 +39,7 @@ from raytrain_mnist.driver.search_space import (
 )
 from raytrain_mnist.driver.searching import SearchResult
 from raytrain_mnist.worker import checkpoint as ckpt
-from tests.conftest import MARKER_VAR, REPO, kill_marked, run_cli, write_tiny_mnist
+from tests.conftest import MARKER_VAR, REPO, kill_marked, run_cli, tiny_run_flags, write_tiny_mnist
 
 BEST_KEYS = {
     "best_val_accuracy",
@@ -295,41 +293,8 @@ def mixed_mnist(tmp_path_factory, sample_digits) -> Path:
 
 
 def _tune_command(data: Path, storage: Path | str, name: str, *extra: str) -> list[str]:
-    return [
-        sys.executable,
-        "-m",
-        "raytrain_mnist.tune",
-        "--num-workers",
-        "1",
-        "--cpus-per-worker",
-        "1",
-        "--batch-size",
-        "32",
-        "--dataset",
-        "mnist",
-        "--data-dir",
-        str(data),
-        "--storage-path",
-        str(storage),
-        "--name",
-        name,
-        *extra,
-    ]
-
-
-@pytest.fixture
-def ray_env():
-    """Environment of a search subprocess; stops whatever Ray it leaves behind."""
-    ray_tmp = Path(tempfile.mkdtemp(prefix="rt", dir="/tmp"))  # short: unix socket paths
-    env = {
-        **os.environ,
-        "PYTHONUNBUFFERED": "1",
-        "RAY_TMPDIR": str(ray_tmp),
-        MARKER_VAR: uuid.uuid4().hex,  # on every process of the Ray a search starts
-    }
-    yield env
-    kill_marked(env[MARKER_VAR])
-    shutil.rmtree(ray_tmp, ignore_errors=True)
+    flags = tiny_run_flags(data, storage, name, *extra, cpus_per_worker=1)
+    return [sys.executable, "-m", "raytrain_mnist.tune", *flags]
 
 
 def test_asha_stops_a_bad_trial_the_next_still_runs_and_a_killed_search_resumes(
