@@ -19,7 +19,10 @@ answer has come; ``--requests`` a round after a warm-up that is not counted, and
 after ``--round-s`` seconds whatever the count. Latency is measured per request at the client,
 from send to parsed answer.
 
-Writes ``serve.json`` and ``serve.md`` into ``--out``. The clients share the machine's cores
+Writes ``serve.json`` and ``serve.md`` (``--stem``) into ``--out``, after each variant. Beside
+the figures, the CPU seconds each kind of process (client, proxy, HAProxy, replica, the rest
+of the serve's Ray; the plain process) spent a round, per request: what the cost is made of,
+and a measure that the machine's other load moves far less than requests/s. The clients share the machine's cores
 with the servers: on a small machine they are part of what is measured, for plain and for
 serve alike.
 """
@@ -44,31 +47,27 @@ REPO = Path(__file__).resolve().parents[1]
 #: name -> (serve flags, extra environment, what it is). ``default`` is the command as a
 #: user runs it; the rest are the choices docs/serve.md weighs.
 VARIANTS: dict[str, tuple[list[str], dict, str]] = {
-    "default": ([], {}, "serve's defaults"),
-    "proxy": (["--ingress", "proxy"], {}, "Ray Serve's Python proxy (the defaults before)"),
+    "proxy": (
+        ["--ingress", "proxy"],
+        {},
+        "Ray Serve's Python proxy, 1 replica (the default before)",
+    ),
     "proxy-throughput": (
         ["--ingress", "proxy"],
         {"RAY_SERVE_THROUGHPUT_OPTIMIZED": "1"},
-        "the Python proxy, RAY_SERVE_THROUGHPUT_OPTIMIZED=1",
+        "the same, RAY_SERVE_THROUGHPUT_OPTIMIZED=1",
     ),
-    "direct": (["--ingress", "direct"], {}, "direct ingress, 1 replica, batches up to 64"),
+    "default": ([], {}, "serve's defaults: direct ingress, 1 replica"),
     "direct-b1": (
         ["--ingress", "direct", "--max-batch-size", "1"],
         {},
-        "direct ingress, 1 replica, no batching",
+        "direct ingress, no batching (as plain)",
     ),
-    "haproxy-2": (
-        ["--ingress", "haproxy", "--replicas", "2"],
-        {},
-        "HAProxy in front of 2 replicas (direct ingress behind it)",
-    ),
-    "haproxy-1": (
-        ["--ingress", "haproxy", "--replicas", "1"],
-        {},
-        "HAProxy in front of 1 replica",
-    ),
+    "proxy-2": (["--ingress", "proxy", "--replicas", "2"], {}, "the Python proxy, 2 replicas"),
+    "haproxy-2": (["--ingress", "haproxy", "--replicas", "2"], {}, "HAProxy, 2 replicas"),
+    "haproxy-1": (["--ingress", "haproxy"], {}, "HAProxy, 1 replica"),
 }
-DEFAULT_VARIANTS = "proxy,default"
+DEFAULT_VARIANTS = "proxy,default,haproxy-2"
 _WARMUP = 200
 
 
@@ -162,6 +161,48 @@ def plain_server(checkpoint: str, port: int) -> None:
     )
 
 
+#: Process kinds the CPU accounting names, by the start of the process's name (Ray names
+#: its workers ``ray::<actor class>``); the rest of a serve's processes are "ray".
+_KINDS = (
+    ("ray::ServeReplica", "replica"),
+    ("ray::ProxyActor", "proxy"),
+    ("ray::HAProxyMan", "haproxy manager"),
+    ("haproxy", "haproxy"),
+    ("ray::ServeController", "controller"),
+)
+_MARK = "SERVE_LOAD_MARK"
+
+
+def cpu_seconds(mark: str) -> dict[str, float]:
+    """CPU seconds (user + system) so far of every process whose environment holds
+    ``SERVE_LOAD_MARK=mark`` (a Ray passes it down to all it starts), by kind."""
+    import psutil
+
+    needle = f"{_MARK}={mark}".encode()
+    totals: dict[str, float] = {}
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            if needle not in (entry / "environ").read_bytes().split(b"\0"):
+                continue
+            process = psutil.Process(int(entry.name))
+            name, times = process.name(), process.cpu_times()
+        except (OSError, psutil.Error):
+            continue
+        kind = next((k for prefix, k in _KINDS if name.startswith(prefix)), "ray")
+        if mark.endswith("-plain"):
+            kind = "plain"
+        totals[kind] = totals.get(kind, 0.0) + times.user + times.system
+    return totals
+
+
+def _cpu_ms_per_request(before: dict, after: dict, client_s: float, requests: int) -> dict:
+    per = {k: 1000 * (after.get(k, 0.0) - before.get(k, 0.0)) / requests for k in after}
+    per["client"] = 1000 * client_s / requests
+    return {k: round(v, 3) for k, v in sorted(per.items()) if v >= 0.0005}
+
+
 class Server:
     """A server process (plain, or the serve command) and its log; ``url`` once it answers."""
 
@@ -212,6 +253,14 @@ def _pair(plain: list[dict], serve: list[dict]) -> dict:
     def med(rows: list[dict], key: str) -> float:
         return round(statistics.median(r[key] for r in rows), 2)
 
+    def cpu(rows: list[dict]) -> dict:
+        kinds = sorted({k for r in rows for k in r["cpu_ms_per_request"]})
+        per = {
+            k: round(statistics.median(r["cpu_ms_per_request"].get(k, 0.0) for r in rows), 3)
+            for k in kinds
+        }
+        return {**per, "total": round(sum(per.values()), 3)}
+
     rps = [s["requests_per_s"] / p["requests_per_s"] for p, s in zip(plain, serve, strict=True)]
     p99 = [s["p99_ms"] / p["p99_ms"] for p, s in zip(plain, serve, strict=True)]
     return {
@@ -223,6 +272,8 @@ def _pair(plain: list[dict], serve: list[dict]) -> dict:
         "p99_ms": med(serve, "p99_ms"),
         "throughput_of_plain": round(statistics.median(rps), 3),
         "p99_over_plain": round(statistics.median(p99), 2),
+        "cpu_ms_per_request": cpu(serve),
+        "plain_cpu_ms_per_request": cpu(plain),
         "errors": sum(r["errors"] for r in serve),
         "accuracy": serve[0]["accuracy"],
         "plain_accuracy": plain[0]["accuracy"],
@@ -247,6 +298,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--port", type=int, default=8031, help="serve's port (plain: +1)")
     parser.add_argument("--out", default=str(REPO / "benchmarks" / "results"))
+    parser.add_argument("--stem", default="serve", help="output file names: STEM.json, STEM.md")
     parser.add_argument("--plain-server", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.plain_server:
@@ -269,59 +321,16 @@ def main(argv: list[str] | None = None) -> int:
     logs = Path(os.environ.get("TMPDIR", "/tmp")) / f"serve_load-{os.getpid()}"
     logs.mkdir(parents=True, exist_ok=True)
 
-    def run_load(url: str) -> dict:
-        return asyncio.run(load(url, bodies, labels, args.requests, args.concurrency, args.round_s))
-
-    plain_port = args.port + 1
-    plain = Server(
-        [sys.executable, "-m", "benchmarks.serve_load", str(checkpoint), "--plain-server"]
-        + ["--port", str(plain_port)],
-        {},
-        logs / "plain.log",
-        "",
-        f"http://127.0.0.1:{plain_port}/",
-    )
-    rows = []
-    try:
-        plain.wait_ready()
-        for name in names:
-            flags, env, what = VARIANTS[name]
-            serve = Server(
-                [sys.executable, "-m", "raytrain_mnist", "serve", str(checkpoint)]
-                + ["--port", str(args.port), *flags],
-                {k: v for k, v in env.items()},
-                logs / f"{name}.log",
-                "serving ",
-                f"http://127.0.0.1:{args.port}/",
-            )
-            try:
-                serve.wait_ready()
-                started = time.time()
-                sides: dict[str, list[dict]] = {"plain": [], "serve": []}
-                for round_ in range(args.rounds):
-                    order = ("plain", "serve") if round_ % 2 == 0 else ("serve", "plain")
-                    for side in order:
-                        url = plain.url if side == "plain" else serve.url
-                        sides[side].append(run_load(url))
-                row = {
-                    "variant": name,
-                    "what": what,
-                    "flags": flags,
-                    "env": env,
-                    **_pair(sides["plain"], sides["serve"]),
-                    "rounds": sides,
-                    "load_average": round(os.getloadavg()[0], 1),
-                    "measured_s": round(time.time() - started, 1),
-                }
-            finally:
-                code = serve.stop()
-            if code not in (0, None):
-                print(f"{name}: serve exited {code}; see {serve.log}", file=sys.stderr)
-            summary = {k: v for k, v in row.items() if k not in ("rounds", "flags", "env")}
-            print(json.dumps(summary), flush=True)
-            rows.append(row)
-    finally:
-        plain.stop(timeout=30)
+    def run_load(url: str, mark: str) -> dict:
+        """One round, with the CPU each kind of process spent on it, per request."""
+        before, client_before = cpu_seconds(mark), time.process_time()
+        result = asyncio.run(
+            load(url, bodies, labels, args.requests, args.concurrency, args.round_s)
+        )
+        after, client_s = cpu_seconds(mark), time.process_time() - client_before
+        # The warm-up's requests are in the CPU figures too.
+        done = result["requests"] + _WARMUP
+        return {**result, "cpu_ms_per_request": _cpu_ms_per_request(before, after, client_s, done)}
 
     import ray
 
@@ -337,10 +346,76 @@ def main(argv: list[str] | None = None) -> int:
         "machine": platform.machine(),
         "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
     }
-    (out / "serve.json").write_text(json.dumps({"meta": meta, "results": rows}, indent=2) + "\n")
-    (out / "serve.md").write_text(markdown(meta, rows))
-    print(f"wrote {out / 'serve.json'} and {out / 'serve.md'}")
+    plain_port = args.port + 1
+    plain = Server(
+        [sys.executable, "-m", "benchmarks.serve_load", str(checkpoint), "--plain-server"]
+        + ["--port", str(plain_port)],
+        {_MARK: f"{os.getpid()}-plain"},
+        logs / "plain.log",
+        "",
+        f"http://127.0.0.1:{plain_port}/",
+    )
+    rows: list[dict] = []
+    try:
+        plain.wait_ready()
+        for index, name in enumerate(names):
+            # A port of its own each: a stopped serve's replica can hold its port a moment.
+            port = args.port + 2 + index
+            rows.append(measure_variant(name, port, checkpoint, plain, logs, run_load, args))
+            summary = {k: v for k, v in rows[-1].items() if k not in ("rounds", "flags", "env")}
+            print(json.dumps(summary), flush=True)
+            write(out / args.stem, meta, rows)  # after each variant: a failure keeps the rest
+    finally:
+        plain.stop(timeout=30)
+    print(f"wrote {out / args.stem}.json and .md")
     return 0
+
+
+def measure_variant(name, port, checkpoint, plain, logs, run_load, args) -> dict:
+    """One variant's serve started, its rounds alternated with plain's, and stopped; a
+    serve that does not start is a row with its error."""
+    flags, env, what = VARIANTS[name]
+    serve = Server(
+        [sys.executable, "-m", "raytrain_mnist", "serve", str(checkpoint)]
+        + ["--port", str(port), *flags],
+        {**env, _MARK: f"{os.getpid()}-{name}"},
+        logs / f"{name}.log",
+        "serving ",
+        f"http://127.0.0.1:{port}/",
+    )
+    try:
+        serve.wait_ready()
+        started = time.time()
+        sides: dict[str, list[dict]] = {"plain": [], "serve": []}
+        for round_ in range(args.rounds):
+            order = ("plain", "serve") if round_ % 2 == 0 else ("serve", "plain")
+            for side in order:
+                url = plain.url if side == "plain" else serve.url
+                mark = f"{os.getpid()}-{'plain' if side == 'plain' else name}"
+                sides[side].append(run_load(url, mark))
+    except RuntimeError as exc:
+        return {"variant": name, "what": what, "flags": flags, "env": env, "error": str(exc)}
+    finally:
+        code = serve.stop()
+    if code not in (0, None):
+        print(f"{name}: serve exited {code}; see {serve.log}", file=sys.stderr)
+    return {
+        "variant": name,
+        "what": what,
+        "flags": flags,
+        "env": env,
+        **_pair(sides["plain"], sides["serve"]),
+        "rounds": sides,
+        "load_average": round(os.getloadavg()[0], 1),
+        "measured_s": round(time.time() - started, 1),
+    }
+
+
+def write(stem: Path, meta: dict, rows: list[dict]) -> None:
+    stem.with_suffix(".json").write_text(
+        json.dumps({"meta": meta, "results": rows}, indent=2) + "\n"
+    )
+    stem.with_suffix(".md").write_text(markdown(meta, rows))
 
 
 def markdown(meta: dict, rows: list[dict]) -> str:
@@ -357,6 +432,8 @@ def markdown(meta: dict, rows: list[dict]) -> str:
         "of plain | p99 / plain | errors | load avg |",
         "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
+    failed = [r for r in rows if "error" in r]
+    rows = [r for r in rows if "error" not in r]
     for r in rows:
         lines.append(
             f"| {r['variant']}: {r['what']} | {r['requests_per_s']:.0f} | {r['p50_ms']:.1f} | "
@@ -364,6 +441,24 @@ def markdown(meta: dict, rows: list[dict]) -> str:
             f"{r['throughput_of_plain']:.2f} | {r['p99_over_plain']:.1f} | {r['errors']} | "
             f"{r['load_average']} |"
         )
+    kinds = ["client", "proxy", "haproxy", "replica", "controller", "ray"]
+    lines += [
+        "",
+        "CPU milliseconds per request, by process (user + system, every process of the "
+        "serve's Ray; `ray`: the rest of them, GCS, raylet, dashboard, the command itself):",
+        "",
+        "| variant | " + " | ".join(kinds) + " | total | plain's total |",
+        "|---|" + "---:|" * (len(kinds) + 2),
+    ]
+    for r in rows:
+        cpu = r["cpu_ms_per_request"]
+        cells = [f"{cpu[k]:.2f}" if k in cpu else "" for k in kinds]
+        lines.append(
+            f"| {r['variant']} | " + " | ".join(cells) + f" | {cpu['total']:.2f} | "
+            f"{r['plain_cpu_ms_per_request']['total']:.2f} |"
+        )
+    for r in failed:
+        lines += ["", f"{r['variant']} did not run: {r['error'].splitlines()[-1][:300]}"]
     lines += [
         "",
         "plain: the same checkpoint and request handling code (limits, parsing, model; one "

@@ -607,11 +607,11 @@ def _snapshot(root: Path) -> dict:
     }
 
 
-@pytest.fixture(scope="module", params=["direct", "proxy"])
+@pytest.fixture(scope="module", params=["direct", "proxy", "haproxy"])
 def server(fitted, request):
     """The shared fit's best checkpoint served in the tests' own Ray (`serving`, as the
     command runs it, minus the Ray start): one Serve application for the HTTP tests, by
-    each ingress in turn (the replica's own server on the port, then Serve's proxy)."""
+    each ingress in turn (the replica's own server on the port, Serve's proxy, HAProxy)."""
     from raytrain_mnist.driver.deployment import serving
     from raytrain_mnist.serving.settings import ServeConfig
 

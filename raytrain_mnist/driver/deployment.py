@@ -376,7 +376,9 @@ def serving(cfg: ServeConfig, checkpoint: str, token: str | None = None) -> Iter
                     EXIT_USAGE,
                 )
             ingress = "proxy"
-        env = ingress_env(ingress, cfg, scratch if started_ray else None)
+        # On this machine's Ray (started here, or held by this process): HAProxy's files
+        # and ports of this serve only; a cluster's head keeps Ray's defaults.
+        env = ingress_env(ingress, cfg, scratch if address is None else None)
         # Serve's Python proxy still starts beside a direct ingress (on the head node; it
         # could route to the replica): on a port of its own, which serve does not print.
         proxy_port = _free_ports(cfg.host, 1)[0] if ingress == "direct" else None

@@ -44,7 +44,7 @@ class ServeConfig:
     )
     host: str = option(
         "127.0.0.1",
-        "interface the HTTP proxy listens on; beyond loopback (e.g. 0.0.0.0, every "
+        "interface the HTTP port listens on; beyond loopback (e.g. 0.0.0.0, every "
         f"network this machine is on) POST /predict needs a token (${TOKEN_ENV} or "
         "--auth-token) or --no-auth (docs/serve.md)",
     )
