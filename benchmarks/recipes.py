@@ -1,7 +1,7 @@
 """Training recipes, one epoch at a time: test accuracy per named recipe and seed.
 
-    python -m benchmarks.recipes --data-dir ../shared/data/mnist --recipes default,seed-2ep \\
-        --seeds 0-4 --out benchmarks/results/recipes.json
+    python -m benchmarks.recipes --data-dir ../shared/data/mnist \\
+        --recipes default,seed-2ep:2,tutorial:3 --seeds 0-4 --out benchmarks/results/recipes.json
 
 A recipe is a set of :class:`~raytrain_mnist.config.TrainConfig` values (optimizer, learning
 rate and schedule, batch size, label smoothing, ...). Each run is the plain loop of
@@ -11,9 +11,9 @@ is what ``fit`` gets with the same flags (the global batch is the batch of one p
 and 2 workers run the same recipe). The data is loaded once for every run.
 
 Per run: the test accuracy after each epoch, the training seconds (evaluations excluded),
-and, with ``--eval-at``, the accuracy at those shares of the first epoch as well (the model in
+and, with ``--eval-at``, the accuracy at those shares of every epoch as well (the model in
 eval mode; training is not changed by it), so that *seconds to 99 %* is the training time up
-to the first evaluation at >= 99.0 %. Accuracy is deterministic for a recipe, seed and thread
+to the first evaluation at >= 99.0 % and *epochs to 99 %* its place in epochs. Accuracy is deterministic for a recipe, seed and thread
 count; seconds depend on the machine and its load.
 
 ``--set NAME=VALUE`` changes a recipe for one invocation (its name then carries the change):
@@ -106,7 +106,9 @@ def parse_seeds(text: str) -> list[int]:
     return seeds
 
 
-def run_one(data, settings: dict, seed: int, epochs: int, eval_at: list[float]) -> dict:
+def run_one(
+    data, settings: dict, seed: int, epochs: int, eval_at: list[float], verbose: bool = False
+) -> dict:
     """Train ``settings`` for ``epochs`` from ``seed`` on the plain loop; return the run's
     record (accuracy per epoch and at the ``eval_at`` shares of epoch 1, training seconds)."""
     import contextlib
@@ -147,10 +149,12 @@ def run_one(data, settings: dict, seed: int, epochs: int, eval_at: list[float]) 
             }
         )
         eval_s[0] += now - started
+        if verbose:
+            print(f"  epoch {epoch} step {step}: {100 * val['val_accuracy']:.2f} %", flush=True)
 
     def on_step(step: int, _sums) -> None:
-        if clock["epoch"] == 1 and step in marks:
-            score(1, step, marks[step])
+        if step in marks:
+            score(clock["epoch"], step, marks[step])
             model.train()
 
     clock["trained"] = 0.0
@@ -207,8 +211,44 @@ def summarize(runs: list[dict]) -> dict:
             "train_s_median": statistics.median(r["train_s"] for r in group),
             "reached_99": f"{len(reached)}/{len(group)}",
             "s_to_99_median": statistics.median(reached) if reached else None,
+            "s_to_99": _spread(reached),
+            "epochs_to_99": _spread([r["epochs_to_99"] for r in group if r["s_to_99"]]),
         }
     return summary
+
+
+def _spread(values: list[float]) -> dict | None:
+    """Mean, min and max, or None for no values."""
+    if not values:
+        return None
+    return {"mean": statistics.fmean(values), "min": min(values), "max": max(values)}
+
+
+def time_to_99_table(summary: dict, rows: list[tuple[str, str]]) -> str:
+    """The markdown table of ``rows`` (summary key, label): epochs and training seconds to
+    99.0 %, mean (min-max) over the seeds that reached it, and the final accuracy."""
+    lines = [
+        "| recipe | seeds | reached 99 % | epochs to 99 % | training s to 99 % | final accuracy |",
+        "|---|---|---|---|---|---|",
+    ]
+    for key, label in rows:
+        row = summary.get(key)
+        if row is None:
+            continue
+
+        def cell(spread, digits):
+            if spread is None:
+                return "–"
+            lo, hi = f"{spread['min']:.{digits}f}", f"{spread['max']:.{digits}f}"
+            return f"{spread['mean']:.{digits}f} ({lo}–{hi})"
+
+        final = {k: 100 * row[k] for k in ("mean", "min", "max")}
+        lines.append(
+            f"| {label} | {len(row['seeds'])} | {row['reached_99']} | "
+            f"{cell(row['epochs_to_99'], 2)} | {cell(row['s_to_99'], 1)} | "
+            f"{cell(final, 2)} % after {row['epochs']} |"
+        )
+    return "\n".join(lines)
 
 
 def _same(a: dict, b: dict) -> bool:
@@ -219,7 +259,11 @@ def _same(a: dict, b: dict) -> bool:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--data-dir", required=True)
-    parser.add_argument("--recipes", default="default", help="comma-separated recipe names")
+    parser.add_argument(
+        "--recipes",
+        default="default",
+        help="comma-separated recipe names, each with its own epochs as NAME:EPOCHS if needed",
+    )
     parser.add_argument("--set", action="append", default=[], metavar="FIELD=VALUE")
     parser.add_argument("--seeds", default="0-4", help="e.g. 0-4 or 0,3,7")
     parser.add_argument("--epochs", type=int, default=1)
@@ -227,9 +271,10 @@ def main() -> None:
     parser.add_argument(
         "--eval-at",
         default="0.5,0.75,0.9",
-        help="shares of the first epoch at which to evaluate too ('' for none)",
+        help="shares of each epoch at which to evaluate too ('' for none)",
     )
     parser.add_argument("--out", help="JSON file the runs accumulate in")
+    parser.add_argument("--verbose", action="store_true", help="print every evaluation")
     args = parser.parse_args()
 
     import torch
@@ -241,16 +286,20 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     changes = parse_set(args.set)
     suffix = "".join(f" {k}={v}" for k, v in changes.items())
-    plan = [(name + suffix, {**recipe(name), **changes}) for name in args.recipes.split(",")]
+    plan = []  # (name, settings, epochs); "name:epochs" overrides --epochs for one recipe
+    for item in args.recipes.split(","):
+        name, _, epochs = item.partition(":")
+        plan.append((name + suffix, {**recipe(name), **changes}, int(epochs or args.epochs)))
     eval_at = [float(x) for x in args.eval_at.split(",") if x.strip()]
     seeds = parse_seeds(args.seeds)
     data = load_mnist(args.data_dir, "mnist")
 
     out = Path(args.out) if args.out else None
     saved = json.loads(out.read_text()) if out and out.exists() else {"runs": []}
-    for name, settings in plan:
-        for seed in seeds:
-            record = run_one(data, settings, seed, args.epochs, eval_at)
+    # Seed by seed, the recipes in turn: the machine's drift hits every recipe alike.
+    for seed in seeds:
+        for name, settings, epochs in plan:
+            record = run_one(data, settings, seed, epochs, eval_at, args.verbose)
             record = {"recipe": name, "settings": settings, **record}
             record["threads"] = args.threads
             record["date"] = datetime.date.today().isoformat()
@@ -278,7 +327,7 @@ def main() -> None:
                 out.parent.mkdir(parents=True, exist_ok=True)
                 out.write_text(json.dumps(saved, indent=1) + "\n")
     for key, row in summarize(
-        [r for r in saved["runs"] if r["recipe"] in {n for n, _ in plan}] if out else []
+        [r for r in saved["runs"] if r["recipe"] in {n for n, _, _ in plan}] if out else []
     ).items():
         print(
             f"{key:44s} mean {100 * row['mean']:.3f}  min {100 * row['min']:.2f}  "
