@@ -22,6 +22,7 @@ them: the worker, the driver and Serve replicas may all import it.
 | :func:`worker_group_callback_base` | ``ray.train.v2._internal.execution.callback.WorkerGroupCallback`` | ``summary.json``'s timeline has no "worker group started" moment |
 | :func:`quiet_train_report_log` | ``ray.train.v2._internal.execution.context`` | every report logs an INFO line |
 | :func:`serve_http_config` | ``ray.serve.context._get_global_client`` | a second ``serve`` with other HTTP settings is not refused up front |
+| :func:`serve_http_reuses_address` | ``ray.serve._private.http_util.socket`` | a direct replica that replaces a dead one cannot bind the port for a minute (its connections' TIME_WAIT) |
 | :func:`serve_replica_grpc_on_loopback` | ``ray.serve._private.replica.add_port_to_grpc_server`` | a loopback serve's replica listens on every interface (its inter-deployment gRPC server) |
 | :data:`JOB_SDK_LOGGERS` | logger names under ``ray._private.runtime_env`` | the Jobs SDK logs INFO lines per upload |
 """
@@ -144,6 +145,36 @@ def serve_http_config() -> Any | None:
 
 
 # --------------------------------------------------------------------------- ray (worker)
+
+
+class _ReuseAddressSockets:
+    """The ``socket`` module, but the sockets it makes take ``SO_REUSEADDR`` (what uvicorn,
+    and most servers, set on a listening socket: binding past TIME_WAIT, never past a
+    listener)."""
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(socket, name)
+
+    @staticmethod
+    def socket(*args, **kwargs) -> socket.socket:
+        sock = socket.socket(*args, **kwargs)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        return sock
+
+
+def serve_http_reuses_address() -> None:
+    """In a Serve replica: the HTTP server of the direct ingress binds its port with
+    ``SO_REUSEADDR``. Ray 2.60's ``start_asgi_http_server`` binds without it, so when a replica
+    dies with connections open, the one that replaces it cannot bind the same port until their
+    TIME_WAIT ends (60 s on Linux; measured: answers again 67 s after a SIGKILL). Without the
+    private name: a warning, and that wait."""
+    try:
+        from ray.serve._private import http_util
+    except ImportError:
+        logging.getLogger(__name__).warning("Serve's http_util moved: no SO_REUSEADDR")
+        return
+    if getattr(http_util, "socket", None) is socket:
+        http_util.socket = _ReuseAddressSockets()
 
 
 def serve_replica_grpc_on_loopback() -> None:

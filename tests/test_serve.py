@@ -972,8 +972,9 @@ class SlowClient(threading.Thread):
 def test_cli_serves_until_ctrl_c_and_leaves_nothing(fitted, tmp_path):
     """`python -m raytrain_mnist serve RUN_DIR` as a user runs it: its own local Ray, the
     URL line, answers (by the default, direct ingress: the replica's own server on the port,
-    nothing listening beyond loopback), then Ctrl-C ends it with status 0, no process it
-    started outlives it, and nothing in the run directory was written.
+    nothing listening beyond loopback; a killed replica's successor takes the port again),
+    then Ctrl-C ends it with status 0, no process it started outlives it, and nothing in the
+    run directory was written.
 
     It runs with a token from the environment (POST /predict: 401 without it or with a
     wrong one; the page and /health are public), a 10 s request timeout and batches of 1
@@ -1055,6 +1056,23 @@ def test_cli_serves_until_ctrl_c_and_leaves_nothing(fitted, tmp_path):
         assert all(r[3] >= 9.5 for r in ours), [r[3] for r in ours]
         print(f"503 in {1000 * refused_in:.0f} ms; slow clients' answers: {statuses}")
         assert len(predict(url, [[[0] * 28] * 28], headers=auth)["predictions"]) == 1
+
+        # The replica killed: Serve starts another, which takes the same port (past the
+        # dead one's connections in TIME_WAIT) and answers.
+        (replica,) = [p for p in marked(marker) if _listening({p}).get(("127.0.0.1", port))]
+        os.kill(replica, signal.SIGKILL)
+        killed, deadline = time.monotonic(), time.monotonic() + 120
+        while True:
+            try:
+                if http(url + "health", timeout=5)[0] == 200:
+                    break
+            except OSError:  # refused, or reset, until the new replica listens
+                pass
+            assert time.monotonic() < deadline, "no replica took the port again"
+            time.sleep(0.5)
+        print(f"a new replica answered {time.monotonic() - killed:.1f} s after the kill")
+        assert len(predict(url, [[[0] * 28] * 28], headers=auth)["predictions"]) == 1
+        assert replica not in marked(marker)
 
         proc.send_signal(signal.SIGINT)
         assert proc.wait(120) == 0, log.read_text()

@@ -168,6 +168,9 @@ class DigitClassifier:
         self.info = {**info, "device": self.device.type, "max_batch_size": max_batch_size}
         self.page = page()
         self.access = access or Access()
+        if _in_serve_replica():
+            # A replica that replaces a dead one binds the direct ingress's port at once.
+            compat.serve_http_reuses_address()
         if self.access.loopback_only and _in_serve_replica():
             # Ray 2.60 starts an inter-deployment gRPC server in every replica, on every
             # interface, once this constructor returns: on loopback it listens there only.
