@@ -53,7 +53,7 @@ class ServeConfig:
         1, f"model replicas, each {CPUS_PER_REPLICA} CPU (plus 1 GPU with --use-gpu)"
     )
     max_batch_size: int = option(
-        64, "most images in one forward pass, gathered across concurrent requests"
+        64, "most images in one forward pass, gathered across concurrent requests (1: none)"
     )
     use_gpu: bool = option(False, "one GPU per replica")
     request_timeout_s: int = option(
