@@ -268,8 +268,7 @@ def main(argv: list[str] | None = None) -> int:
             logging_level="WARNING",
             log_to_driver=False,
         )
-    # Serve's proxy, as `serve --replicas 2` picks it (the ingress a run measured is its own
-    # row: results/serve_faults.json was measured through the proxy).
+    # Serve's proxy, as `serve --replicas 2` picks it: results/serve_faults.json's ingress.
     cfg = ServeConfig(host="127.0.0.1", port=port, replicas=2, ingress="proxy")
     report: dict = {}
     try:
