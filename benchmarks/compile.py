@@ -181,6 +181,91 @@ def eval_cost(data_dir: str, dataset: str, threads: int) -> dict:
     return {"eager_s": eager, "compiled_first_s": first, "compiled_again_s": again}
 
 
+def step_cost(data_dir: str, dataset: str, threads: int, blocks: int, steps: int) -> dict:
+    """The steady-state step, eager against compiled, in one process: fit's train step
+    (default recipe, batch 128) on full-MNIST batches, the two models alternating in
+    ``blocks`` blocks of ``steps`` steps after one warm-up block each (the compiled one's
+    first step compiles, in a fresh Inductor cache), so a change in the machine's load hits
+    both alike. Returns the medians of the per-block means and the compile step's seconds."""
+    import contextlib
+    import statistics
+
+    import torch
+
+    from raytrain_mnist.config import TrainConfig
+    from raytrain_mnist.data import load_mnist
+    from raytrain_mnist.model import ConvNet
+    from raytrain_mnist.worker.loop import keep_freed_memory, make_train_loader, train_step
+    from raytrain_mnist.worker.optim import StepRecipe, build_optimizer, grad_scaler
+
+    keep_freed_memory()
+    torch.set_num_threads(threads)
+    cfg = TrainConfig()
+    data = load_mnist(data_dir, dataset)
+    loader = make_train_loader(data.train_images, data.train_labels, cfg.batch_size, cfg.seed)
+    batches = iter(loader)
+
+    def next_batch():
+        nonlocal batches
+        try:
+            return next(batches)
+        except StopIteration:
+            batches = iter(loader)
+            return next(batches)
+
+    models = {}
+    for name in ("eager", "compiled"):
+        torch.manual_seed(cfg.seed)
+        model = ConvNet()
+        if name == "compiled":
+            model.compile()
+        optimizer, scheduler = build_optimizer(model, cfg, 10 * (blocks + 1) * steps)
+        models[name] = (
+            model.train(),
+            optimizer,
+            scheduler,
+            grad_scaler("off", torch.device("cpu")),
+        )
+
+    def run(name: str, n: int) -> float:
+        model, optimizer, scheduler, scaler = models[name]
+        started = time.perf_counter()
+        for _ in range(n):
+            images, labels = next_batch()
+            train_step(
+                model,
+                images,
+                labels,
+                optimizer,
+                scheduler,
+                scaler,
+                contextlib.nullcontext(),
+                StepRecipe.of(cfg),
+            )
+        return (time.perf_counter() - started) / n
+
+    with tempfile.TemporaryDirectory() as cache:
+        os.environ["TORCHINDUCTOR_CACHE_DIR"] = cache
+        compile_step_s = run("compiled", 1)
+        run("eager", steps)
+        run("compiled", steps)
+        times = {"eager": [], "compiled": []}
+        for _ in range(blocks):
+            for name in times:
+                times[name].append(run(name, steps))
+        del os.environ["TORCHINDUCTOR_CACHE_DIR"]
+    eager, compiled = (statistics.median(times[n]) for n in ("eager", "compiled"))
+    return {
+        "blocks": blocks,
+        "steps_per_block": steps,
+        "eager_step_s": eager,
+        "compiled_step_s": compiled,
+        "compiled_vs_eager": compiled / eager,
+        "compile_first_step_s": compile_step_s,
+        "block_means_s": times,
+    }
+
+
 def _compiler() -> str:
     name = os.environ.get("CXX") or "g++"
     try:
@@ -200,6 +285,13 @@ def main(argv=None) -> int:
     parser.add_argument("--variants", default=",".join(VARIANTS))
     parser.add_argument("--dataset", default="mnist", choices=["mnist", "sample"])
     parser.add_argument("--eval", action=argparse.BooleanOptionalAction, default=True)
+    parser.add_argument(
+        "--step-blocks",
+        type=int,
+        default=6,
+        help="in-process steady-state step, eager and compiled alternating (0: skip)",
+    )
+    parser.add_argument("--steps-per-block", type=int, default=25)
     parser.set_defaults(epochs=1)  # one epoch: fit's default recipe (fit_command reads it)
     args = parser.parse_args(argv)
     variants = [v for v in args.variants.split(",") if v]
@@ -214,6 +306,11 @@ def main(argv=None) -> int:
     runs: dict[str, list[dict]] = {v: [] for v in variants}
     load_before = os.getloadavg()
     scoring = eval_cost(args.data_dir, args.dataset, args.cores) if args.eval else None
+    steps = (
+        step_cost(args.data_dir, args.dataset, args.cores, args.step_blocks, args.steps_per_block)
+        if args.step_blocks
+        else None
+    )
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(prefix="raytrain_compile_") as scratch:
@@ -234,13 +331,15 @@ def main(argv=None) -> int:
                     flush=True,
                 )
                 # After every run: one cut short keeps what it measured.
-                result = summarize(runs, args, load_before, scoring)
+                result = summarize(runs, args, load_before, scoring, steps)
                 (out / "compile.json").write_text(json.dumps(result, indent=2))
+    result = summarize(runs, args, load_before, scoring, steps)
+    (out / "compile.json").write_text(json.dumps(result, indent=2))
     print(render(result))
     return 0
 
 
-def summarize(runs: dict, args, load_before, scoring: dict | None) -> dict:
+def summarize(runs: dict, args, load_before, scoring: dict | None, steps: dict | None) -> dict:
     """compile.json: the medians, the paired ratios, the runs, and where they ran."""
     import torch
 
@@ -257,6 +356,7 @@ def summarize(runs: dict, args, load_before, scoring: dict | None) -> dict:
         "variants": table,
         "ratios": {k: v for k, v in ratios.items() if v is not None},
         "eval": scoring,
+        "steps": steps,
         "runs": runs,
     }
 
@@ -283,6 +383,15 @@ def render(result: dict) -> str:
             "",
             f"Scoring the test set: eager {e['eager_s']:.2f} s, compiled {e['compiled_first_s']:.2f}"
             f" s the first time (compiling), {e['compiled_again_s']:.2f} s after.",
+        ]
+    t = result.get("steps")
+    if t:
+        lines += [
+            "",
+            f"Steady-state step in one process, alternating ({t['blocks']} x "
+            f"{t['steps_per_block']} steps each): eager {1000 * t['eager_step_s']:.1f} ms, "
+            f"compiled {1000 * t['compiled_step_s']:.1f} ms ({t['compiled_vs_eager']:.3f}x); "
+            f"the compiling step {t['compile_first_step_s']:.1f} s.",
         ]
     return "\n".join(lines)
 
