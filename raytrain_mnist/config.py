@@ -298,9 +298,9 @@ class RunSettings:
     compile: bool = _opt(
         False,
         "torch.compile the ConvNet (Inductor) before DDP wraps it: the first step "
-        "compiles (14-47 s on 2 CPU cores), and on CPU fit's compiled steps measured "
-        "slower (benchmarks/README.md); needs a C++ compiler on CPU ($CXX or g++), a C one "
-        "on GPU",
+        "compiles (14-47 s on 2 CPU cores), and on CPU the compiled steps measured "
+        "1.2-1.3x slower than eager ones (benchmarks/README.md); needs a C++ compiler on CPU "
+        "($CXX or g++), a C one on GPU",
     )
 
     def __post_init__(self) -> None:
