@@ -618,6 +618,9 @@ def test_an_s3_search_resumes_from_its_own_records_and_never_runs_what_storage_h
     record_before = first.read_bytes("trial.json")
     checkpoints_before = [path for path, _ in first.checkpoints()]
     assert record_before and checkpoints_before and second.read_bytes("trial.json") is None
+    # Its epochs take a second here: its last one may have committed before the stop took.
+    second_before = [path for path, _ in second.checkpoints()]
+    assert len(second_before) in (1, 2)
 
     # 2. Plant code where Tune keeps its state, at the experiment's root and in its trials.
     for name, payload in _planted_tune_state().items():
@@ -637,7 +640,10 @@ def test_an_s3_search_resumes_from_its_own_records_and_never_runs_what_storage_h
     assert f"trial {started[1]} started" in done.stdout
     assert first.read_bytes("trial.json") == record_before  # not trained again
     assert [path for path, _ in first.checkpoints()] == checkpoints_before
-    assert second.latest_metrics()["resumed_from_epoch"] == 1  # from its own checkpoint
+    if len(second_before) == 1:  # stopped between its epochs: resumed from its checkpoint
+        assert second.latest_metrics()["resumed_from_epoch"] == 1
+    else:  # both epochs had committed: the resumed trial found them and trained nothing
+        assert [path for path, _ in second.checkpoints()] == second_before
     record = json.loads(second.read_bytes("trial.json"))
     assert record["status"] == "finished" and [h["epoch"] for h in record["history"]] == [1, 2]
     best = json.loads(Run(storage, "s3search").read_bytes("best.json"))
