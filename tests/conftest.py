@@ -66,6 +66,36 @@ def marked(marker: str) -> list[int]:
     return pids
 
 
+def is_loopback(ip: str) -> bool:
+    """A socket address (``::ffff:127.0.0.1`` and ``fe80::1%lo`` forms too) on loopback."""
+    import ipaddress
+
+    address = ipaddress.ip_address(ip.split("%")[0])
+    if address.version == 6 and address.ipv4_mapped is not None:
+        address = address.ipv4_mapped
+    return address.is_loopback
+
+
+def listening(pids: set[int]) -> dict[tuple[str, int], str]:
+    """(address, port) -> process name of every TCP socket the processes listen on, and of
+    every unconnected UDP one."""
+    import psutil
+
+    found = {}
+    for pid in pids:
+        try:
+            process = psutil.Process(pid)
+            name = process.name()
+            for conn in process.net_connections(kind="inet"):
+                if conn.status == psutil.CONN_LISTEN or (
+                    conn.type == socket.SOCK_DGRAM and not conn.raddr
+                ):
+                    found[(conn.laddr.ip, conn.laddr.port)] = name
+        except psutil.Error:  # gone between the listing and the look
+            continue
+    return found
+
+
 def kill_marked(marker: str) -> list[int]:
     """SIGKILL every process that carries ``marker``: ours only."""
     killed = []

@@ -2,9 +2,7 @@
 
 from __future__ import annotations
 
-import ipaddress
 import os
-import socket
 import subprocess
 import sys
 import time
@@ -12,31 +10,16 @@ import uuid
 
 import psutil
 
-from .conftest import MARKER_VAR, REPO, kill_marked, marked, tiny_run_flags, write_tiny_mnist
-
-
-def _is_loopback(ip: str) -> bool:
-    address = ipaddress.ip_address(ip.split("%")[0])
-    if address.version == 6 and address.ipv4_mapped is not None:
-        address = address.ipv4_mapped
-    return address.is_loopback
-
-
-def _listening(pids: set[int]) -> dict[tuple[str, int], str]:
-    """(address, port) -> process name of every TCP/UDP socket the processes listen on."""
-    found = {}
-    for pid in pids:
-        try:
-            process = psutil.Process(pid)
-            name = process.name()
-            for conn in process.net_connections(kind="inet"):
-                if conn.status == psutil.CONN_LISTEN or (
-                    conn.type == socket.SOCK_DGRAM and not conn.raddr
-                ):
-                    found[(conn.laddr.ip, conn.laddr.port)] = name
-        except psutil.Error:  # gone between the listing and the look
-            continue
-    return found
+from .conftest import (
+    MARKER_VAR,
+    REPO,
+    is_loopback,
+    kill_marked,
+    listening,
+    marked,
+    tiny_run_flags,
+    write_tiny_mnist,
+)
 
 
 def test_the_ray_that_fit_starts_listens_on_loopback_only(tmp_path, sample_digits):
@@ -74,12 +57,12 @@ def test_the_ray_that_fit_starts_listens_on_loopback_only(tmp_path, sample_digit
                 break
             # Processes that rename themselves overwrite the environment the marker is in:
             # the run's processes are the driver's descendants, or carry the marker.
-            seen.update(_listening(pids | set(marked(marker))))
+            seen.update(listening(pids | set(marked(marker))))
             time.sleep(1.0)
         output = fit.communicate(timeout=60)[0].decode()
     finally:
         kill_marked(marker)
-    exposed = {f"{ip}:{port} ({name})" for (ip, port), name in seen.items() if not _is_loopback(ip)}
+    exposed = {f"{ip}:{port} ({name})" for (ip, port), name in seen.items() if not is_loopback(ip)}
     assert not exposed, f"listening beyond loopback: {sorted(exposed)}"
     # The run was watched while it ran: its Ray and its Train workers were listening.
     assert {"gcs_server", "raylet", "ray::RayTrainWorker"} <= set(seen.values()), seen

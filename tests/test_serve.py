@@ -37,7 +37,16 @@ import pytest
 
 from raytrain_mnist.serving.images import MAX_BODY_BYTES, MAX_PNG_PIXELS, MAX_REQUEST_PIXELS
 from raytrain_mnist.serving.settings import TOKEN_ENV
-from tests.conftest import MARKER_VAR, REPO, free_ports, kill_marked, marked, run_cli_here
+from tests.conftest import (
+    MARKER_VAR,
+    REPO,
+    free_ports,
+    is_loopback,
+    kill_marked,
+    listening,
+    marked,
+    run_cli_here,
+)
 
 CHROMIUM = os.environ.get("CHROMIUM", "/usr/bin/chromium")  # Debian's, or $CHROMIUM
 TOKEN = "test-token-0123456789abcdef"
@@ -908,35 +917,6 @@ def _page_with_a_token(url: str, token: str) -> dict:
     return seen
 
 
-def _is_loopback(ip: str) -> bool:
-    import ipaddress
-
-    address = ipaddress.ip_address(ip.split("%")[0])
-    if address.version == 6 and address.ipv4_mapped is not None:
-        address = address.ipv4_mapped
-    return address.is_loopback
-
-
-def _listening(pids: set[int]) -> dict[tuple[str, int], str]:
-    """(address, port) -> process name of every TCP socket the processes listen on, and of
-    every unconnected UDP one."""
-    import psutil
-
-    found = {}
-    for pid in pids:
-        try:
-            process = psutil.Process(pid)
-            name = process.name()
-            for conn in process.net_connections(kind="inet"):
-                if conn.status == psutil.CONN_LISTEN or (
-                    conn.type == socket.SOCK_DGRAM and not conn.raddr
-                ):
-                    found[(conn.laddr.ip, conn.laddr.port)] = name
-        except psutil.Error:  # gone between the listing and the look
-            continue
-    return found
-
-
 class SlowClient(threading.Thread):
     """A POST /predict whose body never comes: its headers, then a few bytes, then it waits
     for the answer. ``result``: (status, headers, body, seconds) once answered."""
@@ -1005,9 +985,9 @@ def test_cli_serves_until_ctrl_c_and_leaves_nothing(fitted, tmp_path):
         assert f"at {url} " in log.read_text()
         # By default the replica's own server takes the port (direct ingress), and nothing
         # this serve started listens beyond loopback (Ray's, Serve's, the replica's).
-        listening = _listening(set(marked(marker)))
-        assert listening.get(("127.0.0.1", port), "").startswith("ray::ServeRepli"), listening
-        beyond = {k: v for k, v in listening.items() if not _is_loopback(k[0])}
+        sockets = listening(set(marked(marker)))
+        assert sockets.get(("127.0.0.1", port), "").startswith("ray::ServeRepli"), sockets
+        beyond = {k: v for k, v in sockets.items() if not is_loopback(k[0])}
         assert not beyond, beyond
         status, _, body = http(url + "health")
         assert status == 200 and json.loads(body)["status"] == "ok"
@@ -1059,7 +1039,7 @@ def test_cli_serves_until_ctrl_c_and_leaves_nothing(fitted, tmp_path):
 
         # The replica killed: Serve starts another, which takes the same port (past the
         # dead one's connections in TIME_WAIT) and answers.
-        (replica,) = [p for p in marked(marker) if _listening({p}).get(("127.0.0.1", port))]
+        (replica,) = [p for p in marked(marker) if listening({p}).get(("127.0.0.1", port))]
         os.kill(replica, signal.SIGKILL)
         killed, deadline = time.monotonic(), time.monotonic() + 120
         while True:
