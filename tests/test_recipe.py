@@ -226,7 +226,7 @@ def test_bad_recipe_values_name_the_flag(kwargs, message):
 
 
 def test_the_one_epoch_recipe_is_the_defaults_and_classic_the_earlier_ones():
-    from raytrain_mnist.config import DEFAULT_RECIPE, RECIPES, recipe_config
+    from raytrain_mnist.config import DEFAULT_RECIPE, RECIPE_SUMMARY, RECIPES, recipe_config
 
     defaults = TrainConfig()
     assert DEFAULT_RECIPE == "one-epoch"
@@ -236,6 +236,7 @@ def test_the_one_epoch_recipe_is_the_defaults_and_classic_the_earlier_ones():
     assert (classic.label_smoothing, classic.max_shift, classic.weight_decay) == (0.0, 0, 5e-4)
     # Every recipe names every value that differs between recipes: none leans on a default.
     assert len({frozenset(r) for r in RECIPES.values()}) == 1
+    assert set(RECIPE_SUMMARY) == set(RECIPES)  # --help describes each recipe
 
 
 @pytest.mark.parametrize(
