@@ -209,7 +209,7 @@ def compare(calm: dict, hurt: dict) -> dict:
     (assert_close, rtol 1e-5, atol 1e-6), and bit for bit."""
     import torch
 
-    from raytrain_mnist.worker import checkpoint as ckpt
+    from raytrain_mnist.nn import checkpoint as ckpt
 
     a, b = ckpt.load(calm["latest_checkpoint"]), ckpt.load(hurt["latest_checkpoint"])
     close, exact, worst = True, True, 0.0

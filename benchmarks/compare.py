@@ -202,7 +202,7 @@ def fit_command(args, workers: int, storage: Path, name: str, extra=()) -> list[
 def fit_history(summary: dict) -> list[dict]:
     """Every epoch as the loop recorded it (with its timings), from the latest checkpoint;
     summary.json's history keeps only the headline metrics."""
-    from raytrain_mnist.worker import checkpoint
+    from raytrain_mnist.nn import checkpoint
 
     return checkpoint.load(summary["latest_checkpoint"])["history"]
 

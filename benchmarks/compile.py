@@ -157,8 +157,8 @@ def eval_cost(data_dir: str, dataset: str, threads: int) -> dict:
     import torch
 
     from raytrain_mnist.data import load_mnist
-    from raytrain_mnist.model import ConvNet
-    from raytrain_mnist.worker.score import evaluate
+    from raytrain_mnist.nn.model import ConvNet
+    from raytrain_mnist.nn.score import evaluate
 
     torch.set_num_threads(threads)
     data = load_mnist(data_dir, dataset)
@@ -194,9 +194,9 @@ def step_cost(data_dir: str, dataset: str, threads: int, blocks: int, steps: int
 
     from raytrain_mnist.config import TrainConfig
     from raytrain_mnist.data import load_mnist
-    from raytrain_mnist.model import ConvNet
+    from raytrain_mnist.nn.model import ConvNet
+    from raytrain_mnist.nn.optim import StepRecipe, build_optimizer, grad_scaler
     from raytrain_mnist.worker.loop import keep_freed_memory, make_train_loader, train_step
-    from raytrain_mnist.worker.optim import StepRecipe, build_optimizer, grad_scaler
 
     keep_freed_memory()
     torch.set_num_threads(threads)

@@ -6,7 +6,7 @@
 A recipe is a set of :class:`~raytrain_mnist.config.TrainConfig` values (optimizer, learning
 rate and schedule, batch size, label smoothing, ...). Each run is the plain loop of
 ``benchmarks/variants.py``: one process, no Ray, the package's own loader, optimizer and
-schedule (``worker.optim.build_optimizer``), train step and evaluation, so a recipe's figure
+schedule (``nn.optim.build_optimizer``), train step and evaluation, so a recipe's figure
 is what ``fit`` gets with the same flags (the global batch is the batch of one process, so 1
 and 2 workers run the same recipe). The data is loaded once for every run.
 
@@ -116,10 +116,10 @@ def run_one(
     import torch
 
     from raytrain_mnist.config import TrainConfig
-    from raytrain_mnist.model import ConvNet
+    from raytrain_mnist.nn.model import ConvNet
+    from raytrain_mnist.nn.optim import StepRecipe, build_optimizer
+    from raytrain_mnist.nn.score import evaluate
     from raytrain_mnist.worker.loop import make_train_loader, set_epoch, train_one_epoch
-    from raytrain_mnist.worker.optim import StepRecipe, build_optimizer
-    from raytrain_mnist.worker.score import evaluate
 
     cfg = TrainConfig(**settings, epochs=epochs, seed=seed)
     device = torch.device("cpu")

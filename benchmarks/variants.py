@@ -48,7 +48,9 @@ def _product_loop(args, rank: int = 0, world: int = 1, sampler=None) -> None:
 
     from raytrain_mnist.config import TrainConfig
     from raytrain_mnist.data import load_mnist
-    from raytrain_mnist.model import ConvNet
+    from raytrain_mnist.nn.model import ConvNet
+    from raytrain_mnist.nn.optim import StepRecipe, build_optimizer
+    from raytrain_mnist.nn.score import evaluate
     from raytrain_mnist.worker.loop import (
         keep_freed_memory,
         make_train_loader,
@@ -56,8 +58,6 @@ def _product_loop(args, rank: int = 0, world: int = 1, sampler=None) -> None:
         to_device,
         train_one_epoch,
     )
-    from raytrain_mnist.worker.optim import StepRecipe, build_optimizer
-    from raytrain_mnist.worker.score import evaluate
 
     moments = {"imported_s": _now()}
     keep_freed_memory()  # part of the product's training path, as in every fit worker
@@ -153,7 +153,7 @@ def _ray_example_worker(config: dict) -> None:
     from torch.utils.data import DataLoader
     from torchvision import datasets, transforms
 
-    from raytrain_mnist.model import MNIST_MEAN, MNIST_STD, ConvNet
+    from raytrain_mnist.nn.model import MNIST_MEAN, MNIST_STD, ConvNet
 
     torch.set_num_threads(config["threads"])
     transform = transforms.Compose(

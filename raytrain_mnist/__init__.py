@@ -18,7 +18,7 @@ __version__ = "0.1.0"
 
 # (``fit`` is not re-exported here: ``raytrain_mnist.fit`` is the command module; the library
 # call is ``raytrain_mnist.driver.fit``.)
-_LAZY = {"ConvNet": "raytrain_mnist.model", "load_mnist": "raytrain_mnist.data"}
+_LAZY = {"ConvNet": "raytrain_mnist.nn.model", "load_mnist": "raytrain_mnist.data"}
 
 
 def __getattr__(name: str) -> Any:

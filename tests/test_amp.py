@@ -8,10 +8,10 @@ import torch
 from torch import nn
 
 from raytrain_mnist.config import ConfigError, FitConfig, RunSettings, TrainConfig
-from raytrain_mnist.model import ConvNet
-from raytrain_mnist.worker import checkpoint as ckpt
+from raytrain_mnist.nn import checkpoint as ckpt
+from raytrain_mnist.nn.model import ConvNet
+from raytrain_mnist.nn.optim import amp_context, build_optimizer, grad_scaler
 from raytrain_mnist.worker.loop import build_model, make_train_loader, train_one_epoch, train_step
-from raytrain_mnist.worker.optim import amp_context, build_optimizer, grad_scaler
 
 CPU = torch.device("cpu")
 BATCH = 16  # fp16 on CPU is emulated and slow: small batches keep these tests quick

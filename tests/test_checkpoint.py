@@ -10,8 +10,8 @@ import pytest
 import torch
 
 from raytrain_mnist.config import TrainConfig
-from raytrain_mnist.model import ConvNet
-from raytrain_mnist.worker import checkpoint as ckpt
+from raytrain_mnist.nn import checkpoint as ckpt
+from raytrain_mnist.nn.model import ConvNet
 
 
 def _state(model, optimizer):
@@ -125,7 +125,7 @@ CFG = TrainConfig(epochs=3, batch_size=32, lr=0.05, optimizer="sgd")  # momentum
 
 def _resume_state(cfg: TrainConfig = CFG) -> dict:
     """What the worker saves after its first epoch, built with the worker's own optimizer."""
-    from raytrain_mnist.worker.optim import build_optimizer
+    from raytrain_mnist.nn.optim import build_optimizer
 
     torch.manual_seed(0)
     model = ConvNet()
@@ -224,8 +224,8 @@ CPU = torch.device("cpu")
 
 def _training(cfg: TrainConfig, images, labels, seed: int):
     """One worker's training objects as the loop builds them, on one process without Ray."""
+    from raytrain_mnist.nn.optim import amp_context, build_optimizer, grad_scaler
     from raytrain_mnist.worker.loop import Training, build_model, make_train_loader
-    from raytrain_mnist.worker.optim import amp_context, build_optimizer, grad_scaler
 
     torch.manual_seed(seed)
     model = build_model(sync_bn=False)

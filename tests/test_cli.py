@@ -296,7 +296,7 @@ def test_checkpoints_that_cannot_resume(tmp_path, shape, fragment):
 
 
 def test_resuming_with_other_settings_is_refused(tmp_path):
-    from raytrain_mnist.model import ConvNet
+    from raytrain_mnist.nn.model import ConvNet
 
     storage = _run_dir_with_checkpoint(tmp_path, state={"model": ConvNet().state_dict()})
     before = _tree(storage)

@@ -12,10 +12,10 @@ import pytest
 import torch
 
 from raytrain_mnist.config import FitConfig, RunSettings, TrainConfig, compiler_missing
-from raytrain_mnist.model import ConvNet
-from raytrain_mnist.worker import checkpoint as ckpt
+from raytrain_mnist.nn import checkpoint as ckpt
+from raytrain_mnist.nn.model import ConvNet
+from raytrain_mnist.nn.optim import StepRecipe, build_optimizer, grad_scaler
 from raytrain_mnist.worker.loop import Training, checkpoint_state, restore, train_step
-from raytrain_mnist.worker.optim import StepRecipe, build_optimizer, grad_scaler
 from tests.conftest import run_cli_here, write_tiny_mnist
 
 CPU = torch.device("cpu")

@@ -12,15 +12,15 @@ import torch.nn.functional as F
 from torch.utils.data import DistributedSampler
 
 from raytrain_mnist.config import TrainConfig
-from raytrain_mnist.model import ConvNet, normalize
+from raytrain_mnist.nn.model import ConvNet, normalize
+from raytrain_mnist.nn.optim import build_optimizer
+from raytrain_mnist.nn.score import evaluate, shard
 from raytrain_mnist.worker.loop import (
     BatchedTensorDataset,
     make_train_loader,
     set_epoch,
     train_one_epoch,
 )
-from raytrain_mnist.worker.optim import build_optimizer
-from raytrain_mnist.worker.score import evaluate, shard
 
 WORLD, GLOBAL_BATCH, SEED = 3, 24, 7
 TEST_SIZE = 203  # not a multiple of 3: a DistributedSampler would pad the last shard
@@ -155,7 +155,7 @@ def test_shards_cover_every_index_once(n, world):
 _FAULTS_PER_STEP = """
 import resource, threading, torch, torch.nn.functional as F
 from raytrain_mnist.worker.loop import keep_freed_memory
-from raytrain_mnist.model import ConvNet, normalize
+from raytrain_mnist.nn.model import ConvNet, normalize
 torch.set_num_threads(1)
 model, images = ConvNet(), torch.randint(0, 256, (128, 28, 28), dtype=torch.uint8)
 labels = torch.randint(0, 10, (128,))

@@ -140,7 +140,7 @@ def _schedule(epochs: int) -> list[float]:
     import torch
 
     from raytrain_mnist.config import TrainConfig
-    from raytrain_mnist.worker.optim import build_optimizer
+    from raytrain_mnist.nn.optim import build_optimizer
 
     steps = 2048 // 32  # tiny_mnist's training digits over the global batch
     optimizer, scheduler = build_optimizer(

@@ -15,7 +15,7 @@ from raytrain_mnist.driver.fitting import fit
 from raytrain_mnist.driver.runs import Run
 from raytrain_mnist.errors import UserError
 from raytrain_mnist.fit import fit_and_show
-from raytrain_mnist.worker import checkpoint as ckpt
+from raytrain_mnist.nn import checkpoint as ckpt
 
 SUMMARY_KEYS = {
     "name",

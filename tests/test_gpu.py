@@ -227,7 +227,7 @@ def test_two_workers_share_the_gpu_with_sync_batchnorm(gpu_ray, tmp_path_factory
 @needs_gpu
 @pytest.mark.parametrize("amp", ["fp16", "bf16"])
 def test_mixed_precision_trains_on_the_gpu(gpu_ray, tmp_path_factory, amp):
-    from raytrain_mnist.worker import checkpoint as ckpt
+    from raytrain_mnist.nn import checkpoint as ckpt
 
     summary = _fit(tmp_path_factory, f"gpu-{amp}", epochs=1, num_workers=1, amp=amp)
     (epoch,) = summary["history"]

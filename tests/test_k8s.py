@@ -377,8 +377,8 @@ def test_serve_config_is_what_write_config_writes(tmp_path):
     with the flags the manifest names, the checkpoint aside (the run's, in the bucket)."""
     from ray.serve.schema import ServeDeploySchema
 
-    from raytrain_mnist.model import ConvNet
-    from raytrain_mnist.worker import checkpoint as ckpt
+    from raytrain_mnist.nn import checkpoint as ckpt
+    from raytrain_mnist.nn.model import ConvNet
 
     manifest = yaml.safe_load(load("RayService")["spec"]["serveConfigV2"])
     ServeDeploySchema.model_validate(manifest)

@@ -12,10 +12,10 @@ import torch
 import torch.nn.functional as F
 
 from raytrain_mnist.config import ConfigError, TrainConfig, epochs_for
-from raytrain_mnist.model import ConvNet, normalize
+from raytrain_mnist.nn.model import ConvNet, normalize
+from raytrain_mnist.nn.optim import StepRecipe, build_optimizer, grad_scaler, shift_images
+from raytrain_mnist.nn.score import evaluate
 from raytrain_mnist.worker.loop import make_train_loader, set_epoch, train_one_epoch, train_step
-from raytrain_mnist.worker.optim import StepRecipe, build_optimizer, grad_scaler, shift_images
-from raytrain_mnist.worker.score import evaluate
 
 CPU = torch.device("cpu")
 N_TRAIN, N_TEST = 3072, 928
@@ -166,7 +166,7 @@ def test_shifts_move_each_image_by_at_most_max_shift_and_fill_with_background(sa
 
 
 def test_a_resumed_run_draws_the_shifts_the_uninterrupted_one_drew(tmp_path, sample_digits):
-    from raytrain_mnist.worker import checkpoint as ckpt
+    from raytrain_mnist.nn import checkpoint as ckpt
     from raytrain_mnist.worker.loop import checkpoint_state, restore
     from tests.test_checkpoint import _training
 
@@ -196,7 +196,7 @@ def test_a_checkpoint_passes_the_resume_check_whatever_the_warm_up(tmp_path, epo
     """The driver's check builds the schedule at a length of its own: never one whose
     warm-up is zero steps long (4 epochs at 25 % of 1 step each was, and OneCycleLR divided
     by it)."""
-    from raytrain_mnist.worker import checkpoint as ckpt
+    from raytrain_mnist.nn import checkpoint as ckpt
     from tests.test_checkpoint import _resume_state
 
     cfg = TrainConfig(epochs=epochs, warmup_pct=warmup_pct)

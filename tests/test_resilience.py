@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from raytrain_mnist.worker import checkpoint as ckpt
+from raytrain_mnist.nn import checkpoint as ckpt
 from tests.conftest import MARKER_VAR, REPO, kill_marked, marked, tiny_run_flags
 
 ENV = {**os.environ, "PYTHONUNBUFFERED": "1"}

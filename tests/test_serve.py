@@ -138,8 +138,8 @@ def best_checkpoint(run_dir) -> str:
 @pytest.fixture(scope="module")
 def checkpoint_dir(tmp_path_factory) -> Path:
     """An untrained ConvNet's checkpoint: enough for what ends before Ray starts."""
-    from raytrain_mnist.model import ConvNet
-    from raytrain_mnist.worker import checkpoint as ckpt
+    from raytrain_mnist.nn import checkpoint as ckpt
+    from raytrain_mnist.nn.model import ConvNet
 
     path = tmp_path_factory.mktemp("ckpt") / "checkpoint_000000"
     path.mkdir()

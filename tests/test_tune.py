@@ -39,7 +39,7 @@ from raytrain_mnist.driver.search_space import (
     parse_range,
 )
 from raytrain_mnist.driver.searching import SearchResult
-from raytrain_mnist.worker import checkpoint as ckpt
+from raytrain_mnist.nn import checkpoint as ckpt
 from tests.conftest import MARKER_VAR, REPO, kill_marked, run_cli, tiny_run_flags, write_tiny_mnist
 
 BEST_KEYS = {

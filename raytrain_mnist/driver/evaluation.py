@@ -6,7 +6,7 @@ The target is resolved by :mod:`raytrain_mnist.driver.targets`. Weights are load
 (``summary.json``: ``dataset``, ``data_source``, ``config.run.data_dir``), else
 ``data_dir``/``dataset``.
 
-Scoring is :func:`raytrain_mnist.worker.score.score` (exact shards, all-reduced sums): in
+Scoring is :func:`raytrain_mnist.nn.score.score` (exact shards, all-reduced sums): in
 this process with one worker, on a ``TorchTrainer`` running
 :func:`~raytrain_mnist.worker.score.score_per_worker` with several. Each image's prediction
 comes back with it, for the confusion matrix and the most confidently wrong digits.
@@ -132,7 +132,7 @@ def evaluate_checkpoint(
     if workers.num_workers == 1 and workers.address is None:
         import torch
 
-        from raytrain_mnist.worker.score import score
+        from raytrain_mnist.nn.score import score
 
         if workers.use_gpu and not torch.cuda.is_available():
             raise UserError("--use-gpu: no GPU is visible to this process", EXIT_USAGE)
@@ -146,8 +146,8 @@ def evaluate_checkpoint(
 
 def load_checkpoint(checkpoint: str) -> tuple[dict, Any]:
     """The checkpoint's state and its model, read once with ``weights_only=True`` (a URI is
-    downloaded first). :class:`~raytrain_mnist.worker.checkpoint.CheckpointError` when unusable."""
-    from raytrain_mnist.worker import checkpoint as ckpt
+    downloaded first). :class:`~raytrain_mnist.nn.checkpoint.CheckpointError` when unusable."""
+    from raytrain_mnist.nn import checkpoint as ckpt
 
     with Run.at(checkpoint).local_copy(checkpoint) as local:
         state = ckpt.load(local)

@@ -215,7 +215,7 @@ def _resume_point(run: Run, cfg: FitConfig) -> list[dict]:
     latest = run.latest_checkpoint()
     if latest is None:
         return []
-    from raytrain_mnist.worker.checkpoint import CheckpointError, resumable_state
+    from raytrain_mnist.nn.checkpoint import CheckpointError, resumable_state
 
     with run.local_copy(latest) as directory:
         try:

@@ -454,7 +454,7 @@ def read_ended_trials(
 def _checkpoint_history(runs_root: str, name: str, train: dict, metric: str) -> list[dict]:
     """The per-epoch history that trial ``name``'s latest committed checkpoint holds (loaded
     weights-only), [] when it has none or it is not the trial's (``train``: its config)."""
-    from raytrain_mnist.worker import checkpoint as ckpt
+    from raytrain_mnist.nn import checkpoint as ckpt
 
     trial_run = Run(runs_root, name)
     try:

@@ -153,8 +153,8 @@ class DigitClassifier:
     ) -> None:
         import torch
 
-        from raytrain_mnist.model import ConvNet
-        from raytrain_mnist.worker.optim import amp_context
+        from raytrain_mnist.nn.model import ConvNet
+        from raytrain_mnist.nn.optim import amp_context
 
         torch.set_num_threads(CPUS_PER_REPLICA)
         self.device = torch.device("cuda" if use_gpu else "cpu")
@@ -206,7 +206,7 @@ class DigitClassifier:
     def _forward(self, images: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         import torch
 
-        from raytrain_mnist.model import normalize
+        from raytrain_mnist.nn.model import normalize
 
         with torch.inference_mode(), self.autocast:
             logits = self.model(normalize(torch.from_numpy(images).to(self.device))).float()

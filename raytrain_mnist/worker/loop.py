@@ -34,17 +34,17 @@ from torch.utils.data import DataLoader, TensorDataset
 from raytrain_mnist import compat
 from raytrain_mnist.config import TrainConfig, check_compiler
 from raytrain_mnist.data import MnistData
-from raytrain_mnist.model import ConvNet, normalize
-from raytrain_mnist.worker import checkpoint as ckpt
-from raytrain_mnist.worker.feed import ProgressFeed
-from raytrain_mnist.worker.optim import (
+from raytrain_mnist.nn import checkpoint as ckpt
+from raytrain_mnist.nn.model import ConvNet, normalize
+from raytrain_mnist.nn.optim import (
     StepRecipe,
     amp_context,
     build_optimizer,
     grad_scaler,
     shift_images,
 )
-from raytrain_mnist.worker.score import all_reduce_sum, evaluate
+from raytrain_mnist.nn.score import all_reduce_sum, evaluate
+from raytrain_mnist.worker.feed import ProgressFeed
 
 logger = logging.getLogger(__name__)
 _NO_CONTEXT = contextlib.nullcontext()

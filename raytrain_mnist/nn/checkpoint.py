@@ -32,8 +32,8 @@ import torch
 
 from raytrain_mnist.config import MAX_CHECKPOINT_BYTES, TrainConfig
 from raytrain_mnist.errors import ConfigError, UserError, first_line
-from raytrain_mnist.model import ConvNet
-from raytrain_mnist.worker.optim import build_optimizer
+from raytrain_mnist.nn.model import ConvNet
+from raytrain_mnist.nn.optim import build_optimizer
 
 STATE_FILE = "state.pt"
 FORMAT = "raytrain_mnist/1"
