@@ -300,23 +300,63 @@ def _score_on_ray(weights: dict, data, amp: str, run: RunSettings) -> dict[str, 
 def _write_report(
     result: dict[str, Any], data, state: dict, resolved: Target, out_dir: Path, num_workers: int
 ) -> Evaluation:
+    from raytrain_mnist.driver import plots
+
+    labels = data.test_labels.numpy()
+    counts = plots.confusion_matrix(labels, result["predictions"])
+    evaluation = _evaluation(result, data, state, resolved, counts, out_dir, num_workers)
+    name = (resolved.summary or {}).get("name") or resolved.checkpoint.rstrip("/").rpartition("/")[
+        2
+    ]
+    title = (
+        f"{name}, epoch {evaluation.epoch}: {100 * evaluation.accuracy:.2f} % of "
+        f"{evaluation.test_size} test images ({data.kind})"
+    )
+    try:
+        _check_no_links(out_dir)
+        out_dir.mkdir(parents=True, exist_ok=True)
+        files = {
+            EVALUATION_FILE: json.dumps(evaluation.to_dict(), indent=2).encode(),
+            CONFUSION_FILE: plots.confusion_matrix_png(counts, title),
+            MISCLASSIFIED_FILE: plots.misclassified_png(
+                data.test_images.numpy(),
+                labels,
+                result["predictions"],
+                result["confidence"],
+                f"{name}: the most confidently wrong test digits",
+                limit=TOP_WRONG,
+            ),
+        }
+        _check_no_links(out_dir)  # again: the folder may have been made meanwhile
+        for file_name, payload in files.items():
+            atomic_write(out_dir / file_name, payload)
+    except OSError as exc:
+        raise UserError(
+            f"cannot write the evaluation into {out_dir} ({exc.strerror or exc}); pass --out DIR",
+            EXIT_USAGE,
+        ) from exc
+    return evaluation
+
+
+def _evaluation(
+    result: dict[str, Any], data, state: dict, resolved: Target, counts, out_dir: Path, workers: int
+) -> Evaluation:
+    """The scores as an :class:`Evaluation`: per class, confusion, the most confident errors."""
     import numpy as np
 
     from raytrain_mnist.driver import plots
 
     labels = data.test_labels.numpy()
     predictions, confidence = result["predictions"], result["confidence"]
-    counts = plots.confusion_matrix(labels, predictions)
     # The all-reduced count and the gathered predictions must tell the same story.
     assert int(np.trace(counts)) == round(result["val_accuracy"] * result["val_total"])
     totals = counts.sum(1)
     epoch = state.get("epoch")
-    summary = resolved.summary or {}
     wrong = plots.most_confident_errors(labels, predictions, confidence, TOP_WRONG)
-    evaluation = Evaluation(
+    return Evaluation(
         checkpoint=resolved.checkpoint,
         epoch=epoch,
-        run=summary.get("name"),
+        run=(resolved.summary or {}).get("name"),
         accuracy=result["val_accuracy"],
         loss=result["val_loss"],
         correct=int(np.trace(counts)),
@@ -333,7 +373,7 @@ def _write_report(
         ),
         dataset=data.kind,
         data_source=data.source,
-        num_workers=num_workers,
+        num_workers=workers,
         most_confident_errors=[
             {
                 "index": int(i),
@@ -346,32 +386,3 @@ def _write_report(
         out=out_dir,
         files=tuple(out_dir / f for f in REPORT_FILES),
     )
-    name = summary.get("name") or resolved.checkpoint.rstrip("/").rpartition("/")[2]
-    title = (
-        f"{name}, epoch {epoch}: {100 * evaluation.accuracy:.2f} % of "
-        f"{evaluation.test_size} test images ({data.kind})"
-    )
-    try:
-        _check_no_links(out_dir)
-        out_dir.mkdir(parents=True, exist_ok=True)
-        files = {
-            EVALUATION_FILE: json.dumps(evaluation.to_dict(), indent=2).encode(),
-            CONFUSION_FILE: plots.confusion_matrix_png(counts, title),
-            MISCLASSIFIED_FILE: plots.misclassified_png(
-                data.test_images.numpy(),
-                labels,
-                predictions,
-                confidence,
-                f"{name}: the most confidently wrong test digits",
-                limit=TOP_WRONG,
-            ),
-        }
-        _check_no_links(out_dir)  # again: the folder may have been made meanwhile
-        for file_name, payload in files.items():
-            atomic_write(out_dir / file_name, payload)
-    except OSError as exc:
-        raise UserError(
-            f"cannot write the evaluation into {out_dir} ({exc.strerror or exc}); pass --out DIR",
-            EXIT_USAGE,
-        ) from exc
-    return evaluation
