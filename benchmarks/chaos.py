@@ -285,7 +285,7 @@ def main(argv: list[str] | None = None) -> int:
         train_cfg = TrainConfig(epochs=args.epochs, batch_size=32, lr=0.05, seed=args.seed)
 
         def settings(name: str) -> RunSettings:
-            return RunSettings(
+            return RunSettings.from_flags(
                 num_workers=2,
                 cpus_per_worker=1,
                 data_dir=str(data_dir),

@@ -22,6 +22,7 @@ import re
 import shlex
 import shutil
 import sys
+import typing
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, Optional
@@ -200,8 +201,8 @@ def recipe_config(name: str, **changes: Any) -> TrainConfig:
 
 
 @dataclass(frozen=True)
-class RunSettings:
-    """Where a run executes and where its data and results live."""
+class ScalingSettings:
+    """How many workers and what each holds (Ray's ``ScalingConfig``)."""
 
     num_workers: int = _opt(
         2,
@@ -212,12 +213,6 @@ class RunSettings:
     resize_check_s: float = _opt(
         60.0,
         "with a --num-workers range: seconds between Ray's checks for room to grow",
-    )
-    progress: str = _opt(
-        "auto",
-        "live progress: a bar within each epoch (bar), start-up phases and epoch lines "
-        "without redraws (lines), epoch lines only (off); auto = bar on a terminal, else lines",
-        PROGRESS_CHOICES,
     )
     use_gpu: bool = _opt(
         False,
@@ -234,106 +229,20 @@ class RunSettings:
         "CPUs (and torch threads) per worker; default: this machine's cores / workers "
         "on a local Ray, 1 on a cluster",
     )
-    backend: str = _opt(
-        "auto",
-        "process-group backend: auto = NCCL with a GPU per worker, Gloo on CPUs or on shared GPUs",
-        BACKEND_CHOICES,
-    )
-    init_method: str = _opt(
-        "env",
-        "process-group initialisation: env:// (MASTER_ADDR/PORT) or tcp://host:port",
-        INIT_METHOD_CHOICES,
-    )
-    dataset: str = _opt(
-        "auto",
-        "auto: full MNIST, else the bundled 5,000-image sample; mnist: full MNIST "
-        "or fail; sample: the bundled sample",
-        DATASET_CHOICES,
-    )
-    data_dir: Optional[str] = _opt(
-        None, "directory holding MNIST in torchvision's layout (DIR/MNIST/raw/*-ubyte[.gz])"
-    )
-    storage_path: str = _opt(
-        os.environ.get("RAYTRAIN_MNIST_STORAGE_PATH") or "runs",
-        "where run directories live: a local path or a URI such as s3://bucket/runs; "
-        "$RAYTRAIN_MNIST_STORAGE_PATH sets the default",
-    )
-    name: Optional[str] = _opt(
-        None, "run name; the same name resumes that run (default: derived from the settings)"
-    )
-    fresh: bool = _opt(
-        False,
-        "train this run again from scratch; its previous directory is kept as NAME.previous-N",
-    )
-    address: Optional[str] = _opt(
-        None,
-        "Ray cluster address (host:port or auto); default: $RAY_ADDRESS, else start a local Ray",
-    )
-    max_failures: int = _opt(
-        2, "worker-group restarts allowed after a worker failure (-1 = unlimited)"
-    )
-    keep_checkpoints: int = _opt(2, "checkpoints kept, ranked by validation accuracy")
     placement_strategy: str = _opt(
         "PACK",
         "how workers are placed on nodes: PACK fills nodes first, SPREAD and "
         "STRICT_SPREAD put them on different nodes",
         PLACEMENT_CHOICES,
     )
-    no_tensorboard: bool = _opt(
-        False, "do not write TensorBoard event files into the run directory"
-    )
-    mlflow: bool = _opt(
-        False,
-        "also log to MLflow (pip install 'raytrain-mnist[mlflow]'); store: file:<run_dir>/mlruns",
-    )
-    mlflow_uri: Optional[str] = _opt(None, "MLflow tracking URI (implies --mlflow)")
-    socket_ifname: Optional[str] = _opt(
-        None,
-        "network interface for Gloo/NCCL traffic (sets GLOO_SOCKET_IFNAME and "
-        "NCCL_SOCKET_IFNAME on every worker)",
-    )
-    # How a run executes, not what it computes (so not TrainConfig): Inductor's kernels
-    # change float rounding no more than the worker or thread count does, the checkpoints
-    # are an eager run's, and a run may resume with or without it (same identity and name).
-    compile: bool = _opt(
-        False,
-        "torch.compile the ConvNet (Inductor) before DDP wraps it: the first step "
-        "compiles (14-47 s on 2 CPU cores), and on CPU the compiled steps measured "
-        "1.2-1.3x slower than eager ones (benchmarks/README.md); needs a C++ compiler on CPU "
-        "($CXX or g++), a C one on GPU",
-    )
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "num_workers", check_workers(self.num_workers))
-        if not isinstance(self.compile, bool):
-            raise ConfigError(f"--compile is on or off (true or false), got {self.compile!r}")
         _check_float("resize-check-s", self.resize_check_s, positive=True)
-        _check_choice("progress", self.progress, PROGRESS_CHOICES)
         if self.cpus_per_worker is not None:
             _check_int("cpus-per-worker", self.cpus_per_worker, 1)
-        _check_choice("backend", self.backend, BACKEND_CHOICES)
         self._check_gpus_per_worker()
-        _check_choice("init-method", self.init_method, INIT_METHOD_CHOICES)
-        _check_choice("dataset", self.dataset, DATASET_CHOICES)
         _check_choice("placement-strategy", self.placement_strategy, PLACEMENT_CHOICES)
-        if not isinstance(self.max_failures, int) or self.max_failures < -1:
-            raise ConfigError(
-                f"--max-failures must be -1 (unlimited) or a count >= 0, got {self.max_failures}"
-            )
-        _check_int("keep-checkpoints", self.keep_checkpoints, 1)
-        if not self.storage_path:
-            raise ConfigError("--storage-path must not be empty")
-        check_no_credentials(self.storage_path, "--storage-path")
-        if self.data_dir is not None:
-            check_no_credentials(self.data_dir, "--data-dir")
-        if self.name is not None:
-            check_run_name(self.name)
-        if self.socket_ifname is not None and not self.socket_ifname.strip():
-            raise ConfigError("--socket-ifname must name a network interface, e.g. eth0")
-        if self.address is not None:
-            check_ray_address(self.address)
-        if self.mlflow_uri is not None:
-            check_mlflow_uri(self.mlflow_uri)
 
     def _check_gpus_per_worker(self) -> None:
         f = self.gpus_per_worker
@@ -348,11 +257,6 @@ class RunSettings:
             raise ConfigError(
                 f"--gpus-per-worker must be in (0, 1] (at most 4 decimals) or "
                 f"a whole number, e.g. 0.5 (2 workers per GPU) or 2; got {f!r}"
-            )
-        if self.backend == "nccl" and f < 1:
-            raise ConfigError(
-                f"--backend nccl cannot run workers that share a GPU (--gpus-per-worker {f:g}): "
-                "NCCL refuses two ranks on one device; use --backend auto or gloo"
             )
 
     @property
@@ -380,22 +284,248 @@ class RunSettings:
         """Several workers on one GPU (a fractional --gpus-per-worker)."""
         return 0 < self.gpus < 1
 
+
+@dataclass(frozen=True)
+class TorchSettings:
+    """How the workers' torch runs and talks (Ray's ``TorchConfig``, and torch.compile)."""
+
+    backend: str = _opt(
+        "auto",
+        "process-group backend: auto = NCCL with a GPU per worker, Gloo on CPUs or on shared GPUs",
+        BACKEND_CHOICES,
+    )
+    init_method: str = _opt(
+        "env",
+        "process-group initialisation: env:// (MASTER_ADDR/PORT) or tcp://host:port",
+        INIT_METHOD_CHOICES,
+    )
+    socket_ifname: Optional[str] = _opt(
+        None,
+        "network interface for Gloo/NCCL traffic (sets GLOO_SOCKET_IFNAME and "
+        "NCCL_SOCKET_IFNAME on every worker)",
+    )
+    # How a run executes, not what it computes (so not TrainConfig): Inductor's kernels
+    # change float rounding no more than the worker or thread count does, the checkpoints
+    # are an eager run's, and a run may resume with or without it (same identity and name).
+    compile: bool = _opt(
+        False,
+        "torch.compile the ConvNet (Inductor) before DDP wraps it: the first step "
+        "compiles (14-47 s on 2 CPU cores), and on CPU the compiled steps measured "
+        "1.2-1.3x slower than eager ones (benchmarks/README.md); needs a C++ compiler on CPU "
+        "($CXX or g++), a C one on GPU",
+    )
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.compile, bool):
+            raise ConfigError(f"--compile is on or off (true or false), got {self.compile!r}")
+        _check_choice("backend", self.backend, BACKEND_CHOICES)
+        _check_choice("init-method", self.init_method, INIT_METHOD_CHOICES)
+        if self.socket_ifname is not None and not self.socket_ifname.strip():
+            raise ConfigError("--socket-ifname must name a network interface, e.g. eth0")
+
+
+@dataclass(frozen=True)
+class DataSettings:
+    """Which training and test images the run reads."""
+
+    dataset: str = _opt(
+        "auto",
+        "auto: full MNIST, else the bundled 5,000-image sample; mnist: full MNIST "
+        "or fail; sample: the bundled sample",
+        DATASET_CHOICES,
+    )
+    data_dir: Optional[str] = _opt(
+        None, "directory holding MNIST in torchvision's layout (DIR/MNIST/raw/*-ubyte[.gz])"
+    )
+
+    def __post_init__(self) -> None:
+        _check_choice("dataset", self.dataset, DATASET_CHOICES)
+        if self.data_dir is not None:
+            check_no_credentials(self.data_dir, "--data-dir")
+
+
+@dataclass(frozen=True)
+class StorageSettings:
+    """Where the run's directory lives and which run it is (Ray's ``RunConfig``)."""
+
+    storage_path: str = _opt(
+        os.environ.get("RAYTRAIN_MNIST_STORAGE_PATH") or "runs",
+        "where run directories live: a local path or a URI such as s3://bucket/runs; "
+        "$RAYTRAIN_MNIST_STORAGE_PATH sets the default",
+    )
+    name: Optional[str] = _opt(
+        None, "run name; the same name resumes that run (default: derived from the settings)"
+    )
+    fresh: bool = _opt(
+        False,
+        "train this run again from scratch; its previous directory is kept as NAME.previous-N",
+    )
+
+    def __post_init__(self) -> None:
+        if not self.storage_path:
+            raise ConfigError("--storage-path must not be empty")
+        check_no_credentials(self.storage_path, "--storage-path")
+        if self.name is not None:
+            check_run_name(self.name)
+
+
+@dataclass(frozen=True)
+class FailureSettings:
+    """What the run survives (Ray's ``FailureConfig``)."""
+
+    max_failures: int = _opt(
+        2, "worker-group restarts allowed after a worker failure (-1 = unlimited)"
+    )
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.max_failures, int) or self.max_failures < -1:
+            raise ConfigError(
+                f"--max-failures must be -1 (unlimited) or a count >= 0, got {self.max_failures}"
+            )
+
+
+@dataclass(frozen=True)
+class CheckpointSettings:
+    """Which checkpoints the run keeps (Ray's ``CheckpointConfig``)."""
+
+    keep_checkpoints: int = _opt(2, "checkpoints kept, ranked by validation accuracy")
+
+    def __post_init__(self) -> None:
+        _check_int("keep-checkpoints", self.keep_checkpoints, 1)
+
+
+@dataclass(frozen=True)
+class OutputSettings:
+    """What the run shows and records beside its checkpoints."""
+
+    progress: str = _opt(
+        "auto",
+        "live progress: a bar within each epoch (bar), start-up phases and epoch lines "
+        "without redraws (lines), epoch lines only (off); auto = bar on a terminal, else lines",
+        PROGRESS_CHOICES,
+    )
+    no_tensorboard: bool = _opt(
+        False, "do not write TensorBoard event files into the run directory"
+    )
+    mlflow: bool = _opt(
+        False,
+        "also log to MLflow (pip install 'raytrain-mnist[mlflow]'); store: file:<run_dir>/mlruns",
+    )
+    mlflow_uri: Optional[str] = _opt(None, "MLflow tracking URI (implies --mlflow)")
+
+    def __post_init__(self) -> None:
+        _check_choice("progress", self.progress, PROGRESS_CHOICES)
+        if self.mlflow_uri is not None:
+            check_no_credentials(self.mlflow_uri, "--mlflow-uri")
+
+
+@dataclass(frozen=True)
+class RunSettings:
+    """Where a run executes and where its data and results live, in sections shaped like
+    Ray's own configs. The command line writes them flat (``--num-workers``, not
+    ``--scaling.num-workers``): :meth:`from_flags` and :meth:`to_dict` take and give them so,
+    as run records store them."""
+
+    scaling: ScalingSettings = field(default_factory=ScalingSettings)
+    torch: TorchSettings = field(default_factory=TorchSettings)
+    data: DataSettings = field(default_factory=DataSettings)
+    storage: StorageSettings = field(default_factory=StorageSettings)
+    failure: FailureSettings = field(default_factory=FailureSettings)
+    checkpoint: CheckpointSettings = field(default_factory=CheckpointSettings)
+    output: OutputSettings = field(default_factory=OutputSettings)
+    address: Optional[str] = _opt(
+        None,
+        "Ray cluster address (host:port or auto); default: $RAY_ADDRESS, else start a local Ray",
+    )
+
+    #: The flags' order in --help, resume commands and run records (the order they had as
+    #: one flat class); a flag not named here follows, in its section's order.
+    flag_order = (
+        "num_workers", "resize_check_s", "progress", "use_gpu", "gpus_per_worker",
+        "cpus_per_worker", "backend", "init_method", "dataset", "data_dir", "storage_path",
+        "name", "fresh", "address", "max_failures", "keep_checkpoints", "placement_strategy",
+        "no_tensorboard", "mlflow", "mlflow_uri", "socket_ifname", "compile",
+    )  # fmt: skip
+
+    def __post_init__(self) -> None:
+        if self.address is not None:
+            check_ray_address(self.address)
+        f = self.scaling.gpus_per_worker
+        if f is not None and self.torch.backend == "nccl" and f < 1:
+            raise ConfigError(
+                f"--backend nccl cannot run workers that share a GPU (--gpus-per-worker {f:g}): "
+                "NCCL refuses two ranks on one device; use --backend auto or gloo"
+            )
+
+    @classmethod
+    def from_flags(cls, **values: Any) -> RunSettings:
+        """RunSettings from values named as their flags are (``num_workers=2``,
+        ``dataset="sample"``): a command line's, a run record's (:meth:`to_dict`), a test's."""
+        unknown = sorted(set(values) - set(flag_fields(cls)))
+        if unknown:
+            raise ConfigError(f"unknown run setting(s): {', '.join(unknown)}")
+        given = {}
+        for f in dataclasses.fields(cls):
+            section = _section(f)
+            if section is None:
+                if f.name in values:
+                    given[f.name] = values[f.name]
+                continue
+            names = {s.name for s in dataclasses.fields(section)}
+            given[f.name] = section(**{n: v for n, v in values.items() if n in names})
+        return cls(**given)
+
+    def to_dict(self) -> dict[str, Any]:
+        """Every setting by its flag's name, in :attr:`flag_order`: :meth:`from_flags`'s input."""
+        return flag_values(self)
+
     @property
     def resolved_backend(self) -> str:
         """The process-group backend this run uses: "nccl" or "gloo"."""
-        if self.backend != "auto":
-            return self.backend
-        return "nccl" if self.use_gpu and not self.shares_gpus else "gloo"
+        if self.torch.backend != "auto":
+            return self.torch.backend
+        return "nccl" if self.scaling.use_gpu and not self.scaling.shares_gpus else "gloo"
 
     @property
     def backend_description(self) -> str:
         """``resolved_backend`` and why, for the start line."""
         name = {"nccl": "NCCL", "gloo": "Gloo"}[self.resolved_backend]
-        if self.backend != "auto":
-            return f"{name} (--backend {self.backend})"
-        if self.shares_gpus:
+        if self.torch.backend != "auto":
+            return f"{name} (--backend {self.torch.backend})"
+        if self.scaling.shares_gpus:
             return f"{name} on CUDA tensors (workers share a GPU; NCCL needs one GPU per rank)"
-        return f"{name} (auto: {'GPUs' if self.use_gpu else 'CPUs'})"
+        return f"{name} (auto: {'GPUs' if self.scaling.use_gpu else 'CPUs'})"
+
+
+def _section(f: dataclasses.Field) -> type | None:
+    """The settings dataclass a field holds (a section of its class), or None for a flag."""
+    factory = f.default_factory
+    return factory if isinstance(factory, type) and dataclasses.is_dataclass(factory) else None
+
+
+def flag_fields(cls: type) -> dict[str, tuple[dataclasses.Field, Any]]:
+    """The flags of settings dataclass ``cls`` by name, each with its field and type: its
+    own fields, and in place of a section (a field holding a settings dataclass) that
+    section's, in ``cls.flag_order`` where it has one."""
+    found: dict[str, tuple[dataclasses.Field, Any]] = {}
+    hints = typing.get_type_hints(cls)
+    for f in dataclasses.fields(cls):
+        section = _section(f)
+        if section is None:
+            found[f.name] = (f, hints[f.name])
+        else:
+            found.update(flag_fields(section))
+    order = [n for n in getattr(cls, "flag_order", ()) if n in found]
+    return {n: found[n] for n in [*order, *(n for n in found if n not in order)]}
+
+
+def flag_values(config: Any) -> dict[str, Any]:
+    """The value of each of ``config``'s flags (:func:`flag_fields`), by name."""
+    values: dict[str, Any] = {}
+    for f in dataclasses.fields(config):
+        value = getattr(config, f.name)
+        values.update(flag_values(value) if _section(f) else {f.name: value})
+    return {n: values[n] for n in flag_fields(type(config))}
 
 
 @dataclass(frozen=True)
@@ -411,7 +541,8 @@ class FitConfig:
     recipe: str = DEFAULT_RECIPE
 
     def __post_init__(self) -> None:
-        t, r = self.train, self.run
+        t, r = self.train, self.run.scaling
+        tc = self.run.torch
         _check_choice("recipe", self.recipe, tuple(RECIPES))
         if r.elastic:
             _check_batch_splits(t.batch_size, r.num_workers)
@@ -433,9 +564,9 @@ class FitConfig:
                 "--sync-bn on needs --use-gpu: PyTorch's SyncBatchNorm runs only on GPUs "
                 "(use --sync-bn auto or off on CPU)"
             )
-        if r.backend == "nccl" and not r.use_gpu:
+        if tc.backend == "nccl" and not r.use_gpu:
             raise ConfigError("--backend nccl needs --use-gpu; on CPU use --backend gloo")
-        if r.compile and r.address is None and not os.environ.get("RAY_ADDRESS"):
+        if tc.compile and self.run.address is None and not os.environ.get("RAY_ADDRESS"):
             check_compiler(r.use_gpu)  # a local run trains here; a cluster's workers check
 
 
@@ -698,7 +829,7 @@ def check_data_fits(train: TrainConfig, run: RunSettings, train_size: int) -> No
     """Refuse, before anything starts, a run that the training set cannot feed: an epoch of
     no step, or a one-cycle schedule whose step count PyTorch cannot split. ``run``'s
     workers may be a count or an elastic (min, max) range: every size in it is checked."""
-    workers = run.num_workers
+    workers = run.scaling.num_workers
     low, high = (workers, workers) if isinstance(workers, int) else workers
     for count in range(low, high + 1):
         if train.batch_size < count:
@@ -783,12 +914,12 @@ def flags_of(
     Inverse of ``_cli.add_dataclass_args``."""
     words: list[str] = []
     for config in configs:
-        for f in dataclasses.fields(config):
-            value = getattr(config, f.name)
-            default = (defaults or {}).get(f.name, f.default)
-            if f.name in skip or value == default or value is None:
+        fields = flag_fields(type(config))
+        for name, value in flag_values(config).items():
+            default = (defaults or {}).get(name, fields[name][0].default)
+            if name in skip or value == default or value is None:
                 continue
-            flag = "--" + f.name.replace("_", "-")
+            flag = "--" + name.replace("_", "-")
             if value is True:
                 words.append(flag)
             elif value is not False:

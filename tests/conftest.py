@@ -335,7 +335,7 @@ def fitted(ray_local, tiny_mnist, tmp_path_factory) -> dict:
 
     cfg = FitConfig(
         TrainConfig(epochs=8, batch_size=32, lr=0.05),
-        RunSettings(
+        RunSettings.from_flags(
             num_workers=2,
             cpus_per_worker=1,
             data_dir=str(tiny_mnist),

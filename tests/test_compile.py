@@ -101,7 +101,7 @@ def test_compiled_fit_through_ray_finishes_and_its_checkpoint_loads_eager(
     data = write_tiny_mnist(tmp_path / "data", sample_digits, n_train=160, n_test=64)
     cfg = FitConfig(
         TrainConfig(epochs=1, batch_size=32),  # 5 steps on 2 DDP workers of 16 images
-        RunSettings(
+        RunSettings.from_flags(
             num_workers=2,
             cpus_per_worker=1,
             data_dir=str(data),
@@ -145,6 +145,8 @@ def test_the_compiler_looked_for_is_the_one_torch_uses(monkeypatch, tmp_path):
     assert "C compiler" in compiler_missing(use_gpu=True)
     # A cluster's workers check for themselves: the driver does not refuse on their behalf.
     monkeypatch.setenv("CXX", str(tmp_path / "no-such-g++"))
-    assert FitConfig(run=RunSettings(compile=True, address="10.0.0.1:6379")).run.compile
+    assert FitConfig(
+        run=RunSettings.from_flags(compile=True, address="10.0.0.1:6379")
+    ).run.torch.compile
     with pytest.raises(ValueError, match="--compile needs"):
-        FitConfig(run=RunSettings(compile=True))
+        FitConfig(run=RunSettings.from_flags(compile=True))

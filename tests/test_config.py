@@ -49,7 +49,7 @@ def test_bad_training_values_name_the_flag(kwargs, flag):
 )
 def test_bad_run_values_name_the_flag(kwargs, flag):
     with pytest.raises(ConfigError, match=flag):
-        RunSettings(**kwargs)
+        RunSettings.from_flags(**kwargs)
 
 
 @pytest.mark.parametrize(
@@ -64,7 +64,7 @@ def test_bad_run_values_name_the_flag(kwargs, flag):
 )
 def test_rules_that_span_both_halves(train, run, message):
     with pytest.raises(ConfigError, match=message):
-        FitConfig(TrainConfig(**train), RunSettings(**run))
+        FitConfig(TrainConfig(**train), RunSettings.from_flags(**run))
 
 
 def test_train_config_round_trips_through_a_dict():
@@ -140,13 +140,13 @@ def test_well_formed_addresses_pass(address):
 )
 def test_an_mlflow_uri_with_credentials_is_refused(uri):
     with pytest.raises(ConfigError, match="MLFLOW_TRACKING_USERNAME") as info:
-        RunSettings(mlflow_uri=uri)
+        RunSettings.from_flags(mlflow_uri=uri)
     assert "secret" not in str(info.value) and "token@" not in str(info.value)
 
 
 @pytest.mark.parametrize("uri", ["http://mlflow.example:5000", "file:/tmp/mlruns", "databricks"])
 def test_an_mlflow_uri_without_credentials_passes(uri):
-    RunSettings(mlflow_uri=uri)
+    RunSettings.from_flags(mlflow_uri=uri)
 
 
 @pytest.mark.parametrize(
@@ -175,7 +175,7 @@ def test_an_mlflow_uri_without_credentials_passes(uri):
 )
 def test_names_that_are_no_safe_path_segment_are_refused_with_the_rule(name):
     with pytest.raises(ConfigError, match="--name") as info:
-        RunSettings(name=name)
+        RunSettings.from_flags(name=name)
     message = str(info.value)
     assert "letters, digits, '.', '_' and '-', not starting with '.' or '-'" in message
     assert "at most 200 characters" in message and "\n" not in message and "\x1b" not in message
@@ -183,7 +183,7 @@ def test_names_that_are_no_safe_path_segment_are_refused_with_the_rule(name):
 
 @pytest.mark.parametrize("name", ["r", "mnist-2w-0a1b2c3d", "tune-2-4w-x.previous-3", "_a", "A9"])
 def test_safe_run_names_pass(name):
-    assert RunSettings(name=name).name == name
+    assert RunSettings.from_flags(name=name).storage.name == name
 
 
 # --------------------------------------------------------------------------- secrets in URIs
@@ -211,7 +211,7 @@ SECRET = "wJalrXUtnFEMIK7MDENG"
 def test_credentials_in_a_uri_are_refused_and_never_echoed(field, uri):
     flag = "--" + field.replace("_", "-")
     with pytest.raises(ConfigError, match="carries credentials; pass them through the env") as info:
-        RunSettings(**{field: uri})
+        RunSettings.from_flags(**{field: uri})
     message = str(info.value)
     assert message.startswith(f"{flag} ") and SECRET not in message and SECRET[8:] not in message
     assert "AKIAEXAMPLE" not in message
@@ -245,7 +245,7 @@ def test_redact_uri(uri, shown):
     ],
 )
 def test_uris_without_credentials_pass(field, uri):
-    RunSettings(**{field: uri})
+    RunSettings.from_flags(**{field: uri})
 
 
 def test_a_ray_address_with_a_user_part_is_refused_without_echo():
@@ -269,14 +269,16 @@ def test_a_ray_address_with_a_user_part_is_refused_without_echo():
     ],
 )
 def test_a_batch_larger_than_the_data_is_refused(batch, workers, size, message):
-    train, run = TrainConfig(batch_size=batch), RunSettings(num_workers=workers)
+    train, run = TrainConfig(batch_size=batch), RunSettings.from_flags(num_workers=workers)
     with pytest.raises(ConfigError, match=re.escape(message)):
         check_data_fits(train, run, size)
 
 
 @pytest.mark.parametrize("batch, workers, size", [(100, 1, 100), (100, 2, 100), (66, 3, 64)])
 def test_the_largest_batch_the_data_fills_passes(batch, workers, size):
-    check_data_fits(TrainConfig(batch_size=batch, epochs=2), RunSettings(num_workers=workers), size)
+    check_data_fits(
+        TrainConfig(batch_size=batch, epochs=2), RunSettings.from_flags(num_workers=workers), size
+    )
     assert steps_per_epoch(size, batch, workers) == 1
 
 
@@ -304,7 +306,7 @@ def test_a_one_cycle_schedule_pytorch_cannot_split_is_refused():
     with pytest.raises(ZeroDivisionError):
         opt = torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=0.1)
         torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=0.1, total_steps=4, pct_start=0.25)
-    train, run = TrainConfig(epochs=1, batch_size=32), RunSettings(num_workers=2)
+    train, run = TrainConfig(epochs=1, batch_size=32), RunSettings.from_flags(num_workers=2)
     with pytest.raises(ConfigError, match="4 steps, a one-cycle warm-up of no step"):
         check_data_fits(train, run, 128)
     check_data_fits(dataclasses.replace(train, schedule="constant"), run, 128)
@@ -313,17 +315,27 @@ def test_a_one_cycle_schedule_pytorch_cannot_split_is_refused():
 
 def test_every_worker_count_of_an_elastic_range_is_checked():
     # 4 images: 3 workers take shares of 2 (padded) in steps of 2; 4 workers shares of 1.
-    check_data_fits(TrainConfig(batch_size=8), SimpleNamespace(num_workers=(3, 3)), 4)
+    check_data_fits(
+        TrainConfig(batch_size=8), SimpleNamespace(scaling=SimpleNamespace(num_workers=(3, 3))), 4
+    )
     with pytest.raises(ConfigError, match="over 4 workers"):
-        check_data_fits(TrainConfig(batch_size=8), SimpleNamespace(num_workers=(3, 4)), 4)
+        check_data_fits(
+            TrainConfig(batch_size=8),
+            SimpleNamespace(scaling=SimpleNamespace(num_workers=(3, 4))),
+            4,
+        )
     with pytest.raises(ConfigError, match="smaller than 4 workers"):
-        check_data_fits(TrainConfig(batch_size=3), SimpleNamespace(num_workers=(1, 4)), 100)
+        check_data_fits(
+            TrainConfig(batch_size=3),
+            SimpleNamespace(scaling=SimpleNamespace(num_workers=(1, 4))),
+            100,
+        )
 
 
 def test_a_search_space_is_checked_against_the_data_size():
-    from raytrain_mnist.driver.search_space import SearchSpace, TuneSettings
+    from raytrain_mnist.driver.searching.space import SearchSpace, TuneSettings
 
-    base, run = TrainConfig(epochs=2), RunSettings(num_workers=2)
+    base, run = TrainConfig(epochs=2), RunSettings.from_flags(num_workers=2)
     space = SearchSpace.from_cli(ranges=["batch_size=64,4096"])
     space.check(base, run)  # valid settings, whatever the data
     space.check_data(base, run, 5000)

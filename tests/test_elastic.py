@@ -201,11 +201,11 @@ def test_a_range_is_a_range_in_names_flags_and_the_trainer():
     from raytrain_mnist.driver import runs
     from raytrain_mnist.driver.trainer import build_trainer
 
-    run = RunSettings(num_workers=parse_workers("1-3"), resize_check_s=5.0)
+    run = RunSettings.from_flags(num_workers=parse_workers("1-3"), resize_check_s=5.0)
     cfg = FitConfig(TrainConfig(batch_size=96), run)
     assert runs.default_name(cfg).startswith("mnist-1-3w-")
     assert flags_of(run)[:2] == ["--num-workers", "1-3"]
-    assert RunSettings(num_workers=parse_workers("2-2")).num_workers == 2
+    assert RunSettings.from_flags(num_workers=parse_workers("2-2")).scaling.num_workers == 2
     trainer = build_trainer(run, lambda config: None, {}, 1, "/tmp", "x")
     scaling = trainer.scaling_config
     assert scaling.num_workers == (1, 3) and scaling.elastic_resize_monitor_interval_s == 5.0

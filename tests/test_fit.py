@@ -69,7 +69,7 @@ def test_two_workers_train_report_every_epoch_and_write_results(fitted, capsys):
     ckpt.load_model(summary["latest_checkpoint"])
     # --keep-checkpoints 2: the two best epochs' checkpoints stay, the best of them is "best".
     kept = Run.at(run_dir).checkpoints()
-    assert len(kept) == cfg.run.keep_checkpoints == 2
+    assert len(kept) == cfg.run.checkpoint.keep_checkpoints == 2
     # On disk: those, and the latest (what a resume needs) when it is not among them.
     assert {str(p) for p in run_dir.glob("checkpoint_*") if p.is_dir()} == {
         path for path, _ in kept
@@ -110,7 +110,7 @@ from raytrain_mnist.driver import fit
 
 seen = []
 cfg = FitConfig(TrainConfig(epochs=2, batch_size=32),
-                RunSettings(num_workers=1, cpus_per_worker=1, dataset="mnist",
+                RunSettings.from_flags(num_workers=1, cpus_per_worker=1, dataset="mnist",
                             data_dir=sys.argv[1], storage_path=sys.argv[2], name="nb"))
 quiet = fit(cfg)  # the default sink: the log, which nobody configured
 again = fit(cfg, on_event=seen.append)

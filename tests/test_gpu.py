@@ -54,10 +54,10 @@ def test_gpus_per_worker_is_validated_in_one_line(flags, message):
     ],
 )
 def test_auto_backend_is_gloo_when_workers_share_a_gpu(settings, backend):
-    run = RunSettings(**settings)
+    run = RunSettings.from_flags(**settings)
     assert run.resolved_backend == backend
     assert run.backend_description.lower().startswith(backend)
-    if run.shares_gpus:
+    if run.scaling.shares_gpus:
         assert "share a GPU" in run.backend_description
 
 
@@ -73,21 +73,26 @@ def test_fractional_gpus_are_counted_per_device():
     assert cluster.placeable_workers([node], request) == 4
     assert cluster.placeable_workers([node], cluster.Request(4, 4, True)) == 1
     assert cluster.placeable_workers([node], cluster.Request(4, 8, True, 0, 0.25)) == 2
-    run = RunSettings(num_workers=4, use_gpu=True, gpus_per_worker=0.25)
+    run = RunSettings.from_flags(num_workers=4, use_gpu=True, gpus_per_worker=0.25)
     assert cluster.Request.for_run(run, 4) == request
 
 
 def test_the_trainer_asks_for_fractional_gpus_and_gloo(tmp_path):
     from raytrain_mnist.driver.trainer import build_trainer
 
-    run = RunSettings(num_workers=4, use_gpu=True, gpus_per_worker=0.25)
+    run = RunSettings.from_flags(num_workers=4, use_gpu=True, gpus_per_worker=0.25)
     trainer = build_trainer(run, lambda config: None, {}, 2, str(tmp_path), "gpu-request")
     scaling = trainer.scaling_config
     assert scaling.use_gpu and scaling.num_workers == 4
     assert scaling._resources_per_worker_not_none == {"CPU": 2, "GPU": 0.25}
     assert trainer.backend_config.backend == "gloo"
     cpu = build_trainer(
-        RunSettings(num_workers=2), lambda config: None, {}, 1, str(tmp_path), "cpu-request"
+        RunSettings.from_flags(num_workers=2),
+        lambda config: None,
+        {},
+        1,
+        str(tmp_path),
+        "cpu-request",
     )
     assert cpu.scaling_config._resources_per_worker_not_none == {"CPU": 1}
 
@@ -157,7 +162,7 @@ def _fit(tmp_path_factory, name: str, epochs: int = 2, **settings) -> dict:
     train = {k: settings.pop(k) for k in ("amp", "sync_bn") if k in settings}
     cfg = FitConfig(
         TrainConfig(epochs=epochs, **train),
-        RunSettings(
+        RunSettings.from_flags(
             use_gpu=True,
             dataset="mnist",
             data_dir=str(MNIST),
@@ -249,7 +254,7 @@ def test_evaluate_on_the_gpu_reproduces_fits_accuracy(one_worker_nccl, tmp_path)
     report = evaluate_checkpoint(
         one_worker_nccl["run_dir"],
         out=tmp_path / "evaluation",
-        workers=RunSettings(num_workers=1, use_gpu=True),
+        workers=RunSettings.from_flags(num_workers=1, use_gpu=True),
     ).to_dict()
     assert report["test_size"] == 10000
     # cuDNN may pick other kernels in another process: allow one image of difference.

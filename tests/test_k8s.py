@@ -344,10 +344,10 @@ def test_rayjob_runs_fit_on_its_own_cluster_and_cleans_up():
     words = shlex.split(job["entrypoint"])
     assert words[:3] == ["python", "-m", "raytrain_mnist.fit"], job["entrypoint"]
     cfg = load_command("fit").parse(words[3:])
-    run = cfg.run
+    run = cfg.run.scaling
     assert (run.num_workers, run.use_gpu) == (4, True)
-    assert run.storage_path.startswith("s3://")
-    assert run.dataset == "mnist"
+    assert cfg.run.storage.storage_path.startswith("s3://")
+    assert cfg.run.data.dataset == "mnist"
     # The driver takes a CPU, which the head lacks: it runs on a worker pod, and the four
     # workers (1 CPU on a cluster, 1 GPU each) still fit beside it.
     driver = job["entrypointNumCpus"]

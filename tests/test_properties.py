@@ -686,7 +686,7 @@ def test_a_uri_setting_is_accepted_only_without_credentials(generated):
     uri, credentials, secret = generated
     TRIED["URIs: RunSettings"] += 1
     for field in ("storage_path", "data_dir", "mlflow_uri"):
-        outcome = _settle(lambda field=field: RunSettings(**{field: uri}), secret)
+        outcome = _settle(lambda field=field: RunSettings.from_flags(**{field: uri}), secret)
         if credentials:
             assert isinstance(outcome, Exception), f"--{field} accepted credentials: {uri!r}"
 

@@ -236,7 +236,7 @@ from raytrain_mnist.driver import fit
 
 start_local(num_cpus=2)  # the notebook's own Ray, started before fit
 cfg = FitConfig(TrainConfig(epochs=30, batch_size=32),
-                RunSettings(num_workers=1, dataset="mnist", data_dir=sys.argv[1],
+                RunSettings.from_flags(num_workers=1, dataset="mnist", data_dir=sys.argv[1],
                             storage_path=sys.argv[2], name="nb"))
 result = fit(cfg, on_event=lambda event: print(event.text, flush=True))
 if result.status == "interrupted":

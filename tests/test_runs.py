@@ -28,13 +28,13 @@ def test_default_name_is_deterministic_and_follows_the_settings():
     assert runs.default_name(a) == runs.default_name(b)
     assert runs.default_name(a).startswith("mnist-2w-")
     assert runs.default_name(FitConfig(TrainConfig(lr=0.05))) != runs.default_name(a)
-    assert runs.default_name(FitConfig(run=RunSettings(name="mine"))) == "mine"
+    assert runs.default_name(FitConfig(run=RunSettings.from_flags(name="mine"))) == "mine"
 
 
 def test_identity_names_the_data_and_says_what_changed(sample_digits):
     from raytrain_mnist.data import load_sample
 
-    cfg = FitConfig(run=RunSettings(dataset="auto"))
+    cfg = FitConfig(run=RunSettings.from_flags(dataset="auto"))
     sample = runs.fit_identity(cfg, load_sample())
     assert sample["data"]["kind"] == "sample" and sample["data"]["train_size"] == 4000
     other = {**sample, "data": {**sample["data"], "kind": "mnist", "sha1": "x"}}
@@ -153,7 +153,9 @@ def test_resume_commands_rebuild_the_same_config_from_every_entry_point(monkeypa
         assert words[start : start + len(prefix)] == prefix, words
         again = parse_config(words[start + len(prefix) :])
         assert again.train == cfg.train
-        assert again.run == RunSettings(**{**cfg.run.__dict__, "fresh": False, "name": "the-run"})
+        assert again.run == RunSettings.from_flags(
+            **{**cfg.run.to_dict(), "fresh": False, "name": "the-run"}
+        )
 
 
 # --------------------------------------------------------------------------- s3 end to end
@@ -238,7 +240,7 @@ def test_a_sample_run_is_not_resumed_on_full_mnist(tmp_path, tiny_mnist):
     with run.claim():
         from raytrain_mnist.data import load_sample
 
-        cfg = FitConfig(TrainConfig(), RunSettings(name="r"))
+        cfg = FitConfig(TrainConfig(), RunSettings.from_flags(name="r"))
         run.write_json(runs.RUN_FILE, runs.fit_identity(cfg, load_sample()))
     before = _tree(storage)
     result = run_cli(

@@ -108,9 +108,9 @@ def evaluate_checkpoint(
     ``use_gpu``; otherwise on Ray Train workers. ``overwrite`` replaces a report already in
     ``out`` (default: refuse). Bad input is a :class:`ConfigError` or :class:`UserError`.
     """
-    workers = workers if workers is not None else RunSettings(num_workers=1)
-    if workers.elastic:
-        raise ConfigError(f"--num-workers must be a count >= 1, got {workers.num_workers}")
+    workers = workers if workers is not None else RunSettings.from_flags(num_workers=1)
+    if workers.scaling.elastic:
+        raise ConfigError(f"--num-workers must be a count >= 1, got {workers.scaling.num_workers}")
     if dataset is not None and dataset not in DATASET_CHOICES:
         raise ConfigError(f"--dataset must be one of {', '.join(DATASET_CHOICES)}; got {dataset!r}")
     resolved = resolve_target(target)
@@ -129,19 +129,19 @@ def evaluate_checkpoint(
             )
     amp = (state.get("config") or {}).get("amp", "off")  # score as training did
 
-    if workers.num_workers == 1 and workers.address is None:
+    if workers.scaling.num_workers == 1 and workers.address is None:
         import torch
 
         from raytrain_mnist.nn.score import score
 
-        if workers.use_gpu and not torch.cuda.is_available():
+        if workers.scaling.use_gpu and not torch.cuda.is_available():
             raise UserError("--use-gpu: no GPU is visible to this process", EXIT_USAGE)
-        device = torch.device("cuda" if workers.use_gpu else "cpu")
+        device = torch.device("cuda" if workers.scaling.use_gpu else "cpu")
         logger.debug("scoring %s in this process on %s", resolved.checkpoint, device)
         result = score(model.to(device), data.test_images, data.test_labels, device, amp)
     else:
         result = _score_on_ray(model.state_dict(), data, amp, workers)
-    return _write_report(result, data, state, resolved, out_dir, workers.num_workers)
+    return _write_report(result, data, state, resolved, out_dir, workers.scaling.num_workers)
 
 
 def load_checkpoint(checkpoint: str) -> tuple[dict, Any]:
@@ -267,7 +267,7 @@ def _check_no_links(out_dir: Path) -> None:
 
 
 def _score_on_ray(weights: dict, data, amp: str, run: RunSettings) -> dict[str, Any]:
-    """Score on ``run.num_workers`` Ray Train workers, built as fit builds its trainer."""
+    """Score on ``run.scaling.num_workers`` Ray Train workers, built as fit builds its trainer."""
     import ray
 
     from raytrain_mnist.driver import cluster
@@ -276,7 +276,9 @@ def _score_on_ray(weights: dict, data, amp: str, run: RunSettings) -> dict[str, 
 
     address = cluster.resolve_address(run.address)
     local = address is None and not ray.is_initialized()
-    cpus_per_worker = run.cpus_per_worker or cluster.default_cpus_per_worker(run.num_workers, local)
+    cpus_per_worker = run.scaling.cpus_per_worker or cluster.default_cpus_per_worker(
+        run.scaling.num_workers, local
+    )
     storage = tempfile.mkdtemp(prefix="raytrain_mnist-evaluate-")
     try:
         with cluster.connect(address, cluster.Request.for_run(run, cpus_per_worker)):

@@ -54,9 +54,9 @@ def _run_setting(config: Any, name: str, default: Any) -> Any:
     run = getattr(config, "run", None)
     if run is None and isinstance(config, dict):
         run = config.get("run")
-    if isinstance(run, dict):
-        return run.get(name, default)
-    return getattr(run, name, default)
+    if dataclasses.is_dataclass(run):
+        run = run.to_dict()  # RunSettings: every setting by its flag's name
+    return run.get(name, default) if isinstance(run, dict) else default
 
 
 def flat_params(config: Any) -> dict[str, str]:
@@ -74,7 +74,7 @@ def flat_params(config: Any) -> dict[str, str]:
 
 def _asdict(value: Any) -> Any:
     """A section of a FitConfig as a dict; a plain setting (``auto_epochs``) as it is."""
-    return dataclasses.asdict(value) if dataclasses.is_dataclass(value) else value
+    return value.to_dict() if dataclasses.is_dataclass(value) else value
 
 
 _number = finite_number

@@ -13,9 +13,8 @@ from raytrain_mnist.config import CHECKPOINT_METRIC, RunSettings
 
 def worker_env(run: RunSettings) -> dict[str, str]:
     """Environment variables every worker needs for this run's settings."""
-    if not run.socket_ifname:
-        return {}
-    return {"GLOO_SOCKET_IFNAME": run.socket_ifname, "NCCL_SOCKET_IFNAME": run.socket_ifname}
+    ifname = run.torch.socket_ifname
+    return {"GLOO_SOCKET_IFNAME": ifname, "NCCL_SOCKET_IFNAME": ifname} if ifname else {}
 
 
 def build_trainer(
@@ -28,37 +27,39 @@ def build_trainer(
     callbacks: list | None = None,
     storage_filesystem=None,
 ):
-    """A ``TorchTrainer`` running ``train_func(loop_config)`` on ``run.num_workers`` workers
-    (a count, or an elastic range) of ``cpus_per_worker`` CPUs (and ``run.gpus`` GPUs) each, its run directory ``<storage>/<name>``."""
+    """A ``TorchTrainer`` running ``train_func(loop_config)`` on ``run.scaling.num_workers``
+    workers (a count, or an elastic range) of ``cpus_per_worker`` CPUs (and
+    ``run.scaling.gpus`` GPUs) each, its run directory ``<storage>/<name>``."""
     import ray
     from ray.train import CheckpointConfig, FailureConfig, RunConfig, ScalingConfig
     from ray.train.torch import TorchConfig, TorchTrainer
 
     env_vars = worker_env(run)
-    resources = {"CPU": cpus_per_worker, **({"GPU": run.gpus} if run.use_gpu else {})}
+    scaling = run.scaling
+    resources = {"CPU": cpus_per_worker, **({"GPU": scaling.gpus} if scaling.use_gpu else {})}
     return TorchTrainer(
         train_func,
         train_loop_config=loop_config,
         # Workers sharing a GPU get Gloo (on CUDA tensors): NCCL refuses two ranks on one device.
-        torch_config=TorchConfig(backend=run.resolved_backend, init_method=run.init_method),
+        torch_config=TorchConfig(backend=run.resolved_backend, init_method=run.torch.init_method),
         # A (min, max) range is Ray's elastic policy: when it finds room to grow (or less
         # than the group holds) it restarts the group from the latest checkpoint, and that is
         # no failure. A node lost without notice kills its workers: that one is a failure
         # (--max-failures), after which the group restarts at the size that fits.
         scaling_config=ScalingConfig(
-            num_workers=tuple(run.num_workers) if run.elastic else run.num_workers,
-            elastic_resize_monitor_interval_s=run.resize_check_s,
-            use_gpu=run.use_gpu,
+            num_workers=tuple(scaling.num_workers) if scaling.elastic else scaling.num_workers,
+            elastic_resize_monitor_interval_s=scaling.resize_check_s,
+            use_gpu=scaling.use_gpu,
             resources_per_worker=resources,
-            placement_strategy=run.placement_strategy,
+            placement_strategy=scaling.placement_strategy,
         ),
         run_config=RunConfig(
             name=name,
             storage_path=storage,
             storage_filesystem=storage_filesystem,
-            failure_config=FailureConfig(max_failures=run.max_failures),
+            failure_config=FailureConfig(max_failures=run.failure.max_failures),
             checkpoint_config=CheckpointConfig(
-                num_to_keep=run.keep_checkpoints,
+                num_to_keep=run.checkpoint.keep_checkpoints,
                 checkpoint_score_attribute=CHECKPOINT_METRIC,
                 checkpoint_score_order="max",
             ),
