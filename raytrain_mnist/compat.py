@@ -17,9 +17,12 @@ them: the worker, the driver and Serve replicas may all import it.
 | :func:`store_on_master_addr` | ``torch.distributed.rendezvous._create_c10d_store`` | rank 0's TCPStore listens on every interface |
 | :func:`token_auth_chosen` | ``ray._raylet.Config.initialize`` | every local Ray we start prints Ray's WARNING that it chose token authentication |
 | :func:`session_logs_dir` | ``ray._private.worker.global_worker.node`` | a failed run points at Ray's default log folder |
+| :func:`auto_address` | ``ray._private.services.get_ray_address_from_environment`` | ``--address auto`` cannot be checked before ``ray.init``, which waits minutes on a stopped cluster |
+| :func:`gcs_refuses_token` | ``ray.core.generated.gcs_service_pb2_grpc`` (the GCS's gRPC stubs) | a cluster that requires a token is found out by ``ray.init`` after 20 s of C++ warnings |
 | :func:`autoscaler_ceiling` | ``ray._private.state.state.get_max_resources_from_cluster_config`` | placement checks cannot count nodes an autoscaler would add |
 | :func:`controller_callback_base` | ``ray.train.v2._internal.execution.callback.ControllerCallback`` | Ctrl-C cannot abort a run's controller: the run stops only with the Ray that runs it |
 | :func:`worker_group_callback_base` | ``ray.train.v2._internal.execution.callback.WorkerGroupCallback`` | ``summary.json``'s timeline has no "worker group started" moment |
+| :func:`cleaner_asks_gcs` | ``ray.train.v2._internal.callbacks.placement_group_callback``, ``...controller.placement_group_cleaner.is_actor_alive``, ``ray._private.state`` | every run's teardown waits 12 s for Ray Train's PlacementGroupCleaner (its State API call blocks for 40 s without a dashboard) |
 | :func:`quiet_train_report_log` | ``ray.train.v2._internal.execution.context`` | every report logs an INFO line |
 | :func:`serve_http_config` | ``ray.serve.context._get_global_client`` | a second ``serve`` with other HTTP settings is not refused up front |
 | :func:`serve_http_reuses_address` | ``ray.serve._private.http_util.socket`` | a direct replica that replaces a dead one cannot bind the port for a minute (its connections' TIME_WAIT) |
@@ -83,6 +86,52 @@ def session_logs_dir() -> str | None:
         return None
 
 
+def auto_address() -> str | None:
+    """The ``HOST:PORT`` that ``ray.init(address="auto")`` would connect to: ``RAY_ADDRESS``,
+    else the address the last ``ray start`` on this machine wrote in Ray's temp folder
+    (``RAY_TMPDIR`` honoured), else any GCS process found running here. There is no public
+    API for it (2.60); resolving it first lets the caller check that something answers
+    there. None when Ray finds nothing (or moved the function)."""
+    try:
+        from ray._private import services
+    except ImportError:
+        return None
+    quiet = logging.getLogger(services.__name__)  # "multiple Ray instances": others' here
+    level = quiet.level
+    quiet.setLevel(logging.ERROR)
+    try:
+        return services.get_ray_address_from_environment("auto", None)
+    except (AttributeError, ConnectionError):
+        return None
+    finally:
+        quiet.setLevel(level)
+
+
+def gcs_refuses_token(address: str, token: str | None, timeout: float) -> bool | None:
+    """Whether the GCS at ``HOST:PORT`` refuses a request with this token (None: without
+    one), asked with its cheapest call (``GetClusterId``, what ``ray.init`` asks first) and
+    the header Ray's own clients send (``authorization: Bearer``, 2.60's token auth). A GCS
+    without token auth accepts any. None when it cannot tell (no answer in ``timeout``,
+    the stubs moved): ``ray.init`` finds out then."""
+    try:
+        import grpc
+        from ray.core.generated import gcs_service_pb2, gcs_service_pb2_grpc
+    except ImportError:
+        return None
+    metadata = [("authorization", f"Bearer {token}")] if token else None
+    with grpc.insecure_channel(address) as channel:
+        stub = gcs_service_pb2_grpc.NodeInfoGcsServiceStub(channel)
+        try:
+            stub.GetClusterId(
+                gcs_service_pb2.GetClusterIdRequest(), timeout=timeout, metadata=metadata
+            )
+        except grpc.RpcError as exc:
+            return True if exc.code() == grpc.StatusCode.UNAUTHENTICATED else None
+        except Exception:  # a changed stub: let ray.init find out
+            return None
+    return False
+
+
 def autoscaler_ceiling() -> dict[str, int] | None:
     """The most resources an autoscaler may provide, when the cluster has one (read from
     the cluster config the autoscaler published). None: no autoscaler we know of."""
@@ -115,6 +164,97 @@ def worker_group_callback_base() -> type | None:
     except ImportError:
         return None
     return WorkerGroupCallback
+
+
+# Ray Train 2.60 adds a PlacementGroupCleaner actor to every run. Its monitor thread asks the
+# State API, once a second, whether the controller lives; that call finds "the" cluster by
+# auto-detection (RAY_ADDRESS, the last `ray start` here, any GCS process on the machine:
+# possibly another Ray) and reads the dashboard's address from its GCS, 20 tries 2 s apart
+# when there is no dashboard, ignoring its 10 s timeout. The controller's shutdown then waits
+# 12 s (stop's join) for that thread. The cleaner below asks its own GCS instead, in a
+# millisecond, with or without a dashboard. Version-checked: the names must be as read in 2.60.
+_CLEANER_NAMES = ("GcsPlacementGroupCleanerCallback", "GcsPlacementGroupCleaner")
+
+
+def cleaner_asks_gcs() -> None:
+    """In the driver, before a trainer's ``fit``: Ray Train's default PlacementGroupCleaner
+    callback is swapped for one whose cleaner asks the GCS whether the controller lives (the
+    classes are built on first use here, so that the controller and the cleaner's processes
+    unpickle them by name). Without the names as read in 2.60 Ray's own is kept."""
+    try:
+        from ray.train.v2._internal.callbacks import placement_group_callback as module
+        from ray.train.v2.api.data_parallel_trainer import DataParallelTrainer
+    except ImportError:
+        return
+    default = getattr(DataParallelTrainer, "_create_default_callbacks", None)
+    if default is None or getattr(default, "_asks_gcs", False):
+        return
+    ours = __getattr__(_CLEANER_NAMES[0])
+    if ours is None:
+        return
+
+    def create_default_callbacks(self):
+        return [
+            ours() if type(c) is module.PlacementGroupCleanerCallback else c for c in default(self)
+        ]
+
+    create_default_callbacks._asks_gcs = True
+    DataParallelTrainer._create_default_callbacks = create_default_callbacks
+
+
+def _actor_alive_in_gcs(actor_id: str, timeout: float) -> bool:
+    """``is_actor_alive`` as Ray Train 2.60 calls it, answered by this worker's GCS."""
+    from ray._private.state import state
+    from ray.util.state.exception import RayStateApiException
+
+    try:
+        info = state.actor_table(actor_id)
+    except Exception as exc:  # the cleaner keeps watching on this one
+        raise RayStateApiException(f"actor table unavailable: {exc}") from exc
+    return bool(info) and info.get("State") != "DEAD"
+
+
+def _cleaner_classes() -> dict[str, type] | None:
+    try:
+        from ray.train.v2._internal.callbacks import placement_group_callback as callback
+        from ray.train.v2._internal.execution.controller import placement_group_cleaner as cleaner
+    except ImportError:
+        return None
+    if not hasattr(cleaner, "is_actor_alive") or not hasattr(callback, "PlacementGroupCleaner"):
+        return None
+
+    class GcsPlacementGroupCleaner(cleaner.PlacementGroupCleaner):
+        def start_monitoring(self):  # in the cleaner's own process
+            cleaner.is_actor_alive = _actor_alive_in_gcs
+            return super().start_monitoring()
+
+    class GcsPlacementGroupCleanerCallback(callback.PlacementGroupCleanerCallback):
+        def after_controller_start(self, train_run_context):  # in the controller
+            saved, callback.PlacementGroupCleaner = (
+                callback.PlacementGroupCleaner,
+                GcsPlacementGroupCleaner,
+            )
+            try:
+                super().after_controller_start(train_run_context)
+            finally:
+                callback.PlacementGroupCleaner = saved
+
+    classes = {}
+    for cls in (GcsPlacementGroupCleanerCallback, GcsPlacementGroupCleaner):
+        cls.__module__, cls.__qualname__ = __name__, cls.__name__
+        classes[cls.__name__] = cls
+    return classes
+
+
+def __getattr__(name: str) -> Any:
+    """The cleaner classes, built when first asked for (by name, by pickle too)."""
+    if name not in _CLEANER_NAMES:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    classes = _cleaner_classes()
+    if classes is None:
+        return None
+    globals().update(classes)
+    return classes[name]
 
 
 #: Loggers of the Jobs SDK that log an INFO line per request, upload and closed log stream,

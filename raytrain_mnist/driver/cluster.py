@@ -56,12 +56,13 @@ class Request:
     def for_run(cls, run, cpus_per_worker: int, extra_cpus: float = 0) -> Request:
         """The request of a :class:`~raytrain_mnist.config.RunSettings`. An elastic run
         asks for its minimum: it starts once that many fit and grows as room appears."""
+        scaling = run.scaling
         return cls(
-            run.min_workers,
+            scaling.min_workers,
             cpus_per_worker,
-            run.use_gpu,
+            scaling.use_gpu,
             extra_cpus,
-            run.gpus if run.use_gpu else 1,
+            scaling.gpus if scaling.use_gpu else 1,
         )
 
 
@@ -92,24 +93,7 @@ def connect(address: str | None, request: Request, dashboard: bool = True) -> It
         yield False
         return
     if address:
-        _check_reachable(address)
-        # A cluster on loopback (a `ray start --node-ip-address 127.0.0.1`, a test's): Ray
-        # would otherwise register this driver under the machine's outward address, where
-        # nothing of that cluster listens, and wait forever.
-        on_loopback = _is_loopback(address)
-        try:
-            with (
-                loopback_node() if on_loopback else contextlib.nullcontext(),
-                keeping_sigterm_handler(),
-            ):
-                ray.init(
-                    address=address,
-                    logging_level=logging.WARNING,
-                    log_to_driver=_worker_logs_to_driver(),
-                    **({"_node_ip_address": LOOPBACK} if on_loopback else {}),
-                )
-        except (ConnectionError, RuntimeError, ValueError) as exc:
-            raise UserError(f"cannot connect to the Ray cluster at {address}: {exc}") from exc
+        _connect_to(address)
         started = False
     else:
         _check_local_gpus(request)  # seconds sooner than starting a Ray to find out
@@ -128,18 +112,146 @@ def connect(address: str | None, request: Request, dashboard: bool = True) -> It
             ray.shutdown()
 
 
-def _is_loopback(address: str) -> bool:
+def _is_loopback(host: str) -> bool:
     import ipaddress
 
-    from raytrain_mnist.config import split_host_port
-
-    host = split_host_port(address.removeprefix("ray://"))[0]
     if host == "localhost":
         return True
     try:
         return ipaddress.ip_address(host or "").is_loopback
     except ValueError:
         return False
+
+
+@dataclass(frozen=True)
+class _Head:
+    """How ``ray.init`` reaches a cluster: ``address`` as given (``auto`` resolved), and
+    whether its head listens on this machine's loopback alone (single-node mode)."""
+
+    address: str
+    loopback_only: bool = False
+
+
+def _connect_to(address: str) -> None:
+    """``ray.init`` on the cluster at ``address``, after :func:`_find_head` made sure
+    something answers there; a refusal becomes one line."""
+    import ray
+
+    head = _find_head(address)
+    if not head.address.startswith("ray://"):
+        _choose_token(head.address, address)
+    try:
+        # A head that listens on loopback alone registered 127.0.0.1: Ray, left to itself,
+        # maps a loopback address to the machine's outward one, where nothing of it listens.
+        with (
+            loopback_node() if head.loopback_only else contextlib.nullcontext(),
+            keeping_sigterm_handler(),
+        ):
+            ray.init(
+                address=head.address,
+                logging_level=logging.WARNING,
+                log_to_driver=_worker_logs_to_driver(),
+            )
+    except (ConnectionError, RuntimeError, ValueError) as exc:
+        raise UserError(f"cannot connect to the Ray cluster at {address}: {_why(exc)}") from exc
+
+
+#: Where Ray reads a cluster's token, in its order (docs: ray-security/token-auth).
+_TOKEN_VAR, _TOKEN_PATH_VAR = "RAY_AUTH_TOKEN", "RAY_AUTH_TOKEN_PATH"
+
+
+def _local_token() -> tuple[str | None, str]:
+    """The token this machine holds for Ray and where it was read."""
+    if os.environ.get(_TOKEN_VAR, "").strip():
+        return os.environ[_TOKEN_VAR].strip(), _TOKEN_VAR
+    path = os.environ.get(_TOKEN_PATH_VAR) or os.path.expanduser("~/.ray/auth_token")
+    try:
+        with open(path) as file:
+            return (file.read().strip() or None), path
+    except OSError:
+        return None, path
+
+
+def _choose_token(canonical: str, address: str) -> None:
+    """Token authentication as the cluster requires it, asked before ``ray.init`` (which
+    would retry for 20 s). Ray's clients send a token only with ``RAY_AUTH_MODE=token``:
+    with the mode unset and a token here (what ``ray start --head`` on this machine used),
+    it is chosen for this process; a mode the user set is kept."""
+    mode = os.environ.get("RAY_AUTH_MODE", "").lower()
+    if mode != "token" and not compat.gcs_refuses_token(canonical, None, _CONNECT_TIMEOUT_S):
+        return
+    token, source = _local_token()
+    if mode == "disabled" or token is None:
+        raise UserError(
+            f"the Ray cluster at {address} requires token authentication; set RAY_AUTH_MODE="
+            f"token and its token in {_TOKEN_VAR} (or a file in {_TOKEN_PATH_VAR})"
+        )
+    if compat.gcs_refuses_token(canonical, token, _CONNECT_TIMEOUT_S):
+        raise UserError(
+            f"the Ray cluster at {address} refuses the token in {source}; set "
+            f"{_TOKEN_VAR} to the cluster's (`ray get-auth-token` on its head)"
+        )
+    if mode != "token":
+        logger.info("the Ray cluster requires token authentication: the token in %s", source)
+        compat.token_auth_chosen()
+
+
+def _why(exc: Exception) -> str:
+    """Ray's reason in one line; a refused token said as what to do about it."""
+    text = " ".join(str(exc).split())
+    lowered = text.lower()
+    if "unauthenticated" in lowered or "auth" in lowered and "token" in lowered:
+        return (
+            "it requires token authentication; set RAY_AUTH_MODE=token and its token "
+            "(RAY_AUTH_TOKEN, RAY_AUTH_TOKEN_PATH or ~/.ray/auth_token)"
+        )
+    return text[:300]
+
+
+def _find_head(address: str) -> _Head:
+    """Fail in seconds, with one line, where ``ray.init`` would retry for minutes: the
+    address's form, ``auto`` resolved as Ray resolves it, and a TCP connect to it."""
+    from raytrain_mnist.config import ConfigError, check_ray_address
+    from raytrain_mnist.net import split_host_port
+
+    flag = "--address" if address != os.environ.get("RAY_ADDRESS") else "RAY_ADDRESS"
+    try:
+        check_ray_address(address, flag)  # RAY_ADDRESS has not been looked at before
+    except ConfigError as exc:
+        raise UserError(str(exc), EXIT_USAGE) from None
+    named = address
+    if address == "auto":
+        address = compat.auto_address() or ""
+        if not address:
+            raise UserError(
+                f"{flag} auto: no Ray cluster runs on this machine; start one with "
+                "`ray start --head`, or drop --address to train on a local Ray"
+            )
+    host, port = split_host_port(address.removeprefix("ray://"))
+    if host is None or port is None:  # auto's address comes from a file Ray wrote
+        raise UserError(f"{flag} {named}: {address!r} is not a Ray address")
+    seen = f"{named} (found at {address})" if named != address else address
+    refused = _refused(host, port)
+    if refused:
+        raise UserError(
+            f"no Ray cluster answers at {seen} ({refused}); start one with `ray start "
+            "--head` or drop --address to train on a local Ray"
+        )
+    if address.startswith("ray://") or not _is_loopback(host):
+        return _Head(address)
+    import ray
+
+    outward = ray.util.get_node_ip_address()
+    return _Head(address, _is_loopback(outward) or bool(_refused(outward, port)))
+
+
+def _refused(host: str, port: int) -> str | None:
+    """Why a TCP connect to ``host:port`` fails (None: something listens there)."""
+    try:
+        socket.create_connection((host, port), timeout=_CONNECT_TIMEOUT_S).close()
+    except OSError as exc:
+        return exc.strerror or str(exc) or type(exc).__name__
+    return None
 
 
 def start_local(
@@ -247,27 +359,6 @@ def worker_logs_dir() -> str:
     """The worker logs of the connected Ray session on this node (every node keeps its own,
     at the same path when its Ray started alike); without one, Ray's default place."""
     return compat.session_logs_dir() or "/tmp/ray/session_latest/logs"
-
-
-def _check_reachable(address: str) -> None:
-    """Fail in seconds, with one line, where ``ray.init`` would retry for minutes."""
-    from raytrain_mnist.config import ConfigError, check_ray_address, split_host_port
-
-    flag = "--address" if address != os.environ.get("RAY_ADDRESS") else "RAY_ADDRESS"
-    try:
-        check_ray_address(address, flag)  # RAY_ADDRESS has not been looked at before
-    except ConfigError as exc:
-        raise UserError(str(exc), EXIT_USAGE) from None
-    if address == "auto":
-        return
-    host, port = split_host_port(address.removeprefix("ray://"))
-    try:
-        socket.create_connection((host, port), timeout=_CONNECT_TIMEOUT_S).close()
-    except OSError as exc:
-        raise UserError(
-            f"no Ray cluster answers at {address} ({exc.strerror or exc}); start one with "
-            "`ray start --head` or drop --address to train on a local Ray"
-        ) from exc
 
 
 def _check_local_gpus(request: Request) -> None:
