@@ -376,12 +376,18 @@ class FailureSettings:
     max_failures: int = _opt(
         2, "worker-group restarts allowed after a worker failure (-1 = unlimited)"
     )
+    max_preemptions: int = _opt(
+        -1,
+        "worker-group restarts allowed after a node is preempted (drained with a notice, "
+        "as a spot reclaim is), counted apart from --max-failures (-1 = unlimited)",
+    )
 
     def __post_init__(self) -> None:
-        if not isinstance(self.max_failures, int) or self.max_failures < -1:
-            raise ConfigError(
-                f"--max-failures must be -1 (unlimited) or a count >= 0, got {self.max_failures}"
-            )
+        for flag, value in (("failures", self.max_failures), ("preemptions", self.max_preemptions)):
+            if isinstance(value, bool) or not isinstance(value, int) or value < -1:
+                raise ConfigError(
+                    f"--max-{flag} must be -1 (unlimited) or a count >= 0, got {value}"
+                )
 
 
 @dataclass(frozen=True)
@@ -443,8 +449,8 @@ class RunSettings:
     flag_order = (
         "num_workers", "resize_check_s", "progress", "use_gpu", "gpus_per_worker",
         "cpus_per_worker", "backend", "init_method", "dataset", "data_dir", "storage_path",
-        "name", "fresh", "address", "max_failures", "keep_checkpoints", "placement_strategy",
-        "no_tensorboard", "mlflow", "mlflow_uri", "socket_ifname", "compile",
+        "name", "fresh", "address", "max_failures", "max_preemptions", "keep_checkpoints",
+        "placement_strategy", "no_tensorboard", "mlflow", "mlflow_uri", "socket_ifname", "compile",
     )  # fmt: skip
 
     def __post_init__(self) -> None:

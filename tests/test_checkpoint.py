@@ -144,6 +144,7 @@ def _resume_state(cfg: TrainConfig = CFG) -> dict:
         "history": [{"epoch": 1, "val_accuracy": 0.5}],
         "rng": ckpt.rng_state(),
         "config": cfg.to_dict(),
+        "position": ckpt.boundary_position(cfg.to_dict(), 1, 1),
     }
 
 
@@ -374,3 +375,114 @@ def test_a_sparse_giant_state_file_is_refused_by_its_size(tmp_path):
         ckpt.CheckpointError, match=f"{ckpt.MAX_CHECKPOINT_BYTES + 1} bytes, more than"
     ):
         ckpt.load(tmp_path)
+
+
+# --------------------------------------------------------------------------- mid-epoch
+
+
+def test_a_mid_epoch_checkpoint_resumes_the_uninterrupted_run_bit_for_bit(tmp_path, sample_digits):
+    """A checkpoint at step 3 of epoch 2 (what a preemption writes, just in time): a resume
+    skips exactly those 3 batches, draws the shifts the uninterrupted run drew from there,
+    and ends the epoch with its weights, schedule and metrics."""
+    import dataclasses
+
+    from raytrain_mnist.nn.optim import StepRecipe
+    from raytrain_mnist.worker.loop import set_epoch
+    from raytrain_mnist.worker.resume import checkpoint_state, restore, resume_point
+
+    cfg = TrainConfig(epochs=3, batch_size=16, lr=0.05, max_shift=2)
+    images, labels = (torch.from_numpy(a[:96].copy()) for a in sample_digits)
+
+    def training(seed):
+        return dataclasses.replace(_training(cfg, images, labels, seed), recipe=StepRecipe.of(cfg))
+
+    run = training(cfg.seed)
+    set_epoch(run.loader, 0, cfg.seed)
+    run.train_one_epoch()
+    history = [{"epoch": 1, "val_accuracy": 0.5}]
+    saved = []
+
+    def at_step_3(steps, sums):
+        if steps == 3:
+            position = {
+                "step": 3,
+                "sums": [*sums.tolist(), 0.25],
+                "sampler_seed": cfg.seed,
+                "sampler_epoch": 1,
+                "world_size": 1,
+                "kind": "preemption",
+            }
+            ckpt.save(tmp_path, checkpoint_state(run, cfg, 1, 0.5, history, position))
+            saved.append(True)
+
+    set_epoch(run.loader, 1, cfg.seed)
+    uninterrupted = run.train_one_epoch(on_step=at_step_3)
+    assert saved
+
+    state = ckpt.resumable_state(tmp_path, cfg.to_dict())
+    assert state["position"]["step"] == 3 and state["epoch"] == 1
+    resumed = training(cfg.seed + 1)
+    assert restore(resumed, state) == (1, history, 0.5)
+    start, told = resume_point(state, rank=0)
+    assert told == {"resumed_from_epoch": 1, "resumed_from_step": 3, "resumed_world_size": 1}
+    torch.rand(5)  # whatever the process drew meanwhile: the RNG comes back at step 3
+    set_epoch(resumed.loader, 1, cfg.seed)
+    finished = resumed.train_one_epoch(start=start)
+    assert finished["train_steps"] == uninterrupted["train_steps"] == 6
+    assert finished["skipped_steps"] == 3
+    assert finished["train_loss"] == pytest.approx(uninterrupted["train_loss"], rel=1e-12)
+    assert finished["train_accuracy"] == uninterrupted["train_accuracy"]
+    assert resumed.lr == run.lr
+    for name, value in run.module.state_dict().items():
+        assert torch.equal(resumed.module.state_dict()[name], value), name
+
+
+def _format_1(state: dict) -> dict:
+    """A checkpoint as the format before positions wrote it."""
+    return {k: v for k, v in state.items() if k != "position"}
+
+
+def test_a_format_1_checkpoint_loads_as_an_epoch_boundary(tmp_path):
+    state = _format_1(_resume_state())
+    torch.save({"format": "raytrain_mnist/1", **state}, tmp_path / ckpt.STATE_FILE)
+    loaded = ckpt.resumable_state(tmp_path, CFG.to_dict())
+    assert loaded["format"] == ckpt.FORMAT
+    assert loaded["position"] == ckpt.boundary_position(CFG.to_dict(), 1)
+
+
+@pytest.mark.parametrize(
+    "change, fragment",
+    [
+        ({"step": -1}, "step -1 of epoch 2 is not a step"),
+        ({"step": True}, "step True of epoch 2 is not a step"),
+        ({"sums": [0, 0, float("nan"), 0]}, "are not 4 sums"),
+        ({"sums": [1, 2]}, "are not 4 sums"),
+        ({"sampler_seed": 7}, "its sampler's seed and epoch are not this run's"),
+        ({"sampler_epoch": 0}, "its sampler's seed and epoch are not this run's"),
+        ({"world_size": 0}, "its world size or kind is not valid"),
+        ({"kind": "whim"}, "its world size or kind is not valid"),
+        ({"extra": 1}, "is not a position within an epoch"),
+    ],
+)
+def test_a_bad_position_is_one_checkpoint_error(tmp_path, change, fragment):
+    state = _resume_state()
+    state["position"] = {**state["position"], "step": 2, **change}
+    ckpt.save(tmp_path, state)
+    with pytest.raises(ckpt.CheckpointError, match=re.escape(fragment)) as info:
+        ckpt.resumable_state(tmp_path, CFG.to_dict())
+    assert "\n" not in str(info.value)
+
+
+def test_mid_epoch_only_inside_the_runs_epochs(tmp_path):
+    state = _resume_state()
+    state.update(epoch=0, position={**state["position"], "step": 2, "sampler_epoch": 0})
+    ckpt.save(tmp_path, state)
+    assert ckpt.resumable_state(tmp_path, CFG.to_dict())["epoch"] == 0  # step 2 of epoch 1
+    state.update(epoch=3, position={**state["position"], "step": 2, "sampler_epoch": 3})
+    ckpt.save(tmp_path, state)
+    with pytest.raises(ckpt.CheckpointError, match="step 2 of epoch 4 is not a step of a 3-epoch"):
+        ckpt.resumable_state(tmp_path, CFG.to_dict())
+    state.update(epoch=0, position={**state["position"], "step": 0, "sampler_epoch": 0})
+    ckpt.save(tmp_path, state)
+    with pytest.raises(ckpt.CheckpointError, match="step 0 of epoch 1 is not a step"):
+        ckpt.resumable_state(tmp_path, CFG.to_dict())

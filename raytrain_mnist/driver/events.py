@@ -77,6 +77,12 @@ class Note(Event):
 
 
 @dataclass(frozen=True)
+class Preempted(Note):
+    """A node of the run is being preempted (a spot reclaim), or the run resumed after
+    one: summary.json's ``preemptions`` holds the details."""
+
+
+@dataclass(frozen=True)
 class Stopping(Event):
     """The run is being stopped at the user's request (Ctrl-C): its workers stop, the last
     committed checkpoint stays. Sent from the thread that called ``fit``."""

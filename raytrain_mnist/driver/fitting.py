@@ -470,6 +470,7 @@ def _summarize(
         "resumed_from_epoch": first.get("resumed_from_epoch"),
         "worker_restarts": monitor.restarts,
         "resizes": monitor.resizes,
+        "preemptions": monitor.preemptions.entries,
         "worker_started_at": first.get("started_at"),  # unix time the training loop began
         "val_accuracy": metrics.get("val_accuracy"),
         "val_loss": metrics.get("val_loss"),

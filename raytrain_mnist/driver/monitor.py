@@ -37,6 +37,7 @@ from collections.abc import Callable
 from typing import Any
 
 from raytrain_mnist import compat
+from raytrain_mnist.driver import preemptions
 from raytrain_mnist.driver.events import (
     STARTUP,
     TEARDOWN,
@@ -44,6 +45,7 @@ from raytrain_mnist.driver.events import (
     EventSink,
     Note,
     Phase,
+    Preempted,
     StepProgress,
 )
 
@@ -265,6 +267,8 @@ class RunMonitor:
         #: new size trains).
         self.resizes: list[dict] = []
         self._group: tuple | None = None  # (started_at, world size) of the current group
+        #: The preemptions seen: summary.json's ``preemptions``.
+        self.preemptions = preemptions.PreemptionLog()
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="RunMonitor", daemon=True)
 
@@ -334,6 +338,12 @@ class RunMonitor:
             if kind == "controller":
                 self._controller_moment(m)
                 continue
+            if kind in preemptions.KINDS:
+                line = self.preemptions.handle(m)
+                if line is not None:
+                    self.on_event(Preempted(line))
+                if kind != "checkpoint":  # a committed checkpoint also marks its group
+                    continue
             if kind == "ready":
                 self._clock_of(m)
             # Each worker-group start stamps its reports (rank 0 also announces it before its
@@ -397,8 +407,8 @@ class RunMonitor:
         previous, self._group = self._group, (started_at, size)
         resumed = m.get("resumed_from_epoch") or 0
         if previous is None:
-            if resumed:
-                self.on_event(Note(f"resumed from the checkpoint of epoch {resumed}"))
+            if text := preemptions.resume_text(m):
+                self.on_event(Note(text))
             if m.get("progress") == "ready" and "worker_group_started" not in self._shown:
                 # Without the controller's moment (a Ray whose callback class moved).
                 self._shown.add("worker_group_started")
@@ -406,8 +416,15 @@ class RunMonitor:
                 self.on_event(Phase(f"{size} worker(s) started", at - self.timeline.t0))
             return
         self.restarts += 1
+        after_preemption = self.preemptions.resumed(m) if m.get("progress") == "ready" else None
         if size is not None and previous[1] is not None and size != previous[1]:
             self.resizes.append({"from": previous[1], "to": size, "at_epoch": resumed + 1})
-            self.on_event(Note(f"workers {previous[1]} → {size} at epoch {resumed + 1}"))
+            step = f", step {m['resumed_from_step']}" if m.get("resumed_from_step") else ""
+            self.on_event(Note(f"workers {previous[1]} → {size} at epoch {resumed + 1}{step}"))
+        elif after_preemption is not None:
+            self.on_event(Preempted(after_preemption))
+        elif m.get("resumed_from_step"):
+            self.on_event(Note(f"workers restarted from the checkpoint at step "
+                               f"{m['resumed_from_step']} of epoch {resumed + 1}"))  # fmt: skip
         else:
             self.on_event(Note(f"workers restarted from the checkpoint of epoch {resumed}"))

@@ -61,7 +61,12 @@ def build_trainer(
             name=name,
             storage_path=storage,
             storage_filesystem=storage_filesystem,
-            failure_config=FailureConfig(max_failures=run.failure.max_failures),
+            failure_config=FailureConfig(
+                max_failures=run.failure.max_failures,
+                # A preempted node is not a failure: the run checkpoints just in time and
+                # resumes from that step (worker/preempt.py), on its own budget.
+                max_preemption_failures=run.failure.max_preemptions,
+            ),
             checkpoint_config=CheckpointConfig(
                 num_to_keep=run.checkpoint.keep_checkpoints,
                 checkpoint_score_attribute=CHECKPOINT_METRIC,

@@ -2,9 +2,14 @@
 
 A checkpoint is a directory holding one file, ``state.pt``: model, optimizer, scheduler and
 grad-scaler state, completed epochs, best validation accuracy, per-epoch history, the
-training config and the RNG state (:data:`RESUME_KEYS`; the worker builds it in
-``loop.checkpoint_state``). :func:`resumable_state` checks on the driver, before any worker
-starts, that a checkpoint will load where the worker loads it.
+training config, the RNG state and the position within the next epoch (:data:`RESUME_KEYS`;
+the worker builds it in ``loop.checkpoint_state``). :func:`resumable_state` checks on the
+driver, before any worker starts, that a checkpoint will load where the worker loads it.
+
+Format 2 added ``position`` (:func:`boundary_position`): a checkpoint written mid-epoch (a
+preemption's, just in time) says how many steps of the next epoch it holds, the sums of
+that epoch's metrics so far, the sampler's seed and epoch, and the world size that wrote it.
+A format-1 checkpoint loads as what it was: one written at an epoch's end.
 
 Loading uses ``torch.load(weights_only=True)``: a file that would run code when unpickled is
 refused, never executed. That refusal is only as good as torch's: releases before 2.10 have
@@ -36,7 +41,9 @@ from raytrain_mnist.nn.model import ConvNet
 from raytrain_mnist.nn.optim import build_optimizer
 
 STATE_FILE = "state.pt"
-FORMAT = "raytrain_mnist/1"
+FORMAT = "raytrain_mnist/2"
+#: Every format :func:`load` reads; older ones are brought up to :data:`FORMAT` as they load.
+FORMATS = ("raytrain_mnist/1", FORMAT)
 #: The oldest torch whose ``weights_only`` loading has no known bypass (CVE-2025-32434 covers
 #: releases before 2.6, a later advisory those before 2.10); pyproject.toml requires it too.
 MIN_TORCH = (2, 10)
@@ -84,9 +91,26 @@ def load(path: str | os.PathLike) -> dict[str, Any]:
         ) from exc
     except Exception as exc:  # a malformed stream fails in many ways; none is a bug of ours
         raise CheckpointError(f"{path} is corrupt or truncated ({exc.__class__.__name__})") from exc
-    if not isinstance(state, dict) or state.get("format") != FORMAT:
+    if not isinstance(state, dict) or state.get("format") not in FORMATS:
         raise CheckpointError(f"{path} is not a raytrain_mnist checkpoint")
+    if state["format"] != FORMAT and isinstance(state.get("epoch"), int):
+        # Format 1 knew no position: it was always written at the end of epoch `epoch`.
+        state["position"] = boundary_position(state.get("config") or {}, state["epoch"])
+        state["format"] = FORMAT
     return state
+
+
+def boundary_position(config: dict[str, Any], epoch: int, world_size: int | None = None) -> dict:
+    """The ``position`` of a checkpoint written at the end of ``epoch`` completed epochs:
+    no step of the next epoch done. ``config`` is the run's TrainConfig as a dict."""
+    return {
+        "step": 0,
+        "sums": [0.0, 0.0, 0.0, 0.0],
+        "sampler_seed": config.get("seed"),
+        "sampler_epoch": epoch,
+        "world_size": world_size,
+        "kind": "epoch",
+    }
 
 
 def check_archive(path: str | os.PathLike) -> None:
@@ -210,7 +234,15 @@ RESUME_KEYS = (
     "history",
     "rng",
     "config",
+    "position",
 )
+
+#: What a ``position`` says (:func:`boundary_position`): ``step``, the steps of epoch
+#: ``epoch + 1`` done (0 at an epoch's end); ``sums``, that epoch's training loss sum,
+#: correct predictions, images and CPU seconds so far over all ranks; ``sampler_seed`` and
+#: ``sampler_epoch``, what the sampler's order is drawn from; ``world_size``, the ranks
+#: that wrote it (None when unknown); ``kind``, ``"epoch"`` or ``"preemption"``.
+POSITION_KEYS = ("step", "sums", "sampler_seed", "sampler_epoch", "world_size", "kind")
 
 
 def resumable_state(path: str | os.PathLike, train_config: dict[str, Any]) -> dict[str, Any]:
@@ -233,10 +265,11 @@ def resumable_state(path: str | os.PathLike, train_config: dict[str, Any]) -> di
     except (ConfigError, TypeError) as exc:
         raise CheckpointError(f"{path} holds training settings that are not valid") from exc
     epoch = state["epoch"]
-    if isinstance(epoch, bool) or not isinstance(epoch, int) or not 1 <= epoch <= cfg.epochs:
+    if isinstance(epoch, bool) or not isinstance(epoch, int) or not 0 <= epoch <= cfg.epochs:
         raise CheckpointError(
             f"{path}: its epoch {epoch!r} is not a completed epoch of a {cfg.epochs}-epoch run"
         )
+    _check_position(state["position"], epoch, cfg, path)
     best = state["best_val_accuracy"]
     if isinstance(best, bool) or not isinstance(best, (int, float)) or not 0 <= best <= 1:
         raise CheckpointError(f"{path}: its best_val_accuracy {best!r} is not an accuracy")
@@ -292,6 +325,33 @@ def _check_training_state(
         raise CheckpointError(
             f"{path}: its scaler state does not fit this run ({first_line(exc)})"
         ) from exc
+
+
+def _is_count(value: Any, low: int = 0) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= low
+
+
+def _check_position(position: Any, epoch: int, cfg: TrainConfig, path: str | os.PathLike) -> None:
+    """A position the loop can resume from: mid-epoch only inside the run's epochs, at an
+    epoch's end only after one, the sampler's order this run's."""
+    bad = f"{path}: its position"
+    if not isinstance(position, dict) or set(position) != set(POSITION_KEYS):
+        raise CheckpointError(f"{bad} {position!r:.80} is not a position within an epoch")
+    step, sums, size = position["step"], position["sums"], position["world_size"]
+    if not _is_count(step) or (step == 0 and epoch < 1) or (step > 0 and epoch >= cfg.epochs):
+        raise CheckpointError(
+            f"{bad}: step {step!r} of epoch {epoch + 1} is not a step of a {cfg.epochs}-epoch run"
+        )
+    if not (
+        isinstance(sums, list)
+        and len(sums) == 4
+        and all(isinstance(v, (int, float)) and math.isfinite(v) and v >= 0 for v in sums)
+    ):
+        raise CheckpointError(f"{bad}: its epoch's sums {sums!r:.80} are not 4 sums")
+    if position["sampler_seed"] != cfg.seed or position["sampler_epoch"] != epoch:
+        raise CheckpointError(f"{bad}: its sampler's seed and epoch are not this run's")
+    if not (size is None or _is_count(size, 1)) or position["kind"] not in ("epoch", "preemption"):
+        raise CheckpointError(f"{bad}: its world size or kind is not valid")
 
 
 def _check_rng(rng: Any, path: str | os.PathLike) -> None:

@@ -8,11 +8,16 @@ carries ``"progress"`` (its kind) and ``"at"`` (unix time, when it was sent):
   ``started_at`` (when this worker-group start's train function began, unix time: Ray has
   formed the process group by then), ``prepared_at`` (the model and loader prepared),
   ``node_id`` (whose clock these are), ``resumed_from_epoch`` (None on a fresh start),
-  ``device`` (``"cpu"``, ``"cuda"``) and ``backend`` (the process group's).
+  ``device`` (``"cpu"``, ``"cuda"``) and ``backend`` (the process group's); a resume
+  also carries ``resumed_from_step`` (steps of the next epoch its checkpoint held: 0 at an
+  epoch's end) and ``resumed_world_size`` (the world size that wrote it; None if unknown).
 * ``"first_step"``: the first optimizer step of this worker-group start has been taken.
 * ``"step"``: ``epoch`` (1-based), ``images`` and ``total`` (this epoch's images so far and
   in all, over every rank), ``seconds`` (since the epoch began) and ``loss`` (the mean over
   rank 0's images so far).
+* ``"preemption"``, ``"preempt_step"``, ``"holding"``: a node of the run is being
+  preempted (:mod:`.preempt`): seen (``nodes``: node id to its ranks, ``deadline_s``,
+  ``epoch``, ``step``), a step trained during the notice, the final checkpoint reported.
 
 The driver's side reads exactly these keys (``driver/monitor.py``).
 """
@@ -44,11 +49,13 @@ class ProgressFeed:
         self,
         world_size: int,
         started_at: float,
-        resumed_from_epoch: int | None,
-        device: str,
-        backend: str | None,
+        resumed_from_epoch: int | None = None,
+        device: str = "cpu",
+        backend: str | None = None,
         prepared_at: float | None = None,
+        **resumed,
     ) -> None:
+        """``resumed``: ``resumed_from_step`` and ``resumed_world_size`` of a resume."""
         if self.actor is None:
             return
         import ray
@@ -62,6 +69,7 @@ class ProgressFeed:
             resumed_from_epoch=resumed_from_epoch,
             device=device,
             backend=backend,
+            **resumed,
         )
 
     def epoch_start(self, epoch: int) -> None:

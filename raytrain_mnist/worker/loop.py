@@ -15,10 +15,10 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import dataclasses
+import functools
 import logging
 import os
 import sys
-import tempfile
 import time
 from typing import Any
 
@@ -32,7 +32,7 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 from raytrain_mnist import compat
-from raytrain_mnist.config import TrainConfig, check_compiler
+from raytrain_mnist.config import TrainConfig
 from raytrain_mnist.data import MnistData
 from raytrain_mnist.nn import checkpoint as ckpt
 from raytrain_mnist.nn.model import ConvNet, normalize
@@ -44,7 +44,19 @@ from raytrain_mnist.nn.optim import (
     shift_images,
 )
 from raytrain_mnist.nn.score import all_reduce_sum, evaluate
+from raytrain_mnist.toolchain import check_compiler
 from raytrain_mnist.worker.feed import ProgressFeed
+from raytrain_mnist.worker.preempt import JustInTime
+from raytrain_mnist.worker.resume import (
+    Done,
+    EpochStart,
+    checkpoint_state,
+    jit_saver,
+    report_epoch,
+    restore,
+    resume_point,
+    resume_state,
+)
 
 logger = logging.getLogger(__name__)
 _NO_CONTEXT = contextlib.nullcontext()
@@ -158,6 +170,19 @@ def train_step(
     return loss.detach(), logits.detach()
 
 
+def epoch_batches(loader, start: EpochStart | None):
+    """The epoch's batches from ``start``: the loader's order (its sampler's epoch and seed,
+    set by :func:`set_epoch`) with the done batches skipped, then the RNG put back, so the
+    next draw (a shift) is the one the uninterrupted run made at that step."""
+    batches = iter(loader)
+    if start is not None:
+        for _ in range(start.step):  # one gather each: cheaper than rebuilding the sampler
+            next(batches)
+        if start.rng is not None:
+            ckpt.set_rng_state(start.rng)
+    return batches
+
+
 def train_one_epoch(
     model: nn.Module,
     loader,
@@ -168,17 +193,23 @@ def train_one_epoch(
     device: torch.device,
     on_step=None,
     recipe: StepRecipe = StepRecipe(),
+    start: EpochStart | None = None,
 ) -> dict[str, float]:
-    """One pass over ``loader``; returns loss and accuracy over every rank's samples, the
-    steps taken, the CPU seconds (user + system) all ranks' processes spent on them, and
-    when the first step had finished (unix time). ``on_step(steps, sums)`` is called after
-    every step with this rank's running (loss sum, correct, count) on the device."""
+    """One pass over ``loader`` (from ``start``, when it resumes mid-epoch); returns loss
+    and accuracy over every rank's samples, the epoch's steps (``skipped_steps`` of them
+    done before ``start``), the CPU seconds (user + system) all ranks' processes spent on
+    them, and when the first step had finished (unix time). ``on_step(steps, sums)`` is
+    called after every step with the epoch's steps done and this rank's running (loss sum,
+    correct, count) on the device."""
     model.train()
     cpu_started = time.process_time()
     # Running sums stay on the device: reading them (.item()) would sync every step.
     sums = torch.zeros(3, dtype=torch.float64, device=device)  # loss, correct, count
-    steps, first_step_at = 0, None
-    for images, labels in loader:
+    carried = start.sums if start is not None and start.sums is not None else [0.0] * 4
+    sums += torch.tensor(carried[:3], dtype=torch.float64, device=device)
+    skipped = steps = 0 if start is None else start.step
+    first_step_at = None
+    for images, labels in epoch_batches(loader, start):
         loss, logits = train_step(
             model, images, labels, optimizer, scheduler, scaler, autocast, recipe
         )
@@ -193,13 +224,15 @@ def train_one_epoch(
             first_step_at = time.time()
         if on_step is not None:
             on_step(steps, sums)
-    cpu = torch.tensor([time.process_time() - cpu_started], dtype=torch.float64, device=device)
-    loss_sum, correct, count, cpu_s = all_reduce_sum(torch.cat([sums, cpu])).tolist()
+    cpu = time.process_time() - cpu_started + carried[3]
+    cpu_t = torch.tensor([cpu], dtype=torch.float64, device=device)
+    loss_sum, correct, count, cpu_s = all_reduce_sum(torch.cat([sums, cpu_t])).tolist()
     return {
         "train_loss": loss_sum / count,
         "train_accuracy": correct / count,
         "train_images": int(count),
         "train_steps": steps,
+        "skipped_steps": skipped,
         "cpu_s": cpu_s,
         "first_step_at": first_step_at,
     }
@@ -285,7 +318,7 @@ class Training:
     recipe: StepRecipe = StepRecipe()  # the images' shifts, the loss's label smoothing
     compiled: bool = False  # the module is torch.compiled (training steps only)
 
-    def train_one_epoch(self, on_step=None) -> dict[str, float]:
+    def train_one_epoch(self, on_step=None, start: EpochStart | None = None) -> dict[str, float]:
         """:func:`train_one_epoch` over this rank's loader."""
         return train_one_epoch(
             self.model,
@@ -297,6 +330,7 @@ class Training:
             self.device,
             on_step,
             self.recipe,
+            start,
         )
 
     def evaluate(
@@ -328,15 +362,6 @@ def set_up_worker(rank: int, cpus_per_worker: int) -> torch.device:
     if device.type == "cuda":
         torch.backends.cudnn.benchmark = True  # fixed shapes: the fastest kernels, found once
     return device
-
-
-def resume_state() -> dict[str, Any] | None:
-    """The state of the checkpoint Ray hands this worker group (None on a fresh start)."""
-    checkpoint = ray.train.get_checkpoint()
-    if checkpoint is None:
-        return None
-    with checkpoint.as_directory() as directory:
-        return ckpt.load(directory)
 
 
 def prepare_training(
@@ -376,21 +401,6 @@ def prepare_training(
     )
 
 
-def restore(training: Training, state: dict[str, Any]) -> tuple[int, list[dict], float]:
-    """Load a checkpoint's ``state`` (as :func:`checkpoint_state` wrote it) into
-    ``training`` and the RNG; returns (epochs completed, history, best validation accuracy).
-
-    Every rank loads the same state, so the replicas stay identical; the RNG comes back
-    last, so the next draw is the one the uninterrupted run made.
-    """
-    training.module.load_state_dict(state["model"])
-    training.optimizer.load_state_dict(state["optimizer"])
-    training.scheduler.load_state_dict(state["scheduler"])
-    training.scaler.load_state_dict(state["scaler"])
-    ckpt.set_rng_state(state["rng"])
-    return state["epoch"], state["history"], state["best_val_accuracy"]
-
-
 def epoch_record(
     epoch: int,
     train: dict[str, float],
@@ -409,7 +419,8 @@ def epoch_record(
         "train_accuracy": train["train_accuracy"],
         "val_loss": val["val_loss"],
         "val_accuracy": val["val_accuracy"],
-        "images_per_s": train["train_images"] / train_s,
+        # What this worker group trained: a resumed epoch's skipped steps took no time here.
+        "images_per_s": train["train_images"] * _share_trained(train) / train_s,
         "lr": lr,
         "epoch_time_s": time.perf_counter() - started,
         "train_s": train_s,
@@ -421,34 +432,17 @@ def epoch_record(
     }
 
 
-def checkpoint_state(
-    training: Training, cfg: TrainConfig, epoch: int, best: float, history: list[dict]
-) -> dict[str, Any]:
-    """Everything a resume needs after ``epoch`` completed epochs (checkpoint.RESUME_KEYS;
-    :func:`restore` reads it back, ``checkpoint.resumable_state`` checks it on the driver)."""
-    return {
-        "model": training.module.state_dict(),
-        "optimizer": training.optimizer.state_dict(),
-        "scheduler": training.scheduler.state_dict(),
-        "scaler": training.scaler.state_dict(),
-        "epoch": epoch,
-        "best_val_accuracy": best,
-        "history": history,
-        "config": cfg.to_dict(),
-        "rng": ckpt.rng_state(),
-    }
+def _share_trained(train: dict[str, Any]) -> float:
+    steps = max(train["train_steps"], 1)
+    return (steps - train.get("skipped_steps", 0)) / steps
 
 
-def report_epoch(metrics: dict[str, Any], state: dict[str, Any] | None) -> None:
-    """Report one epoch's ``metrics`` to Ray Train, with ``state`` as its checkpoint when
-    given (rank 0's; the other ranks pass None). Every rank calls this once per epoch:
-    ``ray.train.report`` is a barrier."""
-    with tempfile.TemporaryDirectory() as directory:
-        checkpoint = None
-        if state is not None:
-            ckpt.save(directory, state)
-            checkpoint = ray.train.Checkpoint.from_directory(directory)
-        ray.train.report(metrics, checkpoint=checkpoint)
+def _both(*hooks):
+    """One per-step callback calling each hook that is not None (None when none is)."""
+    live = [h for h in hooks if h is not None]
+    if len(live) < 2:
+        return live[0] if live else None
+    return lambda steps, sums: [h(steps, sums) for h in live]
 
 
 def train_func_per_worker(config: dict[str, Any]) -> None:
@@ -467,40 +461,69 @@ def train_func_per_worker(config: dict[str, Any]) -> None:
     state = resume_state()
     training = prepare_training(cfg, data, device, world_size, config.get("compile", False))
     prepared_at = time.time()  # the driver's start-up timeline: "model prepared"
-    start_epoch, history, best = (0, [], 0.0) if state is None else restore(training, state)
-    resumed_from = None if state is None else start_epoch
+    done = Done() if state is None else Done(*restore(training, state))
+    start, resumed = resume_point(state, rank)
     placement = _worker_placement(device, training.compiled)
     if rank == 0:
-        _log_start(training, cfg, device, world_size, resumed_from)
+        _log_start(training, cfg, device, world_size, resumed)
     feed = ProgressFeed(
         config.get("progress") if rank == 0 else None, cfg.batch_size, len(training.loader)
     )
-    feed.ready(world_size, started_at, resumed_from, device.type, _backend(), prepared_at)
-
-    for epoch in range(start_epoch, cfg.epochs):
+    feed.ready(world_size, started_at, device=device.type, backend=_backend(),
+               prepared_at=prepared_at, **resumed)  # fmt: skip
+    keys = {"started_at": started_at, "world_size": world_size}
+    save = jit_saver(training, cfg, done, keys, rank)
+    send = functools.partial(feed.send, steps_per_epoch=len(training.loader))
+    jit = JustInTime(rank, world_size, save, ray.train.get_preemption_info, send, device=device)
+    on_step = _both(feed.on_step, jit.on_step)
+    for epoch in range(done.epoch, cfg.epochs):
         set_epoch(training.loader, epoch, cfg.seed)
+        jit.epoch, save.cpu_started[0] = epoch, time.process_time()
+        keys["carried_cpu_s"] = start.sums[3] if start is not None and start.sums else 0.0
         started = time.perf_counter()
         feed.epoch_start(epoch + 1)
-        train = training.train_one_epoch(on_step=feed.on_step)
+        train = training.train_one_epoch(on_step=on_step, start=start)
+        start = None
         train_s = time.perf_counter() - started
-        # DDP syncs BatchNorm buffers from rank 0 at the start of each forward, so after the
-        # last step every rank holds its own running stats: evaluate rank 0's, the saved ones.
-        broadcast_buffers(training.module)
-        val = training.evaluate(data.test_images, data.test_labels, rank, world_size)
-        best = max(best, val["val_accuracy"])
-        record = epoch_record(epoch + 1, train, val, started, train_s, training.lr, world_size)
-        history.append(record)
-        metrics = {
-            **record,
-            "val_total": val["val_total"],
-            "best_val_accuracy": best,
-            "resumed_from_epoch": resumed_from,
-            "started_at": started_at,
-            "workers": placement,
-        }  # per epoch only: the driver builds the history
-        # Rank 0 writes the checkpoint; every rank reports.
-        saved = checkpoint_state(training, cfg, epoch + 1, best, history) if rank == 0 else None
-        report_epoch(metrics, saved)
+        run_keys = {"resumed_from_epoch": resumed["resumed_from_epoch"],
+                    "started_at": started_at, "workers": placement}  # fmt: skip
+        _end_epoch(training, cfg, data, done, train, (started, train_s), rank, run_keys)
+        jit.end_epoch()
+
+
+def _end_epoch(
+    training: Training,
+    cfg: TrainConfig,
+    data: MnistData,
+    done: Done,
+    train: dict[str, Any],
+    timing: tuple[float, float],
+    rank: int,
+    run_keys: dict[str, Any],
+) -> None:
+    """Evaluate the epoch just trained, record it in ``done``, report it (every rank) with
+    its checkpoint (rank 0's). ``timing``: when the epoch began (perf_counter) and its
+    training seconds; ``run_keys``: what every report says about the run."""
+    # DDP syncs BatchNorm buffers from rank 0 at the start of each forward, so after the
+    # last step every rank holds its own running stats: evaluate rank 0's, the saved ones.
+    broadcast_buffers(training.module)
+    world_size = len(run_keys["workers"])
+    val = training.evaluate(data.test_images, data.test_labels, rank, world_size)
+    done.epoch += 1
+    done.best = max(done.best, val["val_accuracy"])
+    record = epoch_record(done.epoch, train, val, *timing, training.lr, world_size)
+    done.history.append(record)
+    metrics = {
+        **record,
+        "val_total": val["val_total"],
+        "best_val_accuracy": done.best,
+        **run_keys,
+    }  # per epoch only: the driver builds the history
+    # Rank 0 writes the checkpoint; every rank reports.
+    saved = None
+    if rank == 0:
+        saved = checkpoint_state(training, cfg, done.epoch, done.best, list(done.history))
+    report_epoch(metrics, saved)
 
 
 def _log_start(
@@ -508,10 +531,22 @@ def _log_start(
     cfg: TrainConfig,
     device: torch.device,
     world_size: int,
-    resumed_from: int | None,
+    resumed: dict[str, Any],
 ) -> None:
-    if resumed_from is not None:
-        logger.info("resumed from the checkpoint of epoch %d", resumed_from)
+    epoch, step = resumed.get("resumed_from_epoch"), resumed.get("resumed_from_step")
+    if epoch is not None and step:
+        logger.info("resumed from the checkpoint at step %d of epoch %d", step, epoch + 1)
+    elif epoch is not None:
+        logger.info("resumed from the checkpoint of epoch %d", epoch)
+    written_by = resumed.get("resumed_world_size")
+    if step and written_by not in (None, world_size):
+        logger.warning(
+            "resumed on %d worker(s) from a checkpoint written by %d: the same steps and "
+            "schedule, but this epoch's remaining batches are not the ones %d would train",
+            world_size,
+            written_by,
+            written_by,
+        )
     logger.info(
         "%d worker(s) on %s, process group %s, SyncBatchNorm %s, AMP %s",
         world_size,
