@@ -6,9 +6,10 @@ host named ``rt0``, a default route through it so that Ray's own address detecti
 segment address), its own PID namespace (a host's ``ray stop`` sees its own Ray only, and
 killing the namespace's PID 1 ends the machine and everything in it), and its own mount
 namespace: private tmpfs on /tmp (Ray's session and cluster state, SSH control sockets),
-/dev/shm, /run and /var/log, a copy of /etc/passwd whose root home is the machine's scratch
-home (SSH sessions take the home from there: ``~/venv``, ``~/.bashrc``, ``~/ray_bootstrap_*``
-stay in the test's scratch), and the test's shared directory at /mnt/shared, the on-prem
+/dev/shm, /run, /var/log and /mnt (with this checkout, the suite's environment and its Python
+bound back over them where they lie below, as in a clone under /tmp), a copy of /etc/passwd
+whose root home is the machine's scratch home (SSH sessions take the home from there:
+``~/venv``, ``~/.bashrc``, ``~/ray_bootstrap_*`` stay in the test's scratch), and the test's shared directory at /mnt/shared, the on-prem
 file's storage path. Each host runs Debian's ``sshd`` with a throwaway host key, and accepts
 the laptop's throwaway key for root.
 
@@ -156,16 +157,9 @@ class Machine:
         )
         lines = [
             "set -eu",
-            *(
-                f"mount -t tmpfs -o mode={mode} rtup {path}"
-                for path, mode in (
-                    ("/tmp", "1777"),
-                    ("/dev/shm", "1777"),
-                    ("/run", "755"),
-                    ("/var/log", "755"),
-                    ("/mnt", "755"),
-                )
-            ),
+            *_kept_aside(_PRIVATE, self.root / "kept"),
+            *(f"mount -t tmpfs -o mode={mode} rtup {path}" for path, mode in _PRIVATE),
+            *_kept_over(_PRIVATE, self.root / "kept"),
             f"mkdir -p {SHARED} /run/sshd",
             "touch /var/log/lastlog /var/log/wtmp",  # sshd records logins with a terminal
             f"mount --bind {shared} {SHARED}",
@@ -237,6 +231,41 @@ class Machine:
 
     def raylet_running(self) -> bool:
         return any("raylet" in c.split(" ")[0] for c in self.processes().values())
+
+
+#: What each machine mounts a fresh tmpfs on, and its mode.
+_PRIVATE = (
+    ("/tmp", "1777"),
+    ("/dev/shm", "1777"),
+    ("/run", "755"),
+    ("/var/log", "755"),
+    ("/mnt", "755"),
+)
+
+
+def _needed_under(private: tuple[tuple[str, str], ...]) -> list[Path]:
+    """What every machine needs from the real machine that lies under one of its private
+    mounts (a clone in /tmp): this checkout, the suite's environment and the Python it is
+    made from, outermost only."""
+    needed = sorted({p.resolve() for p in (REPO, VENV, Path(sys.base_prefix))})
+    outermost = [p for p in needed if not any(q != p and q in p.parents for q in needed)]
+    return [p for p in outermost if any(Path(m) in (p, *p.parents) for m, _ in private)]
+
+
+def _kept_aside(private, holder: Path) -> list[str]:
+    """Shell lines, before the private mounts: bind what they would hide to ``holder``."""
+    return [
+        f"mkdir -p {holder}/{i} && mount --rbind {path} {holder}/{i}"
+        for i, path in enumerate(_needed_under(private))
+    ]
+
+
+def _kept_over(private, holder: Path) -> list[str]:
+    """Shell lines, after the private mounts: bind it back at its own path on top of them."""
+    return [
+        f"mkdir -p {path} && mount --rbind {holder}/{i} {path}"
+        for i, path in enumerate(_needed_under(private))
+    ]
 
 
 #: A command line of Ray's: its daemons, its Python processes (workers, agents, dashboard,
@@ -538,17 +567,24 @@ def test_ray_up_on_prem_hosts_over_ssh(onprem, sample_digits):
     )
     assert "Applied config" in up.stdout + up.stderr
     lap("ray up")
-    # On the head, as `ray exec` (a login shell in ~) finds it: its Ray runs with the laptop's
-    # token, and its Python is the synced checkout's, with what fit and serve import.
+    # On the head, as `ray exec` (a login shell in ~) finds it: its Ray shows the head's CPUs
+    # once the autoscaler has reported (`ray up` returns before; until then `ray status` says
+    # "No cluster status"), it runs with the laptop's token, and its Python is the synced
+    # checkout's, with what fit and serve import.
+    _wait(
+        "`ray status` on the head to show its CPUs",
+        lambda: re.search(r"/\d+(?:\.\d+)? CPU", onprem.ray("exec", config, "ray status").stdout),
+        300,
+        2,
+    )
     status = onprem.ray(
         "exec",
         config,
-        "ray status && ray get-auth-token && python -c 'import raytrain_mnist, rich, "
+        "ray get-auth-token && python -c 'import raytrain_mnist, rich, "
         "tensorboard, ray.serve; print(raytrain_mnist.__file__)'",
     )
     assert token in status.stdout
     assert f"{onprem.head.home}/raytrain-mnist/raytrain_mnist/__init__.py" in status.stdout
-    assert re.search(r"/\d+(?:\.\d+)? CPU", status.stdout), status.stdout  # the head's CPUs
     assert onprem.head.raylet_running() and not onprem.worker.raylet_running()
     assert not onprem.laptop.ray_processes()
     lap("ray exec")
