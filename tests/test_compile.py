@@ -11,10 +11,11 @@ import contextlib
 import pytest
 import torch
 
-from raytrain_mnist.config import FitConfig, RunSettings, TrainConfig, compiler_missing
+from raytrain_mnist.config import FitConfig, RunSettings, TrainConfig
 from raytrain_mnist.nn import checkpoint as ckpt
 from raytrain_mnist.nn.model import ConvNet
 from raytrain_mnist.nn.optim import StepRecipe, build_optimizer, grad_scaler
+from raytrain_mnist.toolchain import compiler_missing
 from raytrain_mnist.worker.loop import Training, checkpoint_state, restore, train_step
 from tests.conftest import run_cli_here, write_tiny_mnist
 

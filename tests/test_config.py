@@ -206,6 +206,16 @@ SECRET = "wJalrXUtnFEMIK7MDENG"
         ("mlflow_uri", f"https://user:{SECRET}@mlflow.example"),
         ("mlflow_uri", f"https://mlflow.example/?token={SECRET}"),
         ("data_dir", f"s3://K:{SECRET}@bucket/mnist"),
+        # What a URL parser skips before the scheme does not hide one (issue 29).
+        ("storage_path", f" s3://AKIAEXAMPLE:{SECRET}@bucket/runs"),
+        ("storage_path", f"\t\n s3://bucket/runs?secret_key={SECRET}"),
+        ("data_dir", f"\x00s3://K:{SECRET}@bucket/mnist"),
+        # A query parameter whose value is a URL with credentials, with a scheme or without,
+        # plain or percent-encoded (pyarrow's endpoint_override takes either form).
+        ("storage_path", f"s3://bucket/runs?endpoint_override=https://AKIAEXAMPLE:{SECRET}@h:9000"),
+        ("storage_path", f"s3://bucket/runs?endpoint_override=AKIAEXAMPLE:{SECRET}@minio:9000"),
+        ("storage_path", f"s3://b/r?endpoint_override=http%3A%2F%2FAKIAEXAMPLE%3A{SECRET}%40h"),
+        ("storage_path", f"s3://b/r?proxy_options=http://{SECRET}@proxy:3128"),
     ],
 )
 def test_credentials_in_a_uri_are_refused_and_never_echoed(field, uri):
@@ -225,10 +235,11 @@ def test_credentials_in_a_uri_are_refused_and_never_echoed(field, uri):
         (f"https://u:{SECRET}@h:5000/x?t=1#frag", "https://***@h:5000/x?***#***"),
         ("s3://bucket/runs", "s3://bucket/runs"),
         ("runs", "runs"),
+        (f" s3://KEY:{SECRET}@bucket/runs", "s3://***@bucket/runs"),
     ],
 )
 def test_redact_uri(uri, shown):
-    from raytrain_mnist.config import redact_uri
+    from raytrain_mnist.uris import redact_uri
 
     assert redact_uri(uri) == shown
 
@@ -241,6 +252,9 @@ def test_redact_uri(uri, shown):
         ("storage_path", "s3://bucket/runs?region=us-east-1&endpoint_override=127.0.0.1:9000"),
         ("storage_path", "abfs://container@account.dfs.core.windows.net/runs"),  # a container
         ("storage_path", "/tmp/me@host/runs"),  # a local path
+        ("storage_path", "s3://bucket/runs?endpoint_override=https://minio.example:9000"),
+        ("storage_path", "s3://bucket/runs?endpoint_override=http%3A%2F%2F127.0.0.1%3A9000"),
+        ("mlflow_uri", "https://mlflow.example/?owner=me@example.com"),  # an address, no secret
         ("data_dir", "/data/mnist"),
     ],
 )

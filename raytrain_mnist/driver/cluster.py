@@ -19,6 +19,7 @@ from dataclasses import dataclass
 
 from raytrain_mnist import compat
 from raytrain_mnist.errors import EXIT_USAGE, UserError
+from raytrain_mnist.net import is_loopback, split_host_port
 
 logger = logging.getLogger(__name__)
 
@@ -112,17 +113,6 @@ def connect(address: str | None, request: Request, dashboard: bool = True) -> It
             ray.shutdown()
 
 
-def _is_loopback(host: str) -> bool:
-    import ipaddress
-
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host or "").is_loopback
-    except ValueError:
-        return False
-
-
 @dataclass(frozen=True)
 class _Head:
     """How ``ray.init`` reaches a cluster: ``address`` as given (``auto`` resolved), and
@@ -212,7 +202,6 @@ def _find_head(address: str) -> _Head:
     """Fail in seconds, with one line, where ``ray.init`` would retry for minutes: the
     address's form, ``auto`` resolved as Ray resolves it, and a TCP connect to it."""
     from raytrain_mnist.config import ConfigError, check_ray_address
-    from raytrain_mnist.net import split_host_port
 
     flag = "--address" if address != os.environ.get("RAY_ADDRESS") else "RAY_ADDRESS"
     try:
@@ -237,12 +226,12 @@ def _find_head(address: str) -> _Head:
             f"no Ray cluster answers at {seen} ({refused}); start one with `ray start "
             "--head` or drop --address to train on a local Ray"
         )
-    if address.startswith("ray://") or not _is_loopback(host):
+    if address.startswith("ray://") or not is_loopback(host):
         return _Head(address)
     import ray
 
     outward = ray.util.get_node_ip_address()
-    return _Head(address, _is_loopback(outward) or bool(_refused(outward, port)))
+    return _Head(address, is_loopback(outward) or bool(_refused(outward, port)))
 
 
 def _refused(host: str, port: int) -> str | None:

@@ -1,5 +1,5 @@
 """How the model is served: :class:`ServeConfig`, the serve command's settings and defaults,
-and who may use what it serves (:func:`check_access`, :func:`is_loopback`).
+and who may use what it serves (:func:`check_access`).
 
 Pure (no Ray): the command builds it from flags, the driver side deploys by it, and the
 replicas' sizing (:data:`CPUS_PER_REPLICA`) is read from here by both.
@@ -7,13 +7,13 @@ replicas' sizing (:data:`CPUS_PER_REPLICA`) is read from here by both.
 
 from __future__ import annotations
 
-import ipaddress
 import re
 from dataclasses import dataclass
 from typing import Optional
 
 from raytrain_mnist.config import check_int, option
 from raytrain_mnist.errors import ConfigError
+from raytrain_mnist.net import is_loopback
 
 #: One CPU (and one torch thread) per replica: the net is small, so more replicas scale
 #: better than more threads in one.
@@ -30,8 +30,6 @@ _TOKEN = re.compile(r"[A-Za-z0-9\-._~+/]+=*")
 #: servers; ``proxy``, Ray Serve's Python proxy; ``auto``: direct with one replica on a
 #: local Ray that serve starts, proxy otherwise.
 INGRESS_CHOICES = ("auto", "direct", "haproxy", "proxy")
-#: Host names a browser resolves to this machine whatever DNS says.
-_LOOPBACK_NAMES = ("localhost",)
 
 
 @dataclass(frozen=True)
@@ -94,18 +92,6 @@ class ServeConfig:
         """Whether the proxy listens on loopback only (requests then must name it in
         ``Host``: a DNS-rebound page cannot reach it)."""
         return is_loopback(self.host)
-
-
-def is_loopback(host: str) -> bool:
-    """``host`` (a name or an address, IPv6 optionally in brackets) is this machine's
-    loopback: ``localhost``, ``127.0.0.0/8`` or ``::1``."""
-    host = host.strip().lower()
-    if host in _LOOPBACK_NAMES:
-        return True
-    try:
-        return ipaddress.ip_address(host.removeprefix("[").removesuffix("]")).is_loopback
-    except ValueError:
-        return False
 
 
 def check_token(token: str, source: str) -> str:
