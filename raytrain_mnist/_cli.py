@@ -24,7 +24,9 @@ import argparse
 import atexit
 import contextlib
 import dataclasses
+import difflib
 import gc
+import json
 import logging
 import os
 import signal
@@ -39,10 +41,8 @@ from raytrain_mnist.config import (
     DEFAULT_RECIPE,
     RECIPE_SUMMARY,
     RECIPES,
-    check_no_credentials,
-    python_command,
+    flag_fields,
 )
-from raytrain_mnist.config import command_line as command_line  # re-exported
 from raytrain_mnist.config import flags_of as flags_of  # re-exported
 from raytrain_mnist.errors import (
     EXIT_FAILURE,
@@ -53,6 +53,9 @@ from raytrain_mnist.errors import (
     UserError,
     first_line,
 )
+from raytrain_mnist.shell import command_line as command_line  # re-exported
+from raytrain_mnist.shell import python_command
+from raytrain_mnist.uris import check_no_credentials
 
 #: Bidirectional overrides and isolates: they reorder what a terminal shows.
 _BIDI = frozenset("\u202a\u202b\u202c\u202d\u202e\u2066\u2067\u2068\u2069")
@@ -82,13 +85,48 @@ def printable(text: str, lines: bool = True) -> str:
 
 
 class ArgumentParser(argparse.ArgumentParser):
-    """argparse, but a usage error is a single line naming the flag and pointing at --help."""
+    """argparse, but a usage error is a single line naming the flag and pointing at --help,
+    and a flag is only ever its whole name: argparse's prefix matching read ``--epoch 2`` as
+    ``--epochs 2``; here it is refused, with the flag meant suggested."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        kwargs.setdefault("allow_abbrev", False)
+        super().__init__(*args, **kwargs)
 
     def error(self, message: str) -> typing.NoReturn:
         # The message quotes the user's words: one line, whatever they hold.
         self.exit(
-            EXIT_USAGE, f"{self.prog}: error: {printable(message, lines=False)} (see --help)\n"
+            EXIT_USAGE,
+            f"{self.prog}: error: {printable(message, lines=False)}{self._suggestion(message)}"
+            " (see --help)\n",
         )
+
+    def _suggestion(self, message: str) -> str:
+        """``; did you mean --epochs?`` for the first unknown flag of ``message`` that is
+        close to one of this parser's."""
+        if not message.startswith("unrecognized arguments:"):
+            return ""
+        known = [s for s in self._option_string_actions if s.startswith("--")]
+        for word in message.removeprefix("unrecognized arguments:").split():
+            flag = word.partition("=")[0]
+            if flag.startswith("--"):
+                close = difflib.get_close_matches(flag, known, n=1, cutoff=0.7)
+                if not close:
+                    close = [k for k in known if k.startswith(flag)][:1]
+                if close:
+                    return f"; did you mean {close[0]}?"
+        return ""
+
+
+def add_json_arg(parser: argparse.ArgumentParser) -> None:
+    """``--json``: the command's result as one JSON object on stdout, everything else on
+    stderr (:meth:`Command.main` does it; the command hands its result to :func:`emit_result`)."""
+    parser.add_argument(
+        "--json",
+        action="store_true",
+        help="print the result as one JSON object on stdout (the fields of the files the "
+        "command writes); everything else goes to stderr; exit statuses are unchanged",
+    )
 
 
 def add_dataclass_args(
@@ -98,19 +136,20 @@ def add_dataclass_args(
     only: Sequence[str] | None = None,
     defaults: dict[str, Any] | None = None,
     types: dict[str, Callable[[str], Any]] | None = None,
+    helps: dict[str, str] | None = None,
 ) -> None:
     """One flag per field of ``cls`` (or of those named in ``only``): ``--field-name``,
     typed, with the field's default (or the one ``defaults`` gives for this command), read
-    by the field's type or the parser ``types`` gives for this command."""
+    by the field's type or the parser ``types`` gives for this command, and explained by
+    the field's help (or the text ``helps`` gives for this command)."""
     group = parser.add_argument_group(title)
-    hints = typing.get_type_hints(cls)
-    for f in dataclasses.fields(cls):
+    for f, hint in flag_fields(cls).values():
         if only is not None and f.name not in only:
             continue
         flag = "--" + f.name.replace("_", "-")
-        meta = f.metadata
+        meta = {**f.metadata, **({"help": helps[f.name]} if f.name in (helps or {}) else {})}
         default = (defaults or {}).get(f.name, f.default)
-        kind = _base_type(hints[f.name])
+        kind = _base_type(hint)
         if kind is bool:
             group.add_argument(
                 flag, dest=f.name, action="store_true", default=default, help=meta.get("help")
@@ -193,13 +232,10 @@ def dataclass_from_args(
     cls: type, args: argparse.Namespace, only: Sequence[str] | None = None
 ) -> Any:
     """``cls`` from the parsed flags (those in ``only``; the rest keep their defaults)."""
-    return cls(
-        **{
-            f.name: getattr(args, f.name)
-            for f in dataclasses.fields(cls)
-            if only is None or f.name in only
-        }
-    )
+    values = {
+        name: getattr(args, name) for name in flag_fields(cls) if only is None or name in only
+    }
+    return cls.from_flags(**values) if hasattr(cls, "from_flags") else cls(**values)
 
 
 def _base_type(hint: Any) -> type:
@@ -314,11 +350,63 @@ class Command:
     build_parser: Callable[[], argparse.ArgumentParser]
     parse: Callable[[Sequence[str]], Any]
     run: Callable[[Any], int]
+    #: Whether the command takes ``--json`` (its parser has :func:`add_json_arg`).
+    json: bool = False
 
     def main(self, argv: Sequence[str] | None = None) -> int:
-        """Parse and run as a user's command does: every error one line and a status."""
+        """Parse and run as a user's command does: every error one line and a status.
 
-        def parse_and_run(words: Sequence[str] | None) -> int:
-            return self.run(self.parse(sys.argv[1:] if words is None else list(words)))
+        With ``--json`` (a command that takes it), everything the command prints goes to
+        stderr, and what it handed to :func:`emit_result` is printed on stdout as one JSON
+        object at the end, whatever the exit status."""
+        words = list(sys.argv[1:] if argv is None else argv)
+        if not (self.json and "--json" in words[: _end_of_flags(words)]):
+            return run_cli(lambda given: self.run(self.parse(given)), words)
+        _RESULT.clear()
+        with _stdout_to_stderr() as stdout:
+            try:
+                return run_cli(lambda given: self.run(self.parse(given)), words)
+            finally:
+                if _RESULT:
+                    stdout.write(json.dumps(_RESULT[-1], default=str) + "\n")
+                    stdout.flush()
 
-        return run_cli(parse_and_run, argv)
+
+#: What the running command handed to :func:`emit_result` (its last record counts).
+_RESULT: list[dict] = []
+
+
+def emit_result(record: dict) -> None:
+    """The running command's result, as ``--json`` prints it: the fields of the file it
+    writes (``summary.json``, ``best.json``, ``evaluation.json``...)."""
+    _RESULT.append(record)
+
+
+def _end_of_flags(words: Sequence[str]) -> int:
+    return words.index("--") if "--" in words else len(words)
+
+
+@contextlib.contextmanager
+def _stdout_to_stderr() -> Iterator[typing.TextIO]:
+    """Inside the block, stdout is stderr: Python's ``sys.stdout`` and, where it is the
+    process's file descriptor 1, that descriptor too (Ray's and torch's own writes and
+    child processes included). Yields the stream that is stdout outside the block."""
+    stdout = sys.stdout
+    saved = None
+    with contextlib.suppress(AttributeError, ValueError, OSError):
+        if stdout.fileno() == 1 and sys.stderr.fileno() == 2:
+            stdout.flush()
+            saved = os.dup(1)
+            os.dup2(2, 1)
+    try:
+        with contextlib.redirect_stdout(sys.stderr):
+            if saved is None:
+                yield stdout
+            else:
+                with open(os.dup(saved), "w", encoding="utf-8") as real:
+                    yield real
+    finally:
+        if saved is not None:
+            sys.stderr.flush()
+            os.dup2(saved, 1)
+            os.close(saved)

@@ -18,8 +18,10 @@ from raytrain_mnist._cli import (
     ArgumentParser,
     Command,
     add_dataclass_args,
+    add_json_arg,
     add_target_argument,
     dataclass_from_args,
+    emit_result,
     setup_logging,
 )
 from raytrain_mnist.config import DATASET_CHOICES, RunSettings
@@ -57,11 +59,33 @@ def build_parser() -> ArgumentParser:
     add_dataclass_args(
         parser,
         RunSettings,
-        "workers (Ray Train, when --num-workers > 1 or --address is given; as in fit)",
+        "scoring on Ray Train workers (when --num-workers > 1 or --address is given)",
         only=WORKER_SETTINGS,
         defaults={"num_workers": 1},
+        helps=WORKER_HELP,
     )
+    add_json_arg(parser)
     return parser
+
+
+#: evaluate's own words for the worker flags it shares with fit.
+WORKER_HELP = {
+    "num_workers": "score on this many Ray Train workers, each an exact shard of the test "
+    "set; 1 scores in this process, without Ray",
+    "use_gpu": "score on a GPU: this process's with one worker, one per worker otherwise",
+    "gpus_per_worker": "GPUs per scoring worker with --use-gpu: a fraction such as 0.5 "
+    "shares one GPU between workers",
+    "cpus_per_worker": "CPUs (and torch threads) per scoring worker; default: this machine's "
+    "cores / workers on a local Ray, 1 on a cluster",
+    "backend": "process-group backend of the scoring workers: auto = NCCL with a GPU per "
+    "worker, else Gloo",
+    "init_method": "process-group initialisation of the scoring workers: env:// or tcp://host:port",
+    "address": "Ray cluster to score on (host:port or auto); default with --num-workers > 1: "
+    "$RAY_ADDRESS, else a local Ray",
+    "placement_strategy": "how the scoring workers are placed on nodes (PACK, SPREAD, "
+    "STRICT_SPREAD)",
+    "socket_ifname": "network interface for the scoring workers' Gloo/NCCL traffic",
+}
 
 
 @dataclass(frozen=True)
@@ -119,11 +143,12 @@ def run(options: EvaluateOptions) -> int:
         overwrite=options.overwrite,
         workers=options.workers,
     )
+    emit_result(evaluation.to_dict())  # --json: evaluation.json's fields
     print(format_report(evaluation))
     return 0
 
 
-COMMAND = Command("evaluate", build_parser, parse_options, run)
+COMMAND = Command("evaluate", build_parser, parse_options, run, json=True)
 cli = COMMAND.main
 
 

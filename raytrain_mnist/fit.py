@@ -19,8 +19,10 @@ from raytrain_mnist._cli import (
     ArgumentParser,
     Command,
     add_dataclass_args,
+    add_json_arg,
     add_recipe_arg,
     dataclass_from_args,
+    emit_result,
     interrupted,
     invocation,
     parse_with_recipe,
@@ -44,7 +46,11 @@ def build_parser() -> ArgumentParser:
     parser = ArgumentParser(
         prog="raytrain-mnist fit",
         description="Train the MNIST ConvNet data-parallel on a Ray cluster (or a local Ray).",
+        epilog="To resume a stopped or failed run, run the same command again: it continues "
+        "from the last committed checkpoint (the stop line and 'raytrain-mnist runs show "
+        "NAME' print that command). --fresh trains a finished run again.",
     )
+    add_json_arg(parser)
     add_recipe_arg(parser)
     add_dataclass_args(parser, TrainConfig, "training")
     add_dataclass_args(parser, RunSettings, "run", types={"num_workers": parse_workers})
@@ -122,6 +128,7 @@ def print_summary(s: dict) -> None:
 def run(cfg: FitConfig) -> int:
     setup_logging()
     result = fit_and_show(cfg)
+    emit_result(result.summary)  # --json: summary.json's fields
     if result.status == "failed":
         raise UserError(
             f"training failed: {result.error}; resume with: {result.resume_command} "
@@ -138,7 +145,7 @@ def run(cfg: FitConfig) -> int:
     return 0
 
 
-COMMAND = Command("fit", build_parser, parse_config, run)
+COMMAND = Command("fit", build_parser, parse_config, run, json=True)
 cli = COMMAND.main
 
 

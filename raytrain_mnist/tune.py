@@ -20,9 +20,11 @@ from raytrain_mnist._cli import (
     ArgumentParser,
     Command,
     add_dataclass_args,
+    add_json_arg,
     add_recipe_arg,
     command_line,
     dataclass_from_args,
+    emit_result,
     invocation,
     parse_with_recipe,
     setup_logging,
@@ -102,6 +104,7 @@ def build_parser() -> ArgumentParser:
     add_recipe_arg(parser)
     add_dataclass_args(parser, TrainConfig, "training (every trial, unless searched)")
     add_dataclass_args(parser, RunSettings, "run (as in fit; --name names the search)")
+    add_json_arg(parser)
     return parser
 
 
@@ -186,6 +189,7 @@ def run(cmd: TuneCommand) -> int:
     finally:
         table.close()
     print_report(result, cmd.space.searched)
+    emit_result({"status": result.status, **result.to_dict()})  # --json: best.json's fields
     if result.status == INTERRUPTED:
         print(
             f"search interrupted with {result.num_unfinished} trial(s) unfinished; "
@@ -201,7 +205,7 @@ def run(cmd: TuneCommand) -> int:
     return 0
 
 
-COMMAND = Command("tune", build_parser, parse_command, run)
+COMMAND = Command("tune", build_parser, parse_command, run, json=True)
 cli = COMMAND.main
 
 

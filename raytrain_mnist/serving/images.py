@@ -135,14 +135,15 @@ def png_size(data: bytes, i: int = 0) -> tuple[int, int]:
         return img.size
 
 
-def png_to_mnist(data: bytes, i: int = 0) -> np.ndarray:
+def png_to_mnist(data: bytes, i: int = 0, formats: tuple[str, ...] = ("PNG",)) -> np.ndarray:
     """A PNG of any size made MNIST-like: uint8 28x28, white digit on black, the digit
     scaled into a 20x20 box and centred by its centre of mass, as MNIST's digits were.
+    ``formats``: the PIL formats accepted (``predict`` reads JPEGs too, the same way).
 
     Decoded once, in its own mode, then made one byte per pixel (gray on white paper) and
     shrunk to :data:`WORK_SIDE` before any float copy: a few bytes per declared pixel at
     the peak, never a float array of the full image."""
-    with _open_png(data, i) as img:
+    with _open_png(data, i, formats) as img:
         try:
             gray = _on_white(img)
         except (OSError, SyntaxError, ValueError, EOFError) as exc:  # truncated, corrupt
@@ -155,12 +156,12 @@ def png_to_mnist(data: bytes, i: int = 0) -> np.ndarray:
     return _mnist_like(np.asarray(gray, dtype=np.float32))
 
 
-def _open_png(data: bytes, i: int):
+def _open_png(data: bytes, i: int, formats: tuple[str, ...] = ("PNG",)):
     """The PNG opened lazily (its header read, no pixel decoded), its size checked."""
     from PIL import Image, UnidentifiedImageError
 
     try:
-        img = Image.open(io.BytesIO(data), formats=["PNG"])
+        img = Image.open(io.BytesIO(data), formats=list(formats))
     except Image.DecompressionBombError:  # past twice PIL's own guard: our cap is far lower
         raise BadRequest(
             413, f"image {i} declares over {MAX_PNG_PIXELS} pixels, the limit per PNG"

@@ -184,7 +184,7 @@ class CheckpointRecord:
             try:
                 value = json.loads(raw)
                 break
-            except ValueError as exc:
+            except (ValueError, RecursionError) as exc:  # nested past the parser's depth too
                 reason = f"not JSON: {exc.__class__.__name__}"
                 if attempt + 1 < _SNAPSHOT_READS:
                     time.sleep(_SNAPSHOT_RETRY_S)

@@ -180,7 +180,7 @@ class RunStorage:
             return None
         try:
             value = json.loads(raw)
-        except ValueError as exc:
+        except (ValueError, RecursionError) as exc:  # [[[[...]]]] past the parser's depth too
             raise UserError(
                 f"{self.dir}/{name} is unreadable ({exc.__class__.__name__}); "
                 "move the run away or pick another --name"
