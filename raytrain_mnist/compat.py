@@ -27,6 +27,7 @@ them: the worker, the driver and Serve replicas may all import it.
 | :func:`serve_http_config` | ``ray.serve.context._get_global_client`` | a second ``serve`` with other HTTP settings is not refused up front |
 | :func:`serve_http_reuses_address` | ``ray.serve._private.http_util.socket`` | a direct replica that replaces a dead one cannot bind the port for a minute (its connections' TIME_WAIT) |
 | :func:`serve_replica_grpc_on_loopback` | ``ray.serve._private.replica.add_port_to_grpc_server`` | a loopback serve's replica listens on every interface (its inter-deployment gRPC server) |
+| :func:`serve_http_bounded` | ``ray.serve._private.http_util.uvicorn`` | Serve's uvicorn (a direct replica's, Serve's proxy's) takes any request head, keeps silent connections forever and starts a request before its body is in |
 | :data:`JOB_SDK_LOGGERS` | logger names under ``ray._private.runtime_env`` | the Jobs SDK logs INFO lines per upload |
 """
 
@@ -341,6 +342,51 @@ def serve_replica_grpc_on_loopback() -> None:
 
     add_port_on_loopback._on_loopback = True
     replica.add_port_to_grpc_server = add_port_on_loopback
+
+
+class _BoundedUvicorn:
+    """The ``uvicorn`` module, but every ``Config`` made through it takes ``protocol`` as its
+    HTTP protocol and keeps idle connections at most ``keep_alive_s``."""
+
+    def __init__(self, uvicorn: Any, protocol: type, keep_alive_s: int) -> None:
+        self.module, self.protocol, self.keep_alive_s = uvicorn, protocol, keep_alive_s
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.module, name)
+
+    def Config(self, *args, **kwargs) -> Any:  # noqa: N802  (uvicorn's name)
+        kwargs["http"] = self.protocol
+        keep = kwargs.get("timeout_keep_alive", self.keep_alive_s)
+        kwargs["timeout_keep_alive"] = min(keep, self.keep_alive_s)
+        return self.module.Config(*args, **kwargs)
+
+
+def serve_http_bounded(protocol: type, keep_alive_s: int, replace: bool = True) -> bool:
+    """In a Serve replica or proxy, before it starts its HTTP server: uvicorn runs
+    ``protocol`` (a subclass of uvicorn's httptools protocol that bounds a connection's head,
+    time and body) and closes idle connections after ``keep_alive_s``. Ray 2.60's
+    ``start_asgi_http_server`` (``ray/serve/_private/http_util.py``, used by the direct
+    ingress and by the proxy) builds ``uvicorn.Config`` with httptools and no header, request
+    line, head-time or idle limit, and no setting for any: one request's headers could take
+    a replica's memory before our code saw them. Checked against ray 2.60.0 and uvicorn
+    0.54 (``Config(http=<class>)`` takes a protocol class). ``replace``: whether an earlier
+    call's protocol gives way. Without the private name: a warning, and Ray's unbounded
+    server. True when installed."""
+    try:
+        from ray.serve._private import http_util
+    except ImportError:
+        logging.getLogger(__name__).warning("Serve's http_util moved: its HTTP is unbounded")
+        return False
+    current = getattr(http_util, "uvicorn", None)
+    if isinstance(current, _BoundedUvicorn):
+        if not replace:
+            return True
+        current = current.module
+    if current is None or not hasattr(current, "Config"):
+        logging.getLogger(__name__).warning("Serve's http_util changed: its HTTP is unbounded")
+        return False
+    http_util.uvicorn = _BoundedUvicorn(current, protocol, keep_alive_s)
+    return True
 
 
 def quiet_train_report_log() -> None:

@@ -34,7 +34,6 @@ from raytrain_mnist._cli import (
 )
 from raytrain_mnist.driver import deployment
 from raytrain_mnist.driver.deployment import build_app  # noqa: F401  (see below)
-from raytrain_mnist.driver.evaluation import load_checkpoint
 from raytrain_mnist.driver.targets import resolve_target
 from raytrain_mnist.errors import EXIT_TERMINATED, ConfigError
 from raytrain_mnist.serving.settings import TOKEN_ENV, ServeConfig, check_access, check_token
@@ -113,10 +112,28 @@ def read_token_file(path: str) -> str:
     """The first line of ``path``, stripped (a token file may say more after it)."""
     try:
         with open(path, encoding="utf-8") as f:
-            return f.readline(4096).strip()
+            token = f.readline(4096).strip()
     except (OSError, UnicodeDecodeError) as exc:
         why = getattr(exc, "strerror", None) or "not UTF-8 text"
         raise ConfigError(f"--auth-token-file {path}: cannot read it ({why})") from None
+    _forget_carried(path)
+    return token
+
+
+#: The token file ``submit`` carries in a job's working directory (submit.SERVE_TOKEN_FILE).
+_CARRIED_TOKEN = "serve-token"
+
+
+def _forget_carried(path: str) -> None:
+    """The token file ``submit`` carried, deleted once read: Ray's unpacked copy of the job's
+    working directory (under its ``runtime_resources``) would otherwise keep the token on the
+    node's disk for as long as Ray runs. A user's own token file is left alone."""
+    from pathlib import Path
+
+    resolved = Path(path).resolve()
+    if resolved.name == _CARRIED_TOKEN and "runtime_resources" in resolved.parts:
+        with contextlib.suppress(OSError):
+            resolved.unlink()
 
 
 def run(options: ServeOptions) -> int:
@@ -124,7 +141,7 @@ def run(options: ServeOptions) -> int:
     cfg = options.serve
     checkpoint = resolve_target(options.target).checkpoint
     if options.write_config:
-        load_checkpoint(checkpoint)  # a bad checkpoint is one line now, not the cluster's
+        deployment.load_servable(checkpoint)  # a bad one is one line now, not the cluster's
         token_auth = options.token is not None or not (cfg.loopback or cfg.no_auth)
         path = deployment.write_config(options.write_config, cfg, checkpoint, token_auth)
         print(f"wrote {path}; deploy it with: serve deploy {path}")
@@ -149,7 +166,7 @@ def run(options: ServeOptions) -> int:
             print(
                 f"HAProxy's stats (port {env.get('RAY_SERVE_HAPROXY_STATS_PORT', 8404)}) and "
                 f"metrics (port {env.get('RAY_SERVE_HAPROXY_METRICS_PORT', 9101)}) listen on "
-                "every interface: Ray's HAProxy mode binds them so (docs/serve.md)",
+                f"{cfg.host} too (docs/serve.md)",
                 flush=True,
             )
         if not cfg.loopback:

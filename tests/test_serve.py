@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import contextlib
 import http.client as http_client
 import importlib
 import io
@@ -461,12 +462,19 @@ def test_the_ingress_follows_the_figures_and_takes_the_port_itself():
     assert choose_ingress(ServeConfig(replicas=2), None) == "proxy"
     assert choose_ingress(ServeConfig(), "10.0.0.1:6379") == "proxy"
     assert choose_ingress(ServeConfig(ingress="haproxy", replicas=2), None) == "haproxy"
-    assert ingress_env("proxy", ServeConfig()) == {}
+    # Every ingress bounds each connection in the HTTP protocol (serving.http), the
+    # proxy's included: Serve calls the callback before it starts a server.
+    bounded = {
+        "RAY_SERVE_HTTP_PROXY_CALLBACK_IMPORT_PATH": "raytrain_mnist.serving.http:proxy_callback",
+        "RAYTRAIN_MNIST_SERVE_BODY_TIMEOUT_S": "30",
+    }
+    assert ingress_env("proxy", ServeConfig()) == bounded
     env = ingress_env("direct", ServeConfig(port=8123))
     assert env["RAY_SERVE_ENABLE_DIRECT_INGRESS"] == "1"
     assert (env["RAY_SERVE_DIRECT_INGRESS_MIN_HTTP_PORT"], env["RAY_SERVE_DIRECT_INGRESS_MAX_HTTP_PORT"]) == ("8123", "8124")  # fmt: skip
     assert env["RAY_SERVE_PORT_QUARANTINE_S"] == "0"
     assert "RAY_SERVE_ENABLE_HA_PROXY" not in env
+    assert bounded.items() <= env.items()
 
 
 def test_haproxy_missing_is_one_line_before_ray(checkpoint_dir, tmp_path):
@@ -763,6 +771,162 @@ def test_body_limit_holds_without_a_declared_length():
     with pytest.raises(BadRequest) as info:
         asyncio.run(_read_body(request, limit=10_000))
     assert info.value.status == 413 and request.sent == 11_000
+
+
+def _port(url: str) -> int:
+    return int(url.split(":")[-1].strip("/"))
+
+
+def _answer(sock: socket.socket, limit_s: float) -> tuple[bytes, float]:
+    """What the server sends on ``sock`` until it closes it (or ``limit_s`` passes: then
+    ``b"<open>"`` is appended), and when it closed."""
+    start, got = time.monotonic(), b""
+    sock.settimeout(0.5)
+    while time.monotonic() - start < limit_s:
+        try:
+            data = sock.recv(65536)
+        except TimeoutError:
+            continue
+        except OSError:  # reset: closed too
+            break
+        if not data:
+            break
+        got += data
+    else:
+        got += b"<open>"
+    return got, time.monotonic() - start
+
+
+class Tricklers(threading.Thread):
+    """``count`` connections each sending a POST /predict's body one byte at a time (all
+    from this one thread, a byte to each every ``every_s``), until :meth:`stop` or
+    ``limit_s``."""
+
+    def __init__(self, port: int, count: int, every_s: float = 0.2, limit_s: float = 60) -> None:
+        super().__init__(daemon=True)
+        self.port, self.count, self.every_s, self.limit_s = port, count, every_s, limit_s
+        self.done, self.sockets, self.opened = threading.Event(), [], threading.Event()
+
+    def run(self) -> None:
+        head = (
+            b"POST /predict HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+            b"Content-Length: 100000\r\n\r\n"
+        )
+        for _ in range(self.count):
+            sock = socket.create_connection(("127.0.0.1", self.port), timeout=10)
+            sock.sendall(head + b"{")
+            self.sockets.append(sock)
+        self.opened.set()
+        end = time.monotonic() + self.limit_s
+        while not self.done.wait(self.every_s) and time.monotonic() < end:
+            for sock in self.sockets:
+                with contextlib.suppress(OSError):
+                    sock.send(b" ")
+
+    def stop(self) -> None:
+        self.done.set()
+        self.join(10)
+        for sock in self.sockets:
+            sock.close()
+
+
+def test_every_connection_is_bounded_before_serve_sees_it(server):
+    """In every ingress: a request head over the limit is refused (431, or HAProxy's 400) and
+    its connection closed; a silent connection and a half-sent head are closed within
+    seconds; Serve's own /-/ paths refuse a foreign Host on loopback; and with 12, then 200,
+    clients trickling their bodies a byte at a time, a one-image request answers within a
+    second (their bodies hold no slot of the replica's)."""
+    from raytrain_mnist.serving import http as bounded
+
+    url, port = server["url"], _port(server["url"])
+    good = {"images": [[[0] * 28] * 28]}
+
+    def send(data: bytes, limit_s: float = 30) -> tuple[bytes, float]:
+        with socket.create_connection(("127.0.0.1", port), timeout=10) as sock:
+            with contextlib.suppress(OSError):  # the server may close while we still send
+                sock.sendall(data)
+            return _answer(sock, limit_s)
+
+    big_header = b"X-Pad: " + b"a" * (4 * bounded.MAX_HEAD_BYTES) + b"\r\n"
+    for name, request in {
+        "headers": b"GET /health HTTP/1.1\r\nHost: 127.0.0.1\r\n" + big_header + b"\r\n",
+        "target": b"GET /" + b"a" * (4 * bounded.MAX_HEAD_BYTES) + b" HTTP/1.1\r\n\r\n",
+    }.items():
+        answer, _ = send(request)
+        status = answer.split(b" ", 2)[1] if answer.startswith(b"HTTP/") else answer[:40]
+        assert status in (b"431", b"400"), (name, answer[:200])
+        assert not answer.endswith(b"<open>"), name  # and the connection closed
+    for name, request in {"silent": b"", "half a head": b"GET /health HTTP/1.1\r\nHost: x"}.items():
+        answer, took = send(request, limit_s=bounded.HEAD_TIMEOUT_S + 10)
+        assert not answer.endswith(b"<open>"), (name, answer)
+        assert took < bounded.HEAD_TIMEOUT_S + 5, (name, took)
+        print(f"{server['ingress']}: {name} connection closed after {took:.1f} s")
+    for host, expected in (("rebind.example", 421), ("127.0.0.1", 200), ("localhost:1", 200)):
+        for path in ("/-/healthz", "/-/routes"):
+            status, _, answer = raw_request(url, "GET", path, {"Host": host})
+            assert status == expected, (host, path, answer)
+    assert http(url + "predict", good)[0] == 200
+
+    for count in (12, 200):
+        tricklers = Tricklers(port, count)
+        tricklers.start()
+        try:
+            assert tricklers.opened.wait(60)
+            time.sleep(1)  # their heads are in: the replica has seen their requests
+            took = []
+            for _ in range(3):
+                start = time.monotonic()
+                status, _, _ = http(url + "predict", good, timeout=30)
+                took.append(time.monotonic() - start)
+                assert status == 200
+        finally:
+            tricklers.stop()
+        print(f"{server['ingress']}: one image beside {count} tricklers: {took}")
+        assert min(took) < 1, (count, took)
+
+
+def test_haproxy_keeps_its_side_ports_and_sockets_to_the_serve_host(server):
+    """HAProxy mode: the stats page and the metrics listen on the serve host only (loopback
+    here), each with a few connections of its own (so idle ones there leave the serve port
+    answering), every head within the timeout, and the admin socket private (0600, in a
+    0700 folder inside serve's private directory)."""
+    if server["ingress"] != "haproxy":
+        pytest.skip("HAProxy mode only")
+    import psutil
+
+    from raytrain_mnist.serving import haproxy as guard
+
+    env = server["url"].env
+    scratch = Path(env["RAY_SERVE_HAPROXY_SOCKET_PATH"]).parent
+    (config,) = scratch.glob("*/haproxy.cfg")
+    deadline = time.monotonic() + 30
+    # Ray rewrites it before each (re)start, which then guards it: wait out one under way.
+    while "timeout http-request" not in config.read_text() and time.monotonic() < deadline:
+        time.sleep(0.2)
+    text = config.read_text()
+    assert f"timeout http-request {guard.HEAD_TIMEOUT_S}s" in text, text
+    assert f"maxconn {guard.FRONTEND_MAXCONN}" in text and "mode 600" in text
+    assert f"timeout client {env['RAY_SERVE_HAPROXY_TIMEOUT_CLIENT_S']}s" in text
+    pids = {
+        p.pid for p in psutil.process_iter(["cmdline"]) if str(config) in (p.info["cmdline"] or [])
+    }
+    sockets = listening(pids)
+    ports = {port for _, port in sockets}
+    stats, metrics = (int(env[f"RAY_SERVE_HAPROXY_{k}_PORT"]) for k in ("STATS", "METRICS"))
+    assert {stats, metrics, _port(server["url"])} <= ports, sockets
+    assert all(is_loopback(ip) for ip, _ in sockets), sockets
+    for socket_path in scratch.glob("*/admin.sock"):
+        assert socket_path.stat().st_mode & 0o777 == 0o600, oct(socket_path.stat().st_mode)
+        assert socket_path.parent.stat().st_mode & 0o777 == 0o700
+    idle = [socket.create_connection(("127.0.0.1", stats)) for _ in range(3 * guard.SIDE_MAXCONN)]
+    try:
+        good = {"images": [[[0] * 28] * 28]}
+        start = time.monotonic()
+        assert http(server["url"] + "predict", good, timeout=30)[0] == 200
+        assert time.monotonic() - start < 5
+    finally:
+        for sock in idle:
+            sock.close()
 
 
 def test_health_and_page(server):

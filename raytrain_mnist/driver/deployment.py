@@ -22,7 +22,8 @@ from raytrain_mnist.driver import cluster
 from raytrain_mnist.driver.evaluation import load_checkpoint
 from raytrain_mnist.driver.runs import is_uri
 from raytrain_mnist.errors import EXIT_USAGE, ConfigError, UserError
-from raytrain_mnist.serving import app
+from raytrain_mnist.serving import app, http
+from raytrain_mnist.serving import haproxy as haproxy_guard
 from raytrain_mnist.serving.settings import (
     CPUS_PER_REPLICA,
     TOKEN_ENV,
@@ -97,8 +98,21 @@ def _application(args: dict, access: app.Access, env_vars: dict | None = None):
 def _weights(args: dict) -> tuple[dict, dict]:
     """(state, state dict) of the checkpoint ``args`` name: read here, where the
     application is built, so a bad checkpoint is refused before anything is deployed."""
-    state, model = load_checkpoint(_absolute(str(args["checkpoint"])))
+    state, model = load_servable(_absolute(str(args["checkpoint"])))
     return state, model.state_dict()
+
+
+def load_servable(checkpoint: str):
+    """``load_checkpoint``'s (state, model), refused (CheckpointError) when a weight is NaN
+    or infinite: every answer of such a model would be an error."""
+    import torch
+
+    from raytrain_mnist.nn.checkpoint import CheckpointError
+
+    state, model = load_checkpoint(checkpoint)
+    if not all(torch.isfinite(p).all() for p in model.state_dict().values()):
+        raise CheckpointError(f"{checkpoint} holds non-finite weights (NaN or inf): retrain it")
+    return state, model
 
 
 def _bind(weights: tuple[dict, dict], args: dict, access: app.Access, env_vars: dict | None):
@@ -132,6 +146,7 @@ def _http_options(cfg: ServeConfig, port: int | None = None) -> dict:
         "host": cfg.host,
         "port": cfg.port if port is None else port,
         "request_timeout_s": app.Access(request_timeout_s=cfg.request_timeout_s).proxy_timeout_s,
+        "keep_alive_timeout_s": http.KEEP_ALIVE_S,
     }
 
 
@@ -157,10 +172,19 @@ def choose_ingress(cfg: ServeConfig, address: str | None) -> str:
 
 def ingress_env(ingress: str, cfg: ServeConfig, scratch: str | None = None) -> dict:
     """The Ray Serve settings (environment variables of Serve's controller and replicas)
-    that ``ingress`` takes. ``scratch``: a private directory for HAProxy's files."""
+    that ``ingress`` takes. ``scratch``: a private directory for HAProxy's files.
+
+    Every ingress bounds each connection in the HTTP protocol
+    (:mod:`raytrain_mnist.serving.http`): Serve's proxy and the replicas call its callback
+    before their servers start."""
+    bounded = {
+        "RAY_SERVE_HTTP_PROXY_CALLBACK_IMPORT_PATH": http.PROXY_CALLBACK,
+        http.BODY_TIMEOUT_ENV: str(cfg.request_timeout_s),
+    }
     if ingress == "proxy":
-        return {}
+        return bounded
     env = {
+        **bounded,
         **_LEAN_REPLICA,
         # No load balancer in front has to notice a stopping replica: no drain period.
         "RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S": "0",
@@ -175,21 +199,50 @@ def ingress_env(ingress: str, cfg: ServeConfig, scratch: str | None = None) -> d
             "RAY_SERVE_DIRECT_INGRESS_MAX_HTTP_PORT": str(cfg.port + 1),
             "RAY_SERVE_PORT_QUARANTINE_S": "0",
         }
-    env["RAY_SERVE_ENABLE_HA_PROXY"] = "1"
-    if scratch is not None:  # a local Ray: files and ports of this serve only
-        stats, metrics = _free_ports("0.0.0.0", 2)  # HAProxy binds them on *
+    return {**env, **_haproxy_env(cfg, scratch)}
+
+
+def _haproxy_env(cfg: ServeConfig, scratch: str | None) -> dict:
+    proxy_timeout = str(int(app.Access(request_timeout_s=cfg.request_timeout_s).proxy_timeout_s))
+    env = {
+        "RAY_SERVE_ENABLE_HA_PROXY": "1",
+        # An idle client is dropped once a request could have ended; heads, and the
+        # frontend's own connections apart from the stats page's: haproxy_guard.
+        "RAY_SERVE_HAPROXY_TIMEOUT_CLIENT_S": proxy_timeout,
+        "RAY_SERVE_HAPROXY_TIMEOUT_SERVER_S": proxy_timeout,
+        "RAY_SERVE_HAPROXY_MAXCONN": str(haproxy_guard.GLOBAL_MAXCONN),
+    }
+    if scratch is not None:  # this machine's Ray: files and ports of this serve only
+        stats, metrics = _free_ports(cfg.host, 2)
         env.update(
             {
                 "RAY_SERVE_HAPROXY_CONFIG_FILE_LOC": f"{scratch}/haproxy.cfg",
                 "RAY_SERVE_HAPROXY_SOCKET_PATH": f"{scratch}/admin.sock",
+                "RAY_SERVE_HAPROXY_METRICS_SOCKET_PATH": f"{scratch}/metrics.sock",
+                # Its access log to a socket nobody reads (dropped), not through a UDP socket
+                # on every interface to a syslog on 127.0.0.1:514.
+                "RAY_SERVE_HAPROXY_LOG_TARGET": f"{scratch}/log.sock",
                 "RAY_SERVE_HAPROXY_SERVER_STATE_BASE": scratch,
                 "RAY_SERVE_HAPROXY_SERVER_STATE_FILE": f"{scratch}/server-state",
                 "RAY_SERVE_HAPROXY_STATS_PORT": str(stats),
                 "RAY_SERVE_HAPROXY_METRICS_PORT": str(metrics),
-                "RAY_SERVE_HAPROXY_BINARY_PATH": haproxy_binary(),
+                "RAY_SERVE_HAPROXY_BINARY_PATH": _guarded_haproxy(scratch, cfg.host),
             }
         )
     return env
+
+
+def _guarded_haproxy(scratch: str, host: str) -> str:
+    """A script in ``scratch`` that Ray runs as HAProxy: :mod:`raytrain_mnist.serving.haproxy`
+    makes the configuration safe, then runs the real binary."""
+    import shlex
+    import sys
+
+    script = Path(scratch) / "haproxy"
+    command = [sys.executable, "-m", haproxy_guard.__name__, haproxy_binary(), host]
+    script.write_text(f'#!/bin/sh\nexec {shlex.join(command)} "$@"\n')
+    script.chmod(0o700)
+    return str(script)
 
 
 _SHORT_TMP = "/tmp" if os.path.isdir("/tmp") else None
@@ -339,11 +392,7 @@ def serving(cfg: ServeConfig, checkpoint: str, token: str | None = None) -> Iter
 
     from ray import serve
 
-    check_access(cfg, token)
-    if token is not None:
-        check_token(token, "the token")
-    address = cluster.resolve_address(cfg.address)
-    ingress = choose_ingress(cfg, address)
+    address, ingress = _address_and_ingress(cfg, token)
     # Reads the weights: a bad checkpoint is refused here, before any Ray starts.
     access = app.Access(token, cfg.loopback, cfg.request_timeout_s)
     args = _app_args(cfg, checkpoint, "none")
@@ -377,7 +426,7 @@ def serving(cfg: ServeConfig, checkpoint: str, token: str | None = None) -> Iter
                 )
             ingress = "proxy"
         # On this machine's Ray (started here, or held by this process): HAProxy's files
-        # and ports of this serve only; a cluster's head keeps Ray's defaults.
+        # and ports of this serve only.
         env = ingress_env(ingress, cfg, scratch if address is None else None)
         # Serve's Python proxy still starts beside a direct ingress (on the head node; it
         # could route to the replica): on a port of its own, which serve does not print.
@@ -407,6 +456,23 @@ def serving(cfg: ServeConfig, checkpoint: str, token: str | None = None) -> Iter
             # A Ray we started goes down whole right after this; Serve with it.
             if not serve_was_running and not started_ray:
                 serve.shutdown()
+
+
+def _address_and_ingress(cfg: ServeConfig, token: str | None) -> tuple[str | None, str]:
+    """The cluster (None: a local Ray) and the ingress, once the access settings are checked."""
+    check_access(cfg, token)
+    if token is not None:
+        check_token(token, "the token")
+    address = cluster.resolve_address(cfg.address)
+    ingress = choose_ingress(cfg, address)
+    if ingress == "haproxy" and address is not None:
+        # Its configuration is made safe by a script on this machine (haproxy_guard).
+        raise UserError(
+            "--ingress haproxy runs on a local Ray only (serve's own, on this machine); on "
+            "a cluster pass --ingress proxy",
+            EXIT_USAGE,
+        )
+    return address, ingress
 
 
 class Served(str):

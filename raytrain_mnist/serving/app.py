@@ -39,7 +39,7 @@ import numpy as np
 
 from raytrain_mnist import compat
 from raytrain_mnist.serving.images import MAX_BODY_BYTES, BadRequest, parse_images
-from raytrain_mnist.serving.settings import CPUS_PER_REPLICA, ServeConfig, is_loopback
+from raytrain_mnist.serving.settings import CPUS_PER_REPLICA, ServeConfig, loopback_host_header
 
 #: The deployment's name inside the application (``serve status`` shows it).
 DEPLOYMENT_NAME = "DigitClassifier"
@@ -121,23 +121,6 @@ def _in_serve_replica() -> bool:
     return "ray.serve._private.replica" in sys.modules
 
 
-def loopback_host_header(value: str) -> bool:
-    """A ``Host`` header that names this machine's loopback (``127.0.0.1``, ``localhost``,
-    ``[::1]``, each with an optional port), as a browser sends it for a loopback URL. A
-    DNS-rebound name (an attacker's domain that now resolves to 127.0.0.1) is not one."""
-    host = value.strip()
-    if host.startswith("["):  # [v6]:port
-        name, bracket, port = host[1:].partition("]")
-        if not bracket:
-            return False
-        port = port.removeprefix(":") if port else ""
-    else:
-        name, _, port = host.partition(":")
-        if ":" in port:  # an unbracketed IPv6 literal is no Host header
-            return False
-    return bool(name) and (port == "" or port.isdigit()) and is_loopback(name)
-
-
 class DigitClassifier:
     """One Serve replica: the ConvNet in eval mode, answering HTTP requests directly (a
     plain ``__call__`` rather than FastAPI, so every error keeps our one-line form)."""
@@ -171,6 +154,11 @@ class DigitClassifier:
         if _in_serve_replica():
             # A replica that replaces a dead one binds the direct ingress's port at once.
             compat.serve_http_reuses_address()
+            # Its own server (direct, HAProxy) bounds each connection before Serve sees it.
+            from raytrain_mnist.serving import http
+
+            limits = http.Limits(body_timeout_s=self.access.request_timeout_s)
+            compat.serve_http_bounded(http.bounded_protocol(limits), http.KEEP_ALIVE_S)
         if self.access.loopback_only and _in_serve_replica():
             # Ray 2.60 starts an inter-deployment gRPC server in every replica, on every
             # interface, once this constructor returns: on loopback it listens there only.

@@ -16,6 +16,8 @@ import base64
 import binascii
 import io
 import json
+import struct
+import zlib
 from typing import Any
 
 import numpy as np
@@ -30,6 +32,15 @@ MAX_PNG_PIXELS = 4096 * 4096
 #: All a request's PNGs together, in declared pixels: two of the largest, or 428 of the
 #: page's 280x280 drawings. Bounds a request's decoding time (a second or so on one core).
 MAX_REQUEST_PIXELS = 2 * MAX_PNG_PIXELS
+#: Chunks of one PNG, and of all a request's PNGs together: a PNG writer's image data comes
+#: in chunks of 8 KiB or more, so 4096 chunks carry any PNG that fits the body. Each chunk
+#: costs a few microseconds to walk, whatever its size.
+MAX_PNG_CHUNKS = 4096
+MAX_REQUEST_CHUNKS = 2 * MAX_PNG_CHUNKS
+#: The chunks a PNG is decoded from (its header, palette, transparency and image data); the
+#: rest (text, zTXt and iTXt that inflate, ICC profiles, EXIF, animation) is dropped unread.
+_KEPT_CHUNKS = (b"IHDR", b"PLTE", b"tRNS")
+_PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 #: PNGs are shrunk (by whole factors, averaging) to at most this side before any float
 #: copy is made: plenty for a 20x20 digit, and a decoded image's float arrays stay small.
 WORK_SIDE = 1024
@@ -73,7 +84,17 @@ def parse_images(
             f"{len(images)} images in one request; the limit is "
             f"{max_images}: split them over several requests",
         )
-    pngs = {i: _b64decode(image, i) for i, image in enumerate(images) if isinstance(image, str)}
+    pngs, chunks = {}, 0
+    for i, image in enumerate(images):
+        if isinstance(image, str):
+            pngs[i] = lean_png(_b64decode(image, i), i)
+            chunks += getattr(pngs[i], "chunks", 0)
+            if chunks > MAX_REQUEST_CHUNKS:
+                raise BadRequest(
+                    413,
+                    f"the PNGs up to image {i} have {chunks} chunks; a request's limit is "
+                    f"{MAX_REQUEST_CHUNKS}: send fewer PNGs per request",
+                )
     total = 0
     for i, data in pngs.items():
         width, height = png_size(data, i)
@@ -128,6 +149,60 @@ def _b64decode(text: str, i: int) -> bytes:
         ) from None
 
 
+class LeanPng(bytes):
+    """A PNG reduced to the chunks it is decoded from (:func:`lean_png`); ``chunks``: how
+    many the original had."""
+
+    chunks = 0
+
+
+def lean_png(data: bytes, i: int = 0) -> bytes:
+    """``data`` with only the chunks a PNG is decoded from (header, palette, transparency,
+    and its image data joined into one chunk), the rest dropped before PIL reads anything:
+    an ancillary chunk costs nothing, however it would inflate. Refused past
+    :data:`MAX_PNG_CHUNKS` (413) or with a damaged chunk kept (422). Bytes that are not a PNG
+    come back as they are (PIL refuses them, or reads another format)."""
+    if isinstance(data, LeanPng) or not data.startswith(_PNG_SIGNATURE):
+        return data
+    view = memoryview(data)
+    kept, idat, count, at = [], [], 0, len(_PNG_SIGNATURE)
+    while at + 8 <= len(data):
+        length, kind = struct.unpack_from(">I4s", data, at)
+        end = at + 12 + length
+        count += 1
+        if count > MAX_PNG_CHUNKS:
+            raise BadRequest(
+                413, f"image {i} has over {MAX_PNG_CHUNKS} chunks; a PNG writer makes far fewer"
+            )
+        if end > len(data):
+            break  # truncated: PIL says so
+        if kind in _KEPT_CHUNKS or kind == b"IDAT":
+            payload = view[at + 8 : end - 4]
+            if zlib.crc32(payload, zlib.crc32(kind)) != struct.unpack_from(">I", data, end - 4)[0]:
+                raise BadRequest(422, f"image {i} is not a readable PNG (a damaged chunk)")
+            if kind == b"IDAT":
+                idat.append(payload)
+            elif not idat:  # what comes after the image data is not read from
+                kept.append(view[at:end])
+        elif kind == b"IEND":
+            break
+        at = end
+    joined = b"".join(idat)
+    lean = LeanPng(
+        _PNG_SIGNATURE
+        + b"".join(kept)
+        + (_chunk(b"IDAT", joined) if idat else b"")
+        + _chunk(b"IEND", b"")
+    )
+    lean.chunks = count
+    return lean
+
+
+def _chunk(kind: bytes, payload: bytes) -> bytes:
+    crc = zlib.crc32(payload, zlib.crc32(kind))
+    return struct.pack(">I", len(payload)) + kind + payload + struct.pack(">I", crc)
+
+
 def png_size(data: bytes, i: int = 0) -> tuple[int, int]:
     """A PNG's width and height as its header declares them, refused past
     :data:`MAX_PNG_PIXELS` (413); nothing is decoded (PIL's open reads the header only)."""
@@ -157,9 +232,11 @@ def png_to_mnist(data: bytes, i: int = 0, formats: tuple[str, ...] = ("PNG",)) -
 
 
 def _open_png(data: bytes, i: int, formats: tuple[str, ...] = ("PNG",)):
-    """The PNG opened lazily (its header read, no pixel decoded), its size checked."""
+    """The PNG opened lazily (its header read, no pixel decoded), its size checked; only
+    the chunks it is decoded from are read (:func:`lean_png`)."""
     from PIL import Image, UnidentifiedImageError
 
+    data = lean_png(data, i)
     try:
         img = Image.open(io.BytesIO(data), formats=list(formats))
     except Image.DecompressionBombError:  # past twice PIL's own guard: our cap is far lower

@@ -119,3 +119,20 @@ def check_access(cfg: ServeConfig, token: str | None, listening: bool = True) ->
             f"(${TOKEN_ENV}, or --auth-token) or pass --no-auth to serve it to anyone who "
             "reaches the port"
         )
+
+
+def loopback_host_header(value: str) -> bool:
+    """A ``Host`` header that names this machine's loopback (``127.0.0.1``, ``localhost``,
+    ``[::1]``, each with an optional port), as a browser sends it for a loopback URL. A
+    DNS-rebound name (an attacker's domain that now resolves to 127.0.0.1) is not one."""
+    host = value.strip()
+    if host.startswith("["):  # [v6]:port
+        name, bracket, port = host[1:].partition("]")
+        if not bracket:
+            return False
+        port = port.removeprefix(":") if port else ""
+    else:
+        name, _, port = host.partition(":")
+        if ":" in port:  # an unbracketed IPv6 literal is no Host header
+            return False
+    return bool(name) and (port == "" or port.isdigit()) and is_loopback(name)
