@@ -236,6 +236,85 @@ def test_head_hosts_no_training_worker_nor_replica_and_is_not_exposed(kind):
     assert spec["enableInTreeAutoscaling"] is True
 
 
+#: What every container must say of itself (and the autoscaler sidecar KubeRay adds).
+LOCKED_DOWN = {
+    "runAsNonRoot": True,
+    "allowPrivilegeEscalation": False,
+    "capabilities": {"drop": ["ALL"]},
+    "seccompProfile": {"type": "RuntimeDefault"},
+}
+
+
+def insecure(spec: dict) -> list[str]:
+    """What a RayCluster spec lets a pod do that it must not: a container that may become
+    root, gain privileges or keep capabilities, or runs without the runtime's seccomp filter;
+    a writable image, or a read-only one without an emptyDir at /tmp (where Ray writes); a
+    worker pod with a Kubernetes API token (only the head's autoscaler uses one)."""
+    found = []
+    sidecar = (spec.get("autoscalerOptions") or {}).get("securityContext") or {}
+    found += [f"autoscaler: {k}" for k, v in LOCKED_DOWN.items() if sidecar.get(k) != v]
+    for group, pod in pod_specs(spec).items():
+        scratch = {
+            v["name"]
+            for v in pod.get("volumes") or []
+            if "emptyDir" in v and v["emptyDir"].get("medium") != "Memory"
+        }
+        if group != "head" and pod.get("automountServiceAccountToken") is not False:
+            found.append(f"{group}: a service-account token it needs none of")
+        for container in (pod.get("initContainers") or []) + pod["containers"]:
+            name = f"{group}/{container['name']}"
+            context = container.get("securityContext") or {}
+            found += [f"{name}: {k}" for k, v in LOCKED_DOWN.items() if context.get(k) != v]
+            if context.get("runAsUser") in (None, 0):
+                found.append(f"{name}: runAsUser (the image's user ray is no number)")
+            if context.get("readOnlyRootFilesystem") is not True:
+                found.append(f"{name}: readOnlyRootFilesystem")
+            mounts = {m["mountPath"]: m["name"] for m in container.get("volumeMounts") or []}
+            if mounts.get("/tmp") not in scratch:
+                found.append(f"{name}: no emptyDir at /tmp for Ray")
+    return found
+
+
+@pytest.mark.parametrize("kind", MANIFESTS)
+def test_no_pod_can_become_root_or_write_its_image(kind):
+    assert insecure(cluster_spec(kind)) == []
+
+
+@pytest.mark.parametrize(
+    ("line", "named"),
+    [
+        ("runAsNonRoot: true", "runAsNonRoot"),
+        ("allowPrivilegeEscalation: false", "allowPrivilegeEscalation"),
+        ('drop: ["ALL"]', "capabilities"),
+        ("type: RuntimeDefault", "seccompProfile"),
+        ("readOnlyRootFilesystem: true", "readOnlyRootFilesystem"),
+        ("mountPath: /tmp", "no emptyDir at /tmp"),
+    ],
+)
+def test_a_manifest_without_them_is_refused(line, named):
+    """Each setting removed from the first container that has it: named."""
+    text = MANIFESTS["RayService"][0].read_text()
+    lines = text.splitlines()
+    (first, *_) = [i for i, item in enumerate(lines) if item.strip() == line]
+    # A mapping's last key goes with the key that holds it (the mount's name, seccompProfile,
+    # capabilities); a plain setting alone.
+    pair = line in ("mountPath: /tmp", "type: RuntimeDefault") or line.startswith("drop")
+    del lines[first - 1 if pair else first : first + 1]
+    spec = yaml.safe_load("\n".join(lines))["spec"]["rayClusterConfig"]
+    found = insecure(spec)
+    assert any(named in problem for problem in found), found
+
+
+def test_serve_proxies_bound_every_connection():
+    """The RayService's Serve proxies run serve's HTTP bounds (docs/serve.md): every
+    container that may host one carries the proxy callback."""
+    for container in containers(cluster_spec("RayService")):
+        env = {e["name"]: e.get("value") for e in container.get("env") or []}
+        assert env.get("RAY_SERVE_HTTP_PROXY_CALLBACK_IMPORT_PATH") == (
+            "raytrain_mnist.serving.http:proxy_callback"
+        ), container["name"]
+
+
 def test_gpu_workers_scale_from_zero_to_four_onto_tainted_gpu_nodes():
     spec = cluster_spec("RayCluster")
     groups = [
@@ -265,8 +344,14 @@ def test_images_carry_the_pinned_ray_and_python():
     project = PYPROJECT["project"]
     (ray_pin,) = [Requirement(r) for r in project["dependencies"] if Requirement(r).name == "ray"]
     installed = importlib.metadata.version("ray")
-    base = re.search(r"^FROM rayproject/ray:(\S+)$", DOCKERFILE.read_text(), re.M)
-    assert base, "k8s/Dockerfile is not FROM rayproject/ray:TAG"
+    base = re.search(
+        r"^FROM rayproject/ray:(\S+?)\$\{BASE_DIGEST:\+@\}\$\{BASE_DIGEST\}$",
+        DOCKERFILE.read_text(),
+        re.M,
+    )
+    assert base, "k8s/Dockerfile is not FROM rayproject/ray:TAG, pinned by BASE_DIGEST if given"
+    assert re.search(r"^ARG BASE_DIGEST=$", DOCKERFILE.read_text(), re.M)
+    assert "--build-arg BASE_DIGEST=sha256:" in DOCKERFILE.read_text()
     tag = re.fullmatch(r"(\d+\.\d+\.\d+)-py(\d)(\d+)-gpu", base.group(1))
     assert tag, base.group(1)
     ray_version, python = tag.group(1), f"{tag.group(2)}.{tag.group(3)}"
