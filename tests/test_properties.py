@@ -338,6 +338,99 @@ def test_a_png_header_cannot_make_the_server_fail(data):
     check_png(data, "serve: PNG headers (huge or odd)")
 
 
+#: The most CPU one accepted /predict body may cost to parse (issue 29).
+BODY_CPU_S = 0.050
+#: Ancillary chunks a PNG may carry, as a client can write them: text that inflates (zTXt,
+#: compressed iTXt), ICC profiles, EXIF, APNG's frames, private chunks.
+_ANCILLARY = [b"zTXt", b"iTXt", b"iCCP", b"tEXt", b"eXIf", b"acTL", b"fcTL", b"fdAT", b"prVt"]
+
+
+def _ancillary(kind: bytes, inflated: int) -> bytes:
+    bomb = zlib.compress(b"a" * inflated, 9)
+    payload = {
+        b"zTXt": b"k\0\0" + bomb,
+        b"iTXt": b"k\0\1\0en\0k\0" + bomb,
+        b"iCCP": b"icc\0\0" + bomb,
+    }.get(kind, bomb)
+    return _chunk(kind, payload)
+
+
+@st.composite
+def png_bodies(draw) -> bytes:
+    """A /predict body of PNGs (up to 90 copies of one) carrying up to 63 ancillary chunks
+    before their image data, each inflating to up to 1 MiB; or a PNG whose image data comes
+    in many tiny chunks; the body under the 8 MiB limit."""
+    from raytrain_mnist.serving.images import MAX_BODY_BYTES
+
+    h, w = draw(st.integers(1, 32)), draw(st.integers(1, 32))
+    array = np.zeros((h, w, 4), np.uint8)
+    array[h // 4 : 3 * h // 4 + 1, w // 3 : w // 3 + max(1, w // 6)] = (255, 255, 255, 255)
+    data = _png(array, draw(st.sampled_from(["L", "LA", "RGB", "RGBA", "P"])))
+    if draw(st.booleans()):
+        kinds = draw(st.lists(st.sampled_from(_ANCILLARY), min_size=1, max_size=63))
+        inflated = draw(st.sampled_from([1, 1 << 10, 1 << 20]))
+        extra = b"".join(_ancillary(kind, inflated) for kind in kinds)
+        data = data[:33] + extra + data[33:]  # after IHDR, before the image data
+    else:  # the image data split into chunks of a few bytes
+        at, end = data.index(b"IDAT") - 4, data.index(b"IEND") - 4
+        (length,) = struct.unpack(">I", data[at : at + 4])
+        stream, step = data[at + 8 : at + 8 + length], draw(st.integers(1, 8))
+        pieces = b"".join(_chunk(b"IDAT", stream[i : i + step]) for i in range(0, length, step))
+        data = data[:at] + pieces + data[end:]
+    copies = min(draw(st.integers(1, 90)), MAX_BODY_BYTES * 3 // 4 // len(data))
+    return json.dumps({"images": [_b64(data, False)] * max(1, copies)}).encode()
+
+
+def _cpu(body: bytes) -> tuple[np.ndarray | None, float]:
+    """(images or None for a 4xx, the least CPU seconds of up to three parses of ``body``)."""
+    import time
+
+    from raytrain_mnist.serving.images import BadRequest, parse_images
+
+    least = float("inf")
+    for _ in range(3):
+        start = time.thread_time()
+        try:
+            images = parse_images(body)
+        except BadRequest as exc:
+            assert 400 <= exc.status < 500, exc
+            one_line(str(exc))
+            images = None
+        least = min(least, time.thread_time() - start)
+        if least <= BODY_CPU_S:
+            break
+    return images, least
+
+
+@examples(60)
+@given(png_bodies())
+def test_no_accepted_body_costs_over_50_ms_whatever_its_chunks(body):
+    """Ancillary chunks are dropped unread (nothing of them is inflated) and image data in
+    thousands of chunks is walked at C speed: a body's CPU is what its pixels and its bytes
+    cost, at most 50 ms for every body accepted."""
+    TRIED["serve: PNG chunk bodies"] += 1
+    images, cpu = _cpu(body)
+    if images is not None:
+        assert cpu <= BODY_CPU_S, f"{cpu * 1000:.0f} ms for {len(body)} bytes"
+
+
+def test_ninety_pngs_of_63_ztxt_chunks_are_cheap():
+    """The review's body: 90 tiny PNGs with 63 zTXt chunks each (each inflating to 1 MiB, a
+    7.6 MiB body), which cost 10 s of CPU when PIL read the chunks: now the pixels only."""
+    from PIL import Image
+
+    out = io.BytesIO()
+    Image.new("L", (8, 8), 0).save(out, format="PNG")
+    plain = out.getvalue()
+    evil = plain[:33] + _ancillary(b"zTXt", 1 << 20) * 63 + plain[33:]
+    body = json.dumps({"images": [_b64(evil, False)] * 90}).encode()
+    assert len(body) > 7 * 2**20
+    images, cpu = _cpu(body)
+    assert images is not None and images.shape == (90, 28, 28)
+    assert cpu <= BODY_CPU_S, f"{cpu * 1000:.0f} ms"
+    print(f"90 PNGs x 63 zTXt ({len(body)} bytes): {cpu * 1000:.1f} ms of CPU")
+
+
 # --------------------------------------------------------------------------- IDX files
 
 
