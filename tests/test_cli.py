@@ -391,3 +391,71 @@ def test_a_local_ray_we_start_says_nothing_about_token_auth(tmp_path):
     assert result.stdout.split() == ["token", "42"], result.stdout
     assert "Token authentication" not in result.stderr, result.stderr
     assert (tmp_path / ".ray" / "auth_token").is_file()
+
+
+# --------------------------------------------------------------------------- habits (issue 30)
+
+
+def test_version():
+    from raytrain_mnist import __version__
+
+    for args in (["--version"], ["-V"]):
+        result = run_cli_here(*args)
+        assert result.returncode == 0
+        assert result.stdout.strip() == f"raytrain-mnist {__version__}"
+
+
+@pytest.mark.parametrize(
+    "command, args, suggestion",
+    [
+        ("fit", ["--epoch", "2"], "--epochs"),
+        ("fit", ["--epoch=2"], "--epochs"),
+        ("fit", ["--num-work", "3"], "--num-workers"),
+        ("tune", ["--num-sample", "2"], "--num-samples"),
+        ("evaluate", ["RUN", "--over"], "--overwrite"),
+        ("serve", ["RUN", "--replica", "2"], "--replicas"),
+        ("runs", ["--storage", "x"], "--storage-path"),
+        ("submit", ["--no-wai", "--", "fit"], "--no-wait"),
+    ],
+)
+def test_abbreviated_flags_are_refused_with_the_flag_meant(command, args, suggestion, tmp_path):
+    """argparse's prefix matching once read `fit --epoch 2` as `--epochs 2` and trained."""
+    result = run_cli_here(command, *[str(tmp_path) if a == "RUN" else a for a in args])
+    _assert_one_line_error(result, 2, "unrecognized arguments:")
+    assert f"did you mean {suggestion}?" in result.stderr
+
+
+def test_every_command_refuses_abbreviations():
+    from raytrain_mnist.__main__ import COMMANDS, load_command
+
+    for name in COMMANDS:
+        parser = load_command(name).build_parser()
+        assert parser.allow_abbrev is False, name
+
+
+def test_evaluate_help_is_its_own():
+    text = run_cli_here("evaluate", "--help").stdout
+    fit_text = run_cli_here("fit", "--help").stdout
+    assert "train on GPUs" not in text and "elastic run" not in text
+    assert "score on this many Ray Train workers" in text
+    assert "train on GPUs" in fit_text
+
+
+def test_fit_help_says_how_to_resume():
+    text = " ".join(run_cli_here("fit", "--help").stdout.split())
+    assert "run the same command again" in text and "runs show NAME" in text
+
+
+@pytest.mark.parametrize("shell, marker", [("bash", "complete "), ("zsh", "#compdef")])
+def test_completion_scripts(shell, marker):
+    result = run_cli_here("completion", shell)
+    assert result.returncode == 0, result.stderr
+    script = result.stdout
+    assert marker in script
+    for word in ("fit", "evaluate", "runs", "predict", "export", "--num-workers", "--top-k"):
+        assert word in script, word
+
+
+def test_completion_of_an_unknown_shell_is_refused():
+    result = run_cli_here("completion", "fish")
+    assert result.returncode == 2 and "usage: raytrain-mnist completion {bash,zsh}" in result.stderr

@@ -1,6 +1,7 @@
 """The README is a guide that stays true: short, its links lead somewhere, every flag it names
 exists, and every command it shows parses with the real parsers (the full flag list is
-``--help``'s, generated from the config dataclasses). The same holds for docs/cluster.md."""
+``--help``'s, generated from the config dataclasses). Every other document (docs/*.md,
+CONTRIBUTING.md, benchmarks/README.md) keeps its links and its commands true too."""
 
 from __future__ import annotations
 
@@ -15,15 +16,17 @@ from raytrain_mnist.__main__ import load_command
 from tests.conftest import REPO
 
 README = REPO / "README.md"
-#: Documents whose commands and links this file checks.
+#: Documents whose commands and links this file checks: every one.
 GUIDES = [
     README,
-    REPO / "docs" / "cluster.md",
+    *sorted((REPO / "docs").rglob("*.md")),
     REPO / "CONTRIBUTING.md",
     REPO / "benchmarks" / "README.md",
 ]
 MAX_BYTES = 16 * 1024
-COMMANDS = ("fit", "tune", "evaluate", "submit", "serve")
+COMMANDS = ("fit", "tune", "evaluate", "runs", "predict", "export", "submit", "serve")
+#: What ends a command on a shell line: a pipe, a redirection, a list.
+_SHELL_OPERATORS = ("|", "||", "&&", ";", ">", ">>", "<", "2>", "&")
 
 
 # --------------------------------------------------------------------------- helpers
@@ -56,8 +59,24 @@ def package_commands(doc: Path) -> list[tuple[str, list[str], str]]:
     (``text`` blocks: only the lines after a ``$`` prompt)."""
     found = []
     for info, body in _blocks(doc.read_text()):
+        exported: dict[str, str] = {}  # what an `export` line of the block set
         for line in _shell_lines(body, prompt=info.strip() == "text"):
             words = shlex.split(line, comments=True)
+            if words[:1] == ["export"]:
+                for word in words[1:]:
+                    name, _, value = word.partition("=")
+                    # A value the shell computes ("$(python -c ...)": a token) stands in
+                    # as one such value.
+                    exported[name] = "T" * 43 if "$(" in value else value
+                continue
+            if exported:  # the block's later commands run with it: VAR=value before them
+                prefix = " ".join(f"{k}={shlex.quote(v)}" for k, v in exported.items())
+                line = f"{prefix} {line}"
+                words = shlex.split(line, comments=True)
+            for i, word in enumerate(words):
+                if word in _SHELL_OPERATORS:
+                    words = words[:i]
+                    break
             while words and re.fullmatch(r"[A-Z_][A-Z0-9_]*=.*", words[0]):
                 words = words[1:]  # VAR=value before the command
             if "--" in words and words[:1] == ["ray"]:  # ray job submit ... -- python -m ...
@@ -76,7 +95,10 @@ def package_commands(doc: Path) -> list[tuple[str, list[str], str]]:
 def parse(command: str, args: list[str]) -> None:
     """Parse (and validate) ``args`` as ``raytrain-mnist COMMAND`` would, without running it:
     the command's own parse (submit's checks the command after ``--`` through that one's)."""
-    if command in ("", "-h", "--help"):
+    if command in ("", "-h", "--help", "--version"):
+        return
+    if command == "completion":
+        assert args in (["bash"], ["zsh"]), f"completion {args}"
         return
     assert command in COMMANDS, f"no command {command!r}"
     load_command(command).parse(args)
@@ -124,12 +146,11 @@ def test_links_lead_to_files_and_headings(doc):
             assert anchor in {_slug(h) for h in headings}, f"{doc.name}: no heading #{anchor}"
 
 
-@pytest.mark.parametrize(
-    "doc", [README, REPO / "docs" / "cluster.md"], ids=lambda p: str(p.relative_to(REPO))
-)
+@pytest.mark.parametrize("doc", GUIDES, ids=lambda p: str(p.relative_to(REPO)))
 def test_every_command_shown_parses_with_the_real_parsers(doc, monkeypatch):
     found = package_commands(doc)
-    assert found, f"no raytrain_mnist command found in {doc.name}"
+    if doc in (README, REPO / "docs" / "cluster.md"):
+        assert found, f"no raytrain_mnist command found in {doc.name}"
     failures = []
     for command, args, line in found:
         try:
@@ -151,6 +172,14 @@ def test_readme_finds_the_commands_it_shows():
     """The extractor sees what a reader sees: each entry point and each command."""
     found = package_commands(README)
     assert {c for c, _, _ in found} >= set(COMMANDS)
+
+
+def test_every_document_is_checked():
+    """A new document is checked without anyone remembering to add it here."""
+    docs = {p for p in REPO.rglob("*.md") if not {".venv", "node_modules", ".git"} & set(p.parts)}
+    generated = REPO / "benchmarks" / "results"  # tables a benchmark writes: no commands
+    docs = {p for p in docs if ".pytest_cache" not in p.parts and generated not in p.parents}
+    assert docs <= set(GUIDES), sorted(str(p.relative_to(REPO)) for p in docs - set(GUIDES))
 
 
 def test_every_flag_the_readme_names_exists():
