@@ -1,0 +1,295 @@
+"""Preemption on real Ray: a node drained with a notice (a spot reclaim) costs at most a
+step, and the run ends with the weights of a run never interrupted.
+
+The cluster is conftest's ``two_nodes`` (a head that trains nothing, two 1-CPU nodes); the
+calm reference is conftest's ``fitted`` (the same training settings, 2 workers on one
+node). ``fit`` runs as a subprocess, drains go through ``ray drain-node`` (Ray's hidden CLI,
+the GCS drain API), and every wait is on an event: a printed line, a committed checkpoint.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import queue
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from raytrain_mnist.nn import checkpoint as ckpt
+from raytrain_mnist.worker.preempt import JustInTime
+from tests.conftest import REPO
+
+# The tests' Rays run without Ray Train's preemption watcher (conftest: LOCAL_TRAIN_ENV, as
+# fit's own one-machine Ray does); these runs turn it on, polling each second instead of 5.
+# Ray Train hands its RAY_TRAIN_* variables from the driver to its controller.
+ENV = {
+    **os.environ,
+    "PYTHONUNBUFFERED": "1",
+    "RAY_TRAIN_ENABLE_PREEMPTION_WATCHER": "1",
+    "RAY_TRAIN_PREEMPTION_POLL_INTERVAL_S": "1",
+}
+RAY = str(Path(sys.executable).with_name("ray"))
+
+
+class _Fit:
+    """``python -m raytrain_mnist.fit ARGS``; its lines read on a thread."""
+
+    def __init__(self, args: list[str]) -> None:
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "raytrain_mnist.fit", *args],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            cwd=REPO,
+            env=ENV,
+        )
+        self.lines: list[str] = []
+        self._new: queue.Queue = queue.Queue()
+        threading.Thread(target=self._read, daemon=True).start()
+
+    def _read(self) -> None:
+        for line in self.proc.stdout:
+            self.lines.append(line)
+            self._new.put(line)
+        self._new.put(None)
+
+    def until(self, prefix: str, timeout: float = 300) -> str:
+        deadline = time.monotonic() + timeout
+        while True:
+            try:
+                line = self._new.get(timeout=max(deadline - time.monotonic(), 0.1))
+            except queue.Empty:
+                line = ""
+            if line is None or time.monotonic() > deadline:
+                raise AssertionError(f"never printed {prefix!r}:\n{self.out}")
+            if line.startswith(prefix):
+                return line
+
+    def wait(self, timeout: float = 400) -> str:
+        self.proc.wait(timeout)
+        time.sleep(0.2)
+        return self.out
+
+    @property
+    def out(self) -> str:
+        return "".join(self.lines)
+
+
+def _args(cluster, tiny_mnist, storage, name: str, train, *extra: str) -> list[str]:
+    return [
+        "--address", cluster.address, "--num-workers", "2", "--cpus-per-worker", "1",
+        "--placement-strategy", "STRICT_SPREAD", "--epochs", str(train.epochs),
+        "--batch-size", str(train.batch_size), "--lr", str(train.lr), "--seed", str(train.seed),
+        "--dataset", "mnist", "--data-dir", str(tiny_mnist), "--storage-path", str(storage),
+        "--name", name, "--keep-checkpoints", "2", "--progress", "lines", *extra,
+    ]  # fmt: skip
+
+
+def _drain(cluster, node_id: str, reason: str, deadline_s: int | None = None):
+    words = [RAY, "drain-node", "--address", cluster.address, "--node-id", node_id,
+             "--reason", reason, "--reason-message", "test"]  # fmt: skip
+    if deadline_s is not None:
+        words += ["--deadline-remaining-seconds", str(deadline_s)]
+    # Loopback stays loopback (the cluster's nodes run single-node mode).
+    env = {**ENV, "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0"}
+    return subprocess.run(words, capture_output=True, text=True, env=env, timeout=120)
+
+
+def _ranks_by_node(run_dir: Path, timeout: float = 120) -> dict[int, str]:
+    """Rank -> node id of the workers behind the latest committed checkpoint."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        latest = _latest(run_dir)
+        if latest and latest.get("workers"):
+            return {w["rank"]: w["node_id"] for w in latest["workers"]}
+        time.sleep(0.2)
+    raise AssertionError(f"no committed epoch in {run_dir}")
+
+
+def _latest(run_dir: Path) -> dict | None:
+    """The metrics of the latest committed checkpoint (None until there is one)."""
+    try:
+        snapshot = json.loads((run_dir / "checkpoint_manager_snapshot.json").read_text())
+        return snapshot["latest_checkpoint_result"]["metrics"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+
+
+def _wait_for(predicate, what: str, timeout: float = 120):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if (found := predicate()) is not None:
+            return found
+        time.sleep(0.2)
+    raise AssertionError(f"timed out waiting for {what}")
+
+
+def _replace(cluster, nodes, node_id: str) -> None:
+    """Remove the node ``node_id`` (its raylet and workers), add a fresh 1-CPU one."""
+    from raytrain_mnist.driver.cluster import loopback_node
+
+    node = next(n for n in nodes if n.node_id == node_id)
+    cluster.remove_node(node)
+    nodes.remove(node)
+    with loopback_node():
+        nodes.append(cluster.add_node(num_cpus=1))
+    cluster.wait_for_nodes()
+
+
+def test_a_preempted_node_costs_at_most_a_step_and_the_run_ends_as_a_calm_one(
+    two_nodes, fitted, tiny_mnist, tmp_path
+):
+    """Mid-epoch, the node of rank 1 is drained for idle termination (refused: it runs a
+    rank; nothing happens), then for preemption with 15 s of notice, and removed once the
+    final just-in-time checkpoint is committed. The run resumes from that very step and
+    ends with the weights of ``fitted``, bit for bit."""
+    cluster, nodes = two_nodes
+    train, calm = fitted["cfg"].train, fitted["summary"]
+    run = _Fit(_args(cluster, tiny_mnist, tmp_path, "spot", train))
+    run_dir = tmp_path / "spot"
+    run.until("epoch   1/8")
+    node = _ranks_by_node(run_dir)[1]
+
+    idle = _drain(cluster, node, "DRAIN_NODE_REASON_IDLE_TERMINATION")
+    assert idle.returncode != 0 and "not accepted" in idle.stderr, idle
+    run.until("epoch   2/8")  # an epoch later: nothing was checkpointed for it
+    assert "preemption" not in run.out
+
+    drained = _drain(cluster, node, "DRAIN_NODE_REASON_PREEMPTION", deadline_s=15)
+    assert drained.returncode == 0, drained
+    seen = run.until("preemption: node ")
+    assert node[:12] in seen and "rank(s) 1" in seen
+
+    def final_checkpoint():
+        m = _latest(run_dir)
+        return m if m and m.get("progress") == "checkpoint" and m["final"] else None
+
+    final = _wait_for(final_checkpoint, "the final just-in-time checkpoint")
+    _replace(cluster, nodes, node)
+    resumed = run.until("resumed after the preemption from ")
+    out = run.wait()
+    assert run.proc.returncode == 0, out
+    assert "Traceback" not in out
+
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["status"] == "finished" and summary["epochs_completed"] == 8
+    print(json.dumps(summary["preemptions"]), out)  # shown when an assertion fails
+    [event] = summary["preemptions"]
+    assert event["node"] == node and event["ranks"] == [1]
+    assert 0 < event["deadline_s"] <= 15
+    assert (event["epoch"], event["step"]) == (final["epoch"] + 1, final["step"])
+    assert event["resumed_from"] == {"epoch": event["epoch"], "step": event["step"]}
+    assert event["checkpoint"] and event["lost_steps"] <= 1
+    assert f"step {event['step']} of epoch {event['epoch']}" in resumed
+    assert summary["worker_restarts"] == 1
+    assert [h["epoch"] for h in summary["history"]] == list(range(1, 9))
+
+    # Bit for bit the calm run's: model, optimizer, schedule, sampler and RNG came back at
+    # that step, and Gloo sums two ranks' gradients the same way whichever nodes hold them.
+    hurt_state = ckpt.load(summary["latest_checkpoint"])
+    calm_state = ckpt.load(calm["latest_checkpoint"])
+    for key, value in calm_state["model"].items():
+        assert torch.equal(hurt_state["model"][key], value), key
+    assert summary["val_accuracy"] == calm["val_accuracy"]
+
+
+def test_with_max_preemptions_0_a_preemption_fails_the_run_in_one_line(
+    two_nodes, tiny_mnist, tmp_path
+):
+    from raytrain_mnist.config import TrainConfig
+
+    cluster, nodes = two_nodes
+    train = TrainConfig(epochs=30, batch_size=32, lr=0.05)
+    run = _Fit(_args(cluster, tiny_mnist, tmp_path, "budget", train, "--max-preemptions", "0"))
+    run.until("epoch   1/30")
+    node = _ranks_by_node(tmp_path / "budget")[1]
+    assert _drain(cluster, node, "DRAIN_NODE_REASON_PREEMPTION", deadline_s=4).returncode == 0
+    try:
+        out = run.wait()
+    finally:
+        _replace(cluster, nodes, node)
+    assert run.proc.returncode == 1, out
+    errors = [line for line in out.splitlines() if line.startswith("raytrain-mnist: error:")]
+    assert len(errors) == 1 and "preemption" in errors[0], out
+    assert "Traceback" not in out
+
+
+# --------------------------------------------------------------------------- without Ray
+
+
+class _Info:
+    def __init__(self, deadline_s: float, now: float) -> None:
+        self.deadline_ms = (now + deadline_s) * 1000
+        self.preempted_node_to_ranks = {"n1": [1]}
+
+
+class _Clock:
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+class _Held(Exception):
+    pass
+
+
+def test_checks_come_at_about_the_cadence_and_a_notice_checkpoints_then_holds(monkeypatch):
+    """One rank, a fake clock: a check every ~every_s of steps; a notice with 30 s left
+    checkpoints at that step, the final one lands when the margin reaches the deadline,
+    and then the rank holds."""
+    import raytrain_mnist.worker.preempt as preempt
+
+    clock, checks, saves, sent = _Clock(), [], [], []
+    answer: list = [None]
+
+    def check():
+        checks.append(jit.steps)
+        return answer[0]
+
+    def hold(self, step):
+        raise _Held(step)
+
+    monkeypatch.setattr(preempt.JustInTime, "_hold", hold)
+    jit = JustInTime(0, 1, lambda step, sums, final: saves.append((step, final)), check,
+                     lambda kind, **item: sent.append(kind), every_s=0.05, clock=clock)  # fmt: skip
+    sums = torch.zeros(3)
+    for step in range(1, 40):
+        time.sleep(0.005)
+        jit.after_step(step, sums)
+    assert checks[0] == 1 and 3 <= len(checks) <= 20, checks  # ~one per 10 steps of 5 ms
+    answer[0] = _Info(30, clock.now)
+    step = 40
+    while jit.info is None:
+        jit.after_step(step, sums)
+        step += 1
+    assert saves == [(step - 1, False)] and sent[0] == "preemption"
+    with pytest.raises(_Held) as held:
+        while True:
+            clock.now += 1.0  # a step of a second
+            jit.after_step(step, sums)
+            step += 1
+    assert saves[-1] == (held.value.args[0], True)
+    assert clock.now + jit._margin_s >= jit.deadline > clock.now - 1.0
+    assert sent.count("preempt_step") == step - saves[0][0]  # every step of the notice
+
+
+def test_a_notice_too_close_to_the_deadline_is_the_final_checkpoint(monkeypatch):
+    import raytrain_mnist.worker.preempt as preempt
+
+    clock, saves = _Clock(), []
+    monkeypatch.setattr(
+        preempt.JustInTime, "_hold", lambda self, step: (_ for _ in ()).throw(_Held())
+    )
+    jit = JustInTime(0, 1, lambda step, sums, final: saves.append((step, final)),
+                     lambda: _Info(0.5, clock.now), clock=clock)  # fmt: skip
+    with pytest.raises(_Held):
+        jit.after_step(1, torch.zeros(3))
+    assert saves == [(1, True)]
