@@ -5,8 +5,7 @@ The command over :func:`raytrain_mnist.driver.searching.search`: it parses the f
 renders the search's events as it runs (:class:`raytrain_mnist.console.TrialsTable`: a
 table redrawn in place on a terminal, else a line when a trial starts and one when it ends),
 then prints the trials ranked, the best one and the command that trains it again. How the
-trials run and what the experiment directory holds is said in
-:mod:`raytrain_mnist.driver.searching`.
+trials run and what the experiment directory holds: docs/design.md, "A search".
 """
 
 from __future__ import annotations
@@ -25,6 +24,7 @@ from raytrain_mnist._cli import (
     command_line,
     dataclass_from_args,
     emit_result,
+    interrupted,
     invocation,
     parse_with_recipe,
     setup_logging,
@@ -33,19 +33,19 @@ from raytrain_mnist.config import RunSettings, TrainConfig, recipe_config
 from raytrain_mnist.console import TrialsTable
 from raytrain_mnist.driver.events import format_value
 from raytrain_mnist.driver.runs import BEST_FILE
-from raytrain_mnist.driver.search_space import (
-    SEARCH_SPACES,
-    SearchSpace,
-    TuneSettings,
-    check_search,
-    searchable,
-)
 from raytrain_mnist.driver.searching import (
     INTERRUPTED,
     PLOT_FILE,
     RESULTS_FILE,
     SearchResult,
     search,
+)
+from raytrain_mnist.driver.searching.space import (
+    SEARCH_SPACES,
+    SearchSpace,
+    TuneSettings,
+    check_search,
+    searchable,
 )
 from raytrain_mnist.errors import UserError
 
@@ -129,7 +129,7 @@ def parse_command(argv: Sequence[str] | None = None) -> TuneCommand:
 def resume_command(cmd: TuneCommand, name: str) -> str:
     """The command that continues this search, as this process was started."""
     args = [a for a in cmd.argv if a != "--fresh"]
-    if not cmd.run.name:
+    if not cmd.run.storage.name:
         args += ["--name", name]
     return command_line([*invocation("tune"), *args])
 
@@ -176,7 +176,9 @@ def print_report(result: SearchResult, searched: Sequence[str]) -> None:
 
 def run(cmd: TuneCommand) -> int:
     setup_logging()
-    table = TrialsTable(cmd.run.progress, cmd.space.searched, cmd.train.epochs, cmd.settings.metric)
+    table = TrialsTable(
+        cmd.run.output.progress, cmd.space.searched, cmd.train.epochs, cmd.settings.metric
+    )
     try:
         result = search(
             cmd.space,
@@ -196,7 +198,7 @@ def run(cmd: TuneCommand) -> int:
             f"resume with: {resume_command(cmd, result.name)}",
             file=sys.stderr,
         )
-        raise KeyboardInterrupt  # run_cli's Ctrl-C line and exit status
+        return interrupted()  # 130 after Ctrl-C, 143 after SIGTERM
     if result.num_errors:
         raise UserError(
             f"{result.num_errors} trial(s) failed (see the table); rerun the "

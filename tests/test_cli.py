@@ -116,9 +116,9 @@ def test_use_gpu_without_enough_gpus_is_one_clear_error_within_30_s(tmp_path):
 
 
 def _flags_of_config(*classes) -> set[str]:
-    import dataclasses
+    from raytrain_mnist.config import flag_fields
 
-    return {"--" + f.name.replace("_", "-") for cls in classes for f in dataclasses.fields(cls)}
+    return {"--" + name.replace("_", "-") for cls in classes for name in flag_fields(cls)}
 
 
 def _command_flags() -> dict[str, set[str]]:
@@ -128,7 +128,7 @@ def _command_flags() -> dict[str, set[str]]:
 
     from raytrain_mnist.__main__ import COMMANDS
     from raytrain_mnist.config import RunSettings, TrainConfig
-    from raytrain_mnist.driver.search_space import TuneSettings
+    from raytrain_mnist.driver.searching.space import TuneSettings
 
     from_config = {
         "fit": _flags_of_config(TrainConfig, RunSettings),
@@ -232,7 +232,7 @@ def _run_dir_with_checkpoint(tmp_path, payload: bytes | None = None, state: dict
         }
     }
     (run_dir / "checkpoint_manager_snapshot.json").write_text(json.dumps(snapshot))
-    cfg = FitConfig(TrainConfig(epochs=2), RunSettings(dataset="sample", name="r"))
+    cfg = FitConfig(TrainConfig(epochs=2), RunSettings.from_flags(dataset="sample", name="r"))
     (run_dir / RUN_FILE).write_text(json.dumps(fit_identity(cfg, load_sample())))
     return storage
 

@@ -1,9 +1,10 @@
-"""The pictures of a run draw any title as plain text."""
+"""The pictures of a run and of a search draw any title as plain text."""
 
 import numpy as np
 import pytest
 
 from raytrain_mnist.driver import plots
+from raytrain_mnist.driver.searching import plots as search_plots
 
 HISTORY = [
     {"epoch": 1, "train_loss": 1.2, "val_loss": 0.9, "val_accuracy": 0.7, "train_accuracy": 0.6},
@@ -44,6 +45,11 @@ def test_titles_with_mathtext_characters_render_as_written(title):
         confidence = np.full(20, 0.9)
         assert _is_png(plots.misclassified_png(images, labels, predictions, confidence, title))
         assert _is_png(plots.misclassified_png(images, labels, labels, confidence, title))
+        trials = [
+            {"trial_id": "a_00000", "history": HISTORY, "stopped_early": False, "rank": 1},
+            {"trial_id": "a_00001", "history": HISTORY[:1], "stopped_early": True, "rank": 2},
+        ]
+        assert _is_png(search_plots.trials_png(trials, title))
     finally:
         Text.draw = original
         plt.close("all")

@@ -31,14 +31,14 @@ from raytrain_mnist.config import (
     TrainConfig,
     recipe_config,
 )
-from raytrain_mnist.driver.search_space import (
+from raytrain_mnist.driver.searching import SearchResult
+from raytrain_mnist.driver.searching.space import (
     SEARCH_SPACE,
     SEARCH_SPACES,
     Param,
     SearchSpace,
     parse_range,
 )
-from raytrain_mnist.driver.searching import SearchResult
 from raytrain_mnist.nn import checkpoint as ckpt
 from tests.conftest import MARKER_VAR, REPO, kill_marked, run_cli, tiny_run_flags, write_tiny_mnist
 
@@ -140,8 +140,9 @@ def test_a_planted_tune_state_or_trial_record_is_refused_before_anything_starts(
     # The search's own identity, and a record of its first trial that claims other values.
     from raytrain_mnist.data import load_sample
     from raytrain_mnist.driver.runs import data_identity
-    from raytrain_mnist.driver.search_space import experiment_identity
-    from raytrain_mnist.driver.searching import TRIAL_FILE, draw_trials
+    from raytrain_mnist.driver.searching.plan import draw_trials
+    from raytrain_mnist.driver.searching.records import TRIAL_FILE
+    from raytrain_mnist.driver.searching.space import experiment_identity
     from raytrain_mnist.tune import parse_command
 
     cmd = parse_command(common)
@@ -166,7 +167,7 @@ def test_a_planted_tune_state_or_trial_record_is_refused_before_anything_starts(
 
 
 def test_a_trial_record_is_read_like_input():
-    from raytrain_mnist.driver.searching import record_problem
+    from raytrain_mnist.driver.searching.records import record_problem
 
     values = {"lr": 0.05}
     good = {
@@ -442,7 +443,7 @@ def test_asha_stops_a_bad_trial_the_next_still_runs_and_a_killed_search_resumes(
 import json
 from raytrain_mnist.config import RunSettings, TrainConfig
 from raytrain_mnist.driver import search
-from raytrain_mnist.driver.search_space import Param, SearchSpace, TuneSettings
+from raytrain_mnist.driver.searching.space import Param, SearchSpace, TuneSettings
 
 events = []
 result = search(
@@ -451,7 +452,7 @@ result = search(
     ),
     TuneSettings(num_samples=3, max_concurrent_trials=1, search_seed=2, grace_period=1),
     TrainConfig(epochs=2, batch_size=32),
-    RunSettings(num_workers=1, cpus_per_worker=1, dataset="mnist", data_dir={str(mixed_mnist)!r},
+    RunSettings.from_flags(num_workers=1, cpus_per_worker=1, dataset="mnist", data_dir={str(mixed_mnist)!r},
                 storage_path={str(tmp_path)!r}, name="asha"),
     on_event=lambda event: events.append(type(event).__name__ + ": " + event.text),
 )
@@ -665,12 +666,12 @@ def test_an_s3_search_resumes_from_its_own_records_and_never_runs_what_storage_h
 def test_a_lost_experiment_claim_stops_every_trial():
     """The Tune stopper ends the whole search once the experiment's hold is lost (another
     command's token in its lease), as it does after Ctrl-C; before that it lets trials run."""
-    from raytrain_mnist.driver import searching
     from raytrain_mnist.driver.events import log_event
     from raytrain_mnist.driver.runs import Claim
+    from raytrain_mnist.driver.searching import run as tune_run
 
     claim = Claim()
-    session = searching._Session(
+    session = tune_run.Session(
         sink=log_event,
         plan={},
         searched=[],
@@ -680,12 +681,12 @@ def test_a_lost_experiment_claim_stops_every_trial():
         ended={},
         claim=claim,
     )
-    token = searching._SESSION.set(session)
+    token = tune_run.SESSION.set(session)
     try:
-        stopper = searching._search_stop()
+        stopper = tune_run.search_stop()
         assert not stopper.stop_all()
         claim.handled = True
         claim.lose("the lease on search 'x' was taken by another command")
         assert stopper.stop_all()
     finally:
-        searching._SESSION.reset(token)
+        tune_run.SESSION.reset(token)

@@ -17,8 +17,8 @@ from typing import Any
 _EXPORTS = {
     "fit": "raytrain_mnist.driver.fitting",
     "FitResult": "raytrain_mnist.driver.fitting",
-    # The Tune search: the module is not named ``search``, or importing it would bind the
-    # package's ``search`` attribute to the module instead of the function.
+    # The Tune search: its package is not named ``search``, or importing it would bind this
+    # package's ``search`` attribute to the package instead of the function.
     "search": "raytrain_mnist.driver.searching",
     "SearchResult": "raytrain_mnist.driver.searching",
     "evaluate_checkpoint": "raytrain_mnist.driver.evaluation",

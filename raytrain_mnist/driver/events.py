@@ -16,9 +16,14 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Literal
 
 logger = logging.getLogger("raytrain_mnist")
+
+#: How a run or a search ended (``FitResult.status``, ``SearchResult.status``):
+#: ``finished``, ``interrupted`` (stopped with Ctrl-C; it resumes) or ``failed`` (it
+#: resumes too: a run from its checkpoint, a search by training its failed trials again).
+Status = Literal["finished", "interrupted", "failed"]
 
 
 @dataclass(frozen=True)

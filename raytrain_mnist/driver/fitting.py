@@ -27,7 +27,7 @@ import threading
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Any
 
 from raytrain_mnist.config import (
     DEFAULT_RECIPE,
@@ -41,7 +41,7 @@ from raytrain_mnist.config import (
     python_command,
 )
 from raytrain_mnist.driver import cluster, runs
-from raytrain_mnist.driver.events import Event, EventSink, Note, Phase, Stopping, log_event
+from raytrain_mnist.driver.events import Event, EventSink, Note, Phase, Status, Stopping, log_event
 from raytrain_mnist.driver.monitor import (
     RunMonitor,
     Timeline,
@@ -53,10 +53,6 @@ from raytrain_mnist.driver.runs import CURVES_FILE, RUN_FILE, SUMMARY_FILE, Run
 from raytrain_mnist.errors import UserError, cause_line
 
 logger = logging.getLogger(__name__)
-
-#: What a run ended as: ``finished`` (every epoch trained), ``interrupted`` (stopped with
-#: Ctrl-C; it resumes) or ``failed`` (Ray Train gave up; it resumes too).
-Status = Literal["finished", "interrupted", "failed"]
 
 
 @dataclass(frozen=True)

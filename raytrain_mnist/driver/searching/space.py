@@ -341,7 +341,7 @@ def check_search(
     FitConfig(train, run)  # the rules that span training and run settings
     space.check(train, run)
     check_budget(settings, train)
-    if settings.resume and run.fresh:
+    if settings.resume and run.storage.fresh:
         raise UserError(
             "--resume continues a search and --fresh starts it again: keep one", EXIT_USAGE
         )
@@ -369,14 +369,14 @@ def experiment_identity(
         "grace_period": settings.grace_period,
         "reduction_factor": settings.reduction_factor,
         "search_seed": settings.search_seed,
-        "num_workers": run.num_workers,
-        "use_gpu": run.use_gpu,
-        "dataset": run.dataset,
+        "num_workers": run.scaling.num_workers,
+        "use_gpu": run.scaling.use_gpu,
+        "dataset": run.data.dataset,
     }
 
 
 def experiment_name(identity: dict, run: RunSettings) -> str:
     """``--name``, else derived from the settings: deterministic, no timestamp."""
-    if run.name:
-        return run.name
-    return f"tune-{run.num_workers}w-{settings_digest(identity)}"
+    if run.storage.name:
+        return run.storage.name
+    return f"tune-{run.scaling.num_workers}w-{settings_digest(identity)}"
