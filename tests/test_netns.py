@@ -175,3 +175,63 @@ def test_two_workers_across_two_namespaces_over_the_named_interface(two_hosts, s
     assert summary["status"] == "finished" and summary["val_total"] == 203
     assert {w["node_ip"] for w in summary["workers"]} == {HEAD_IP, NODE_IP}
     assert len({w["node_id"] for w in summary["workers"]}) == 2
+
+
+@pytest.mark.skipif(_SKIP is not None, reason=_SKIP or "")
+def test_a_head_off_loopback_is_reached_by_its_address_loopback_and_ray_client(two_hosts):
+    """A head that registered an address of its host's network (not loopback, not the
+    machine's): a driver on its host joins by that address or by 127.0.0.1; a driver on the
+    other host, with no Ray node of its own, through Ray Client (ray://)."""
+    from .test_connect import _DRIVER, WITHIN_S
+
+    (head_ns, node_ns), marker = two_hosts
+    root = Path(tempfile.mkdtemp(prefix="rtnc", dir="/tmp"))
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("RAY_ADDRESS", "RAY_AUTH"))}
+    env.update({MARKER_VAR: marker, "RAY_TMPDIR": str(root), "PYTHONUNBUFFERED": "1"})
+    client_port = 10001
+
+    def run(ns: str, *command: str, **extra) -> subprocess.CompletedProcess:
+        return subprocess.run(
+            ["ip", "netns", "exec", ns, *command],
+            env={**env, **extra},
+            cwd=REPO,
+            capture_output=True,
+            text=True,
+            timeout=180,
+            stdin=subprocess.DEVNULL,
+        )
+
+    try:
+        started = run(
+            head_ns,
+            RAY,
+            "start",
+            "--head",
+            f"--node-ip-address={HEAD_IP}",
+            f"--port={GCS_PORT}",
+            f"--ray-client-server-port={client_port}",
+            "--include-dashboard=false",
+            "--num-cpus=1",
+            "--num-gpus=0",
+            "--disable-usage-stats",
+            '--resources={"head_netns": 1}',
+            RAY_AUTH_MODE="disabled",
+        )
+        assert started.returncode == 0, started.stdout[-3000:] + started.stderr[-3000:]
+        seen = {}
+        for ns, address in (
+            (head_ns, f"{HEAD_IP}:{GCS_PORT}"),
+            (head_ns, f"127.0.0.1:{GCS_PORT}"),
+            (node_ns, f"ray://{HEAD_IP}:{client_port}"),
+        ):
+            done = run(ns, sys.executable, "-c", _DRIVER, address)
+            lines = [line for line in done.stdout.splitlines() if line.startswith("{")]
+            assert done.returncode == 0 and lines, done.stdout[-2000:] + done.stderr[-3000:]
+            seen[address] = json.loads(lines[-1])
+    finally:
+        kill_marked(marker)
+        shutil.rmtree(root, ignore_errors=True)
+
+    for address, driver in seen.items():
+        assert driver["heads"] == ["head_netns"] and driver["task"] == "ran", (address, driver)
+        assert driver["connect_s"] < WITHIN_S, (address, driver)
