@@ -1,7 +1,7 @@
 """Training under repeated faults: the weights of a calm run, whatever is killed on the way.
 
-    python -m benchmarks.chaos [--kills 3] [--seed 0] [--epochs 8] [--out benchmarks/results]
-        [--storage DIR]
+    python -m benchmarks.chaos [--kills 3] [--preemptions 1] [--notice-s 20] [--seed 0]
+        [--epochs 8] [--out benchmarks/results] [--storage DIR]
 
 One multi-node Ray on this machine (``ray.cluster_utils.Cluster``: a head that hosts no
 training and three 1-CPU nodes, everything on 127.0.0.1, the head's dashboard on a free
@@ -16,14 +16,20 @@ loopback port for Ray's state API). On it, the library's :func:`raytrain_mnist.d
   process to kill is found through Ray's state API (``ray.util.state.list_actors``: the
   ``RayTrainWorker`` actors alive), and only a process whose environment carries this
   script's marker is ever signalled: nothing of another Ray. ``--max-failures`` is the
-  number of faults plus one.
+  number of faults plus one;
+* and ``--preemptions`` times a node that hosts a rank is drained for preemption with
+  ``--notice-s`` seconds of notice (``ray drain-node --reason DRAIN_NODE_REASON_PREEMPTION``,
+  as ``raytrain_mnist.spot`` turns a spot notice into), then removed at the deadline and a
+  fresh node added: the run checkpoints just in time and resumes from that step.
 
 The chaos run must end with the calm run's weights (``state.pt`` tensors compared as
 ``tests/test_resilience.py`` does, and bit for bit); the benchmark reports the faults, the
 worker-group restarts the run saw (``summary.json``'s ``worker_restarts``), and the seconds
 each fault cost: wall time against the calm run, split per fault into the restart (kill to
 the restarted group's first step) and the work trained again (the killed epoch's images
-done since its last checkpoint). Writes ``chaos.json`` into ``--out``.
+done since its last checkpoint; for a preemption, the steps its summary says were trained
+again and the seconds from the node's removal to the restarted group's first step). Writes
+``chaos.json`` into ``--out``.
 """
 
 from __future__ import annotations
@@ -37,6 +43,7 @@ import queue
 import random
 import signal
 import socket
+import subprocess
 import sys
 import tempfile
 import threading
@@ -98,8 +105,11 @@ class Chaos:
     the state API and kills it. The next point is armed once the run has said "workers
     restarted": one fault per worker group."""
 
-    def __init__(self, cluster, nodes, api: str, marker: str, plan: list[dict], seed: int):
+    def __init__(
+        self, cluster, nodes, api: str, marker: str, plan: list[dict], seed: int, notice_s=20
+    ):
         self.cluster, self.nodes, self.api, self.marker = cluster, nodes, api, marker
+        self.notice_s = notice_s
         self.plan, self.rng = plan, random.Random(seed + 1)
         self.dealt: list[dict] = []
         self.events: list[tuple[float, str, str]] = []  # (time, kind, text)
@@ -129,7 +139,7 @@ class Chaos:
         text = getattr(event, "text", str(event))
         self.events.append((now, type(event).__name__, text))
         print(f"  [{type(event).__name__}] {text}", flush=True)
-        if isinstance(event, Note) and text.startswith("workers restarted"):
+        if isinstance(event, Note) and text.startswith(("workers restarted", "resumed after")):
             self._armed = True
             if self.dealt and "restart_note_at" not in self.dealt[-1]:
                 self.dealt[-1].update(restart_note_at=now, restart_note=text)
@@ -165,15 +175,17 @@ class Chaos:
                     record.update(pid=victim.pid, node_id=victim.node_id)
                     os.kill(victim.pid, signal.SIGKILL)
                     record["dealt_at"] = time.perf_counter()
+                elif point["kind"] == "preempt":
+                    record.update(self._preempt_node(victim, workers))
                 else:
                     record.update(self._remove_node(victim, workers))
             except Exception as exc:  # reported in the results; the run goes on
                 record["error"] = f"{exc.__class__.__name__}: {exc}"
             print(f"  [chaos] {json.dumps({k: v for k, v in record.items()})}", flush=True)
 
-    def _remove_node(self, victim, workers) -> dict:
-        """Remove a node that hosts a training worker and nothing else of the run (the
-        controller and the driver's own actors live on the head), then add a fresh one."""
+    def _training_node(self, victim, workers) -> str:
+        """A node that hosts a training worker and nothing else of the run (the controller
+        and the driver's own actors live on the head)."""
         import ray
         from ray.util.state import list_actors
 
@@ -183,7 +195,35 @@ class Chaos:
         candidates = [w for w in [victim, *workers] if w.node_id not in others]
         if not candidates:
             raise RuntimeError("every worker's node also hosts another actor of the run")
-        node_id = candidates[0].node_id
+        return candidates[0].node_id
+
+    def _preempt_node(self, victim, workers) -> dict:
+        """Drain a training node for preemption with ``notice_s`` of notice, as a spot
+        reclaim is announced; remove it at the deadline (the cloud takes it) and add a
+        fresh one."""
+        node_id = self._training_node(victim, workers)
+        words = [str(Path(sys.executable).with_name("ray")), "drain-node", "--address",
+                 self.cluster.address, "--node-id", node_id, "--reason",
+                 "DRAIN_NODE_REASON_PREEMPTION", "--reason-message", "chaos",
+                 "--deadline-remaining-seconds", str(self.notice_s)]  # fmt: skip
+        env = {**os.environ, "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0"}
+        drained_at = time.perf_counter()
+        done = subprocess.run(words, capture_output=True, text=True, env=env, timeout=120)
+        if done.returncode:
+            raise RuntimeError(f"ray drain-node: {done.stderr.strip()[-300:]}")
+        time.sleep(max(0.0, drained_at + self.notice_s - time.perf_counter()))
+        node = next(n for n in self.nodes if n.node_id == node_id)
+        pids = [w.pid for w in workers if w.node_id == node_id]
+        self.cluster.remove_node(node, allow_graceful=False)  # the deadline: the node goes
+        removed_at = time.perf_counter()
+        self.nodes.remove(node)
+        self.nodes.append(self.cluster.add_node(num_cpus=1))
+        return {"node_id": node_id, "pids": pids, "dealt_at": drained_at, "removed_at": removed_at}
+
+    def _remove_node(self, victim, workers) -> dict:
+        """Remove a node that hosts a training worker and nothing else of the run, then
+        add a fresh one."""
+        node_id = self._training_node(victim, workers)
         node = next(n for n in self.nodes if n.node_id == node_id)
         pids = [w.pid for w in workers if w.node_id == node_id]
         self.cluster.remove_node(node, allow_graceful=False)  # as a machine dies: SIGKILL
@@ -193,13 +233,13 @@ class Chaos:
         return {"node_id": node_id, "pids": pids, "dealt_at": dealt_at}
 
 
-def draw_plan(rng: random.Random, kills: int, epochs: int) -> list[dict]:
-    """``kills`` worker kills and one node loss at random points, in the order they come:
-    an epoch (1..epochs) and a share of its images (0.15-0.85)."""
-    kinds = ["worker"] * kills + ["node"]
+def draw_plan(rng: random.Random, kills: int, epochs: int, preemptions: int = 0) -> list[dict]:
+    """``kills`` worker kills, one node loss and ``preemptions`` drains at random points,
+    in the order they come: an epoch (1..epochs) and a share of its images (0.15-0.85)."""
+    kinds = ["worker"] * kills + ["node"] + ["preempt"] * preemptions
     rng.shuffle(kinds)
     points = sorted(
-        (rng.randint(1, epochs), round(rng.uniform(0.15, 0.85), 3)) for _ in range(kills + 1)
+        (rng.randint(1, epochs), round(rng.uniform(0.15, 0.85), 3)) for _ in range(len(kinds))
     )
     return [{"kind": k, "epoch": e, "share": s} for k, (e, s) in zip(kinds, points, strict=True)]
 
@@ -234,6 +274,8 @@ def compare(calm: dict, hurt: dict) -> dict:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--kills", type=int, default=3, help="worker processes killed")
+    parser.add_argument("--preemptions", type=int, default=1, help="nodes drained, then lost")
+    parser.add_argument("--notice-s", type=int, default=20, help="a preemption's notice")
     parser.add_argument("--seed", type=int, default=0, help="seed of the faults (and the run)")
     parser.add_argument("--epochs", type=int, default=8)
     parser.add_argument("--storage", help="where the two runs are kept (default: a temp dir)")
@@ -250,6 +292,8 @@ def main(argv: list[str] | None = None) -> int:
 
     for key, value in LOCAL_TRAIN_ENV.items():
         os.environ.setdefault(key, value)
+    if args.preemptions:  # Ray Train's watcher tells the run: fit's own Ray turns it off
+        os.environ["RAY_TRAIN_ENABLE_PREEMPTION_WATCHER"] = "1"
 
     import logging
 
@@ -261,7 +305,7 @@ def main(argv: list[str] | None = None) -> int:
 
     logging.getLogger("ray").setLevel(logging.WARNING)
     rng = random.Random(args.seed)
-    plan = draw_plan(rng, args.kills, args.epochs)
+    plan = draw_plan(rng, args.kills, args.epochs, args.preemptions)
     faults = len(plan)
     dashboard_port = free_port()
     with contextlib.ExitStack() as stack:
@@ -311,7 +355,7 @@ def main(argv: list[str] | None = None) -> int:
         runs = {}
         for name, chaos_plan in (("calm", []), ("chaos", plan)):
             print(f"{name}: {json.dumps(chaos_plan)}", flush=True)
-            chaos = Chaos(cluster, nodes, api, marker, chaos_plan, args.seed)
+            chaos = Chaos(cluster, nodes, api, marker, chaos_plan, args.seed, args.notice_s)
             outcome: dict = {}
 
             def train(name=name, chaos=chaos, outcome=outcome) -> None:
@@ -336,7 +380,7 @@ def main(argv: list[str] | None = None) -> int:
 
         calm, hurt = runs["calm"], runs["chaos"]
         weights = compare(calm["result"].summary, hurt["result"].summary)
-        per_fault = _per_fault(hurt["chaos"], calm)
+        per_fault = _per_fault(hurt["chaos"], calm, hurt["result"].summary)
         lost = hurt["wall"] - calm["wall"]
         report = {
             "meta": {
@@ -359,6 +403,10 @@ def main(argv: list[str] | None = None) -> int:
             "plan": plan,
             "K_worker_kills": args.kills,
             "node_losses": 1,
+            "preemptions": args.preemptions,
+            "notice_s": args.notice_s,
+            "per_kind": _per_kind(per_fault),
+            "check_cost": _check_cost(calm["result"].summary),
             "faults": faults,
             "worker_restarts": hurt["result"].summary["worker_restarts"],
             "calm_wall_s": round(calm["wall"], 1),
@@ -377,24 +425,75 @@ def main(argv: list[str] | None = None) -> int:
     return 0 if weights["assert_close"] else 1
 
 
-def _per_fault(chaos: Chaos, calm: dict) -> list[dict]:
+def _per_kind(rows: list[dict]) -> dict:
+    """Steps and seconds lost per fault, by kind: the mean over that kind's faults of the
+    steps trained again and of the seconds from the fault (a preemption: the node's
+    removal) to the restarted group's first step, and of those plus the work trained again."""
+    kinds: dict = {}
+    for row in rows:
+        kinds.setdefault(row["kind"], []).append(row)
+    out = {}
+    for kind, found in kinds.items():
+        restart = [r["to_first_step_s"] for r in found if r["to_first_step_s"] is not None]
+        out[kind] = {
+            "faults": len(found),
+            "steps_trained_again": _mean([r["steps_trained_again"] for r in found], 2),
+            "restart_s": round(float(np.mean(restart)), 1) if restart else None,
+            "work_trained_again_s": _mean([r["work_trained_again_s"] for r in found], 1),
+        }
+    return out
+
+
+def _mean(values: list, digits: int) -> float | None:
+    known = [v for v in values if v is not None]
+    return round(float(np.mean(known)), digits) if known else None
+
+
+def _check_cost(summary: dict) -> dict:
+    """What the preemption checks cost the calm run (rank 0's seconds in them against its
+    training seconds, over every epoch)."""
+    history = summary["history"]
+    checks = sum(h.get("preemption_checks", 0) for h in history)
+    check_s = sum(h.get("preemption_check_s", 0.0) for h in history)
+    train_s = sum(h["train_s"] for h in history)
+    return {
+        "checks": checks,
+        "check_s_total": round(check_s, 3),
+        "ms_per_check": round(1000 * check_s / checks, 2) if checks else None,
+        "share_of_training": round(check_s / train_s, 5) if train_s else None,
+    }
+
+
+def _per_fault(chaos: Chaos, calm: dict, hurt: dict | None = None) -> list[dict]:
     """Each fault: when it was dealt (epoch, share of its images), how long until the run
-    said "workers restarted" and until the restarted group's first step, and the epochs it
-    trains again (in seconds: times the calm run's median epoch)."""
-    epoch_s = np.median([h["epoch_time_s"] for h in calm["result"].summary["history"]])
+    said it restarted and until the restarted group's first step, and the steps it trains
+    again (in seconds: at the calm run's median step). A kill trains again the epoch's images
+    since the last committed checkpoint; a preemption what its summary entry's
+    ``lost_steps`` says, its restart counted from the node's removal (the deadline)."""
+    summary = calm["result"].summary
+    steps_per_epoch = summary["train_size"] // summary["config"]["train"]["batch_size"]
+    step_s = float(np.median([h["train_s"] for h in summary["history"]])) / steps_per_epoch
+    preemptions = iter((hurt or {}).get("preemptions", []))
     rows = []
     for record in chaos.dealt:
-        dealt = record.get("dealt_at") or record["seen_at"]
+        dealt = record.get("removed_at") or record.get("dealt_at") or record["seen_at"]
         restart = record.get("restart_note_at")
         after = [t for t, *_ in chaos.steps if t > (restart or dealt)]
         first = after[0] if restart is not None and after else None
         share = record["at_images"] / max(record["epoch_images"], 1)
-        # "workers restarted from the checkpoint of epoch N": epochs N+1 .. the killed one
-        # are trained again (N can lag by one: Ray commits an epoch's checkpoint only once
-        # its controller has polled every rank, every 2 s).
         note = record.get("restart_note", "")
-        resumed = int(note.rsplit(" ", 1)[-1]) if note[-1:].isdigit() else record["at_epoch"] - 1
-        again = record["at_epoch"] - 1 - resumed + share
+        if record["kind"] == "preempt":
+            entry = next(preemptions, {})
+            again_steps = entry.get("lost_steps")
+            resumed = entry.get("resumed_from")
+        else:
+            # "workers restarted from the checkpoint of epoch N": epochs N+1 .. the killed
+            # one are trained again (N can lag by one: Ray commits an epoch's checkpoint only
+            # once its controller has polled every rank, every 2 s).
+            resumed = (
+                int(note.rsplit(" ", 1)[-1]) if note[-1:].isdigit() else record["at_epoch"] - 1
+            )
+            again_steps = round((record["at_epoch"] - 1 - resumed + share) * steps_per_epoch)
         rows.append(
             {
                 "kind": record["kind"],
@@ -404,9 +503,11 @@ def _per_fault(chaos: Chaos, calm: dict) -> list[dict]:
                 "error": record.get("error"),
                 "restart_note_s": None if restart is None else round(restart - dealt, 1),
                 "to_first_step_s": None if first is None else round(first - dealt, 1),
-                "resumed_from_epoch": resumed,
-                "epochs_trained_again": round(again, 2),
-                "work_trained_again_s": round(again * float(epoch_s), 1),
+                "resumed_from": resumed,
+                "steps_trained_again": again_steps,
+                "work_trained_again_s": None
+                if again_steps is None
+                else round(again_steps * step_s, 1),
             }
         )
     return rows

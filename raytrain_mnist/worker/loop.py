@@ -429,6 +429,9 @@ def epoch_record(
         "first_step_at": train["first_step_at"],
         "evaluated_at": time.time(),
         "world_size": world_size,  # an elastic run's size can change between epochs
+        # Rank 0's preemption checks (worker/preempt.py): what the barrier costs.
+        "preemption_checks": train.get("preemption_checks", 0),
+        "preemption_check_s": train.get("preemption_check_s", 0.0),
     }
 
 
@@ -487,8 +490,8 @@ def train_func_per_worker(config: dict[str, Any]) -> None:
         train_s = time.perf_counter() - started
         run_keys = {"resumed_from_epoch": resumed["resumed_from_epoch"],
                     "started_at": started_at, "workers": placement}  # fmt: skip
+        train.update(jit.end_epoch())
         _end_epoch(training, cfg, data, done, train, (started, train_s), rank, run_keys)
-        jit.end_epoch()
 
 
 def _end_epoch(

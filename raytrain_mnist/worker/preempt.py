@@ -200,7 +200,10 @@ class JustInTime:
         while True:  # Ray stops this worker group at the deadline (or when the node goes)
             time.sleep(1.0)
 
-    def end_epoch(self) -> None:
-        """The loop evaluated and reported an epoch: that time is not a step's."""
+    def end_epoch(self) -> dict[str, float]:
+        """The loop evaluated an epoch (that time is not a step's): the checks of the epoch
+        on this rank, ``preemption_checks`` and their ``preemption_check_s``."""
         self._since = time.perf_counter()
         self._last_step_at = None
+        checks, self.check_s = self.check_s, []
+        return {"preemption_checks": len(checks), "preemption_check_s": sum(checks)}
