@@ -293,3 +293,45 @@ def test_a_notice_too_close_to_the_deadline_is_the_final_checkpoint(monkeypatch)
     with pytest.raises(_Held):
         jit.after_step(1, torch.zeros(3))
     assert saves == [(1, True)]
+
+
+def test_the_driver_records_one_entry_per_preemption_and_its_lost_steps():
+    from raytrain_mnist.driver.preemptions import PreemptionLog, resume_text
+
+    log = PreemptionLog()
+    seen = log.handle(
+        {"progress": "preemption", "nodes": {"abcdef0123456789": [1]}, "deadline_s": 14.6,
+         "epoch": 3, "step": 12, "steps_per_epoch": 64}
+    )  # fmt: skip
+    assert seen == (
+        "preemption: node abcdef012345 (rank(s) 1) goes in 15 s; checkpoint at step 12 "
+        "of epoch 3, training goes on"
+    )
+    for step in range(13, 41):
+        log.handle({"progress": "preempt_step", "epoch": 3, "step": step})
+    log.handle({"progress": "checkpoint", "epoch": 2, "step": 40, "checkpoint": "/c"})
+    log.handle({"progress": "holding", "epoch": 3, "step": 40})
+    line = log.resumed({"progress": "ready", "resumed_from_epoch": 2, "resumed_from_step": 40})
+    assert line == "resumed after the preemption from step 40 of epoch 3: 0 step(s) trained again"
+    [entry] = log.entries
+    assert entry["node"] == "abcdef0123456789" and entry["ranks"] == [1]
+    assert (entry["epoch"], entry["step"], entry["checkpoint"]) == (3, 40, "/c")
+    assert entry["lost_steps"] == 0 and entry["resumed_from"] == {"epoch": 3, "step": 40}
+    # A restart with no preemption open is not one.
+    assert log.resumed({"progress": "ready", "resumed_from_epoch": 3}) is None
+    # A node gone before the final checkpoint: what was trained since the last one is lost.
+    log.handle({"progress": "preemption", "nodes": {"n2": [0]}, "deadline_s": 9,
+                "epoch": 5, "step": 60, "steps_per_epoch": 64})  # fmt: skip
+    log.handle({"progress": "preempt_step", "epoch": 6, "step": 3})
+    log.resumed({"progress": "ready", "resumed_from_epoch": 4, "resumed_from_step": 60})
+    assert log.entries[-1]["lost_steps"] == 7
+    assert resume_text({"resumed_from_epoch": 2, "resumed_from_step": 0}) == (
+        "resumed from the checkpoint of epoch 2"
+    )
+    assert resume_text(
+        {"resumed_from_epoch": 2, "resumed_from_step": 5, "resumed_world_size": 2, "world_size": 1}
+    ) == (
+        "resumed from the checkpoint at step 5 of epoch 3 (written by 2 worker(s), resumed "
+        "on 1: not bit-identical)"
+    )
+    assert resume_text({"resumed_from_epoch": None}) is None
