@@ -348,24 +348,32 @@ def warm_head(args, env: dict):
         port = probe.getsockname()[1]
     head_env = {**env, HEAD_MARKER: marker, "RAY_TMPDIR": str(tmp)}
     ray = str(Path(sys.executable).with_name("ray"))
-    try:
-        started = subprocess.run(
-            [ray, "start", "--head", f"--port={port}", f"--num-cpus={args.cores}"]
-            + ["--num-gpus=0", "--include-dashboard=false", "--disable-usage-stats"],
-            env=head_env,
-            capture_output=True,
-            text=True,
-            timeout=300,
-        )
-        if started.returncode != 0:
-            raise RuntimeError(f"ray start --head failed:\n{started.stdout[-2000:]}")
-        yield f"127.0.0.1:{port}"
-    finally:
+
+    def stop() -> None:
         needle = f"{HEAD_MARKER}={marker}".encode()
         for pid in psutil.pids():
             with contextlib.suppress(psutil.Error, OSError):
                 if needle in Path(f"/proc/{pid}/environ").read_bytes().split(b"\0"):
                     os.kill(pid, signal.SIGKILL)
+
+    try:
+        for _ in range(3):  # Ray gives its raylet 30 s to register: a loaded machine misses it
+            started = subprocess.run(
+                [ray, "start", "--head", f"--port={port}", f"--num-cpus={args.cores}"]
+                + ["--num-gpus=0", "--include-dashboard=false", "--disable-usage-stats"],
+                env=head_env,
+                capture_output=True,
+                text=True,
+                timeout=300,
+            )
+            if started.returncode == 0:
+                break
+            stop()
+        else:
+            raise RuntimeError(f"ray start --head failed:\n{started.stderr[-2000:]}")
+        yield f"127.0.0.1:{port}"
+    finally:
+        stop()
         shutil.rmtree(tmp, ignore_errors=True)
 
 
