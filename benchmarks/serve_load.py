@@ -44,6 +44,7 @@ from pathlib import Path
 import numpy as np
 
 REPO = Path(__file__).resolve().parents[1]
+PLAIN_BOUNDED = "plain-bounded"
 #: name -> (serve flags, extra environment, what it is). ``default`` is the command as a
 #: user runs it; the rest are the choices docs/serve.md weighs.
 VARIANTS: dict[str, tuple[list[str], dict, str]] = {
@@ -66,8 +67,11 @@ VARIANTS: dict[str, tuple[list[str], dict, str]] = {
     "proxy-2": (["--ingress", "proxy", "--replicas", "2"], {}, "the Python proxy, 2 replicas"),
     "haproxy-2": (["--ingress", "haproxy", "--replicas", "2"], {}, "HAProxy, 2 replicas"),
     "haproxy-1": (["--ingress", "haproxy"], {}, "HAProxy, 1 replica"),
+    # Not the command: plain's process again, its uvicorn running serve's bounded protocol
+    # (raytrain_mnist.serving.http): what the connection bounds cost, paired with plain.
+    PLAIN_BOUNDED: ([], {}, "plain with serve's HTTP bounds (serving.http)"),
 }
-DEFAULT_VARIANTS = "proxy,default,haproxy-2"
+DEFAULT_VARIANTS = f"{PLAIN_BOUNDED},proxy,default,haproxy-2"
 _WARMUP = 200
 
 
@@ -136,12 +140,13 @@ async def load(
 # --------------------------------------------------------------------------- the servers
 
 
-def plain_server(checkpoint: str, port: int) -> None:
-    """The baseline: the package's request handling behind bare uvicorn, no Ray."""
+def plain_server(checkpoint: str, port: int, bounded: bool = False) -> None:
+    """The baseline: the package's request handling behind bare uvicorn, no Ray; with
+    ``bounded``, uvicorn runs serve's bounded HTTP protocol (as every serve ingress does)."""
     import uvicorn
 
     from raytrain_mnist.driver.evaluation import load_checkpoint
-    from raytrain_mnist.serving import app
+    from raytrain_mnist.serving import app, http
 
     state, model = load_checkpoint(checkpoint)
     classifier = app.DigitClassifier(
@@ -158,6 +163,7 @@ def plain_server(checkpoint: str, port: int) -> None:
         log_level="warning",
         access_log=False,
         lifespan="off",
+        **({"http": http.bounded_protocol(http.Limits())} if bounded else {}),
     )
 
 
@@ -191,7 +197,7 @@ def cpu_seconds(mark: str) -> dict[str, float]:
         except (OSError, psutil.Error):
             continue
         kind = next((k for prefix, k in _KINDS if name.startswith(prefix)), "ray")
-        if mark.endswith("-plain"):
+        if mark.endswith(("-plain", f"-{PLAIN_BOUNDED}")):
             kind = "plain"
         totals[kind] = totals.get(kind, 0.0) + times.user + times.system
     return totals
@@ -300,9 +306,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", default=str(REPO / "benchmarks" / "results"))
     parser.add_argument("--stem", default="serve", help="output file names: STEM.json, STEM.md")
     parser.add_argument("--plain-server", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--bounded", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.plain_server:
-        plain_server(args.target, args.port)
+        plain_server(args.target, args.port, args.bounded)
         return 0
     names = [n.strip() for n in args.variants.split(",") if n.strip()]
     unknown = [n for n in names if n not in VARIANTS]
@@ -375,12 +382,19 @@ def measure_variant(name, port, checkpoint, plain, logs, run_load, args) -> dict
     """One variant's serve started, its rounds alternated with plain's, and stopped; a
     serve that does not start is a row with its error."""
     flags, env, what = VARIANTS[name]
+    if name == PLAIN_BOUNDED:
+        argv = [sys.executable, "-m", "benchmarks.serve_load", str(checkpoint), "--plain-server"]
+        argv += ["--bounded", "--port", str(port)]
+        ready = ""
+    else:
+        argv = [sys.executable, "-m", "raytrain_mnist", "serve", str(checkpoint)]
+        argv += ["--port", str(port), *flags]
+        ready = "serving "
     serve = Server(
-        [sys.executable, "-m", "raytrain_mnist", "serve", str(checkpoint)]
-        + ["--port", str(port), *flags],
+        argv,
         {**env, _MARK: f"{os.getpid()}-{name}"},
         logs / f"{name}.log",
-        "serving ",
+        ready,
         f"http://127.0.0.1:{port}/",
     )
     try:

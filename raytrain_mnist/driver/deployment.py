@@ -211,6 +211,10 @@ def _haproxy_env(cfg: ServeConfig, scratch: str | None) -> dict:
         "RAY_SERVE_HAPROXY_TIMEOUT_CLIENT_S": proxy_timeout,
         "RAY_SERVE_HAPROXY_TIMEOUT_SERVER_S": proxy_timeout,
         "RAY_SERVE_HAPROXY_MAXCONN": str(haproxy_guard.GLOBAL_MAXCONN),
+        # Serve's controller kills a proxy not ready within 5 s of its first check; HAProxy's
+        # manager starts HAProxy (through haproxy_guard) first, which a busy machine takes
+        # longer over.
+        "RAY_SERVE_PROXY_READY_CHECK_TIMEOUT_S": "30",
     }
     if scratch is not None:  # this machine's Ray: files and ports of this serve only
         stats, metrics = _free_ports(cfg.host, 2)

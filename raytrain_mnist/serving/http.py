@@ -53,6 +53,8 @@ BODY_TIMEOUT_ENV = "RAYTRAIN_MNIST_SERVE_BODY_TIMEOUT_S"
 #: (``RAY_SERVE_HTTP_PROXY_CALLBACK_IMPORT_PATH``): :func:`proxy_callback`.
 PROXY_CALLBACK = f"{__name__}:proxy_callback"
 _SYSTEM_PATHS = b"/-/"
+#: How long an expired timer waits for reads already under way before it acts.
+_RECHECK_S = 0.2
 
 
 @dataclass(frozen=True)
@@ -250,7 +252,8 @@ class BoundedHttpToolsProtocol(HttpToolsProtocol):  # type: ignore[misc,valid-ty
     # ------------------------------------------------------------------ timers and refusals
 
     def _head_timed_out(self) -> None:
-        self._timer = None
+        if self._recheck(self._head_timed_out):
+            return
         if self._head is not None and not self.transport.is_closing():
             # A silent connection, or a head that did not arrive in time: closed. A
             # request whose head did arrive is answered first.
@@ -261,7 +264,8 @@ class BoundedHttpToolsProtocol(HttpToolsProtocol):  # type: ignore[misc,valid-ty
                 self.transport.close()
 
     def _body_timed_out(self) -> None:
-        self._timer = None
+        if self._recheck(self._body_timed_out):
+            return
         if self._pending is not None and not self.transport.is_closing():
             self._refuse(
                 408,
@@ -271,7 +275,19 @@ class BoundedHttpToolsProtocol(HttpToolsProtocol):  # type: ignore[misc,valid-ty
 
     def _arm(self, seconds: float, callback) -> None:
         self._disarm()
+        self._rechecked = False
         self._timer = self.loop.call_later(seconds, callback)
+
+    def _recheck(self, callback) -> bool:
+        """Whether a timer that just expired looks once more first: a loop kept busy (a
+        loaded machine) may run timers before the reads that were waiting, so what already
+        arrived is read before the connection is refused."""
+        self._timer = None
+        if self._rechecked:
+            return False
+        self._rechecked = True
+        self._timer = self.loop.call_later(_RECHECK_S, callback)
+        return True
 
     def _disarm(self) -> None:
         if self._timer is not None:
