@@ -9,11 +9,13 @@ import asyncio
 import base64
 import io
 import json
+import subprocess
+import sys
 
 import numpy as np
 import pytest
 
-from tests.conftest import run_cli_here
+from tests.conftest import REPO, run_cli_here
 
 
 def _test_digits(data_dir):
@@ -199,3 +201,20 @@ def test_bad_arguments_are_one_line(fitted, args, fragment):
     assert result.returncode == 2, result.stderr
     lines = result.stderr.strip().splitlines()
     assert len(lines) == 1 and fragment in lines[0], result.stderr
+
+
+def test_predict_imports_no_ray(fitted, image_files):
+    """In-process means no Ray at all: not started, not even imported."""
+    _, written = image_files
+    script = (
+        "import sys\n"
+        "from raytrain_mnist.__main__ import main\n"
+        f"code = main(['predict', {fitted['summary']['run_dir']!r}, {str(written[0][0])!r}])\n"
+        "assert 'ray' not in sys.modules, 'ray was imported'\n"
+        "sys.exit(code)\n"
+    )
+    result = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, timeout=300, cwd=REPO
+    )
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.startswith(f"{written[0][0]}: ")

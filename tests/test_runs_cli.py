@@ -192,3 +192,35 @@ def test_runs_on_s3(s3, storage, fitted, tmp_path):
         assert entry["status"] == "running"
     (entry,) = _listing("--storage-path", uri)["runs"]
     assert entry["status"] == "finished"
+
+
+def _search(root: Path, name: str, best: dict | None) -> None:
+    """A search's directory as tune leaves it: its identity, and best.json once it ended."""
+    (root / name).mkdir(parents=True)
+    (root / name / "search.json").write_text(json.dumps({"dataset": "mnist"}))
+    if best is not None:
+        (root / name / "best.json").write_text(json.dumps(best))
+
+
+def test_searches_are_listed_with_their_trials_epochs(tmp_path):
+    trials = [{"trial_id": f"t{i}", "epochs_run": e} for i, e in enumerate([2, 1, 1, 2])]
+    best = {
+        "name": "tune-a", "best_trial": "t0", "best_val_accuracy": 0.97, "num_trials": 4,
+        "max_epochs": 2, "num_workers": 1, "num_unfinished": 0, "num_errors": 0,
+        "wall_time_s": 80.5, "trials": trials, "fit_command": "raytrain-mnist fit --lr 0.1",
+    }  # fmt: skip
+    _search(tmp_path, "tune-a", best)
+    _search(tmp_path, "tune-b", {**best, "num_unfinished": 2})
+    _search(tmp_path, "tune-c", {**best, "num_errors": 1})
+    _search(tmp_path, "tune-d", None)
+    entries = {e["name"]: e for e in _listing("--storage-path", str(tmp_path))["runs"]}
+    assert {n: e["status"] for n, e in entries.items()} == {
+        "tune-a": "finished", "tune-b": "stopped", "tune-c": "failed", "tune-d": "stopped",
+    }  # fmt: skip
+    a = entries["tune-a"]
+    assert (a["kind"], a["epochs_done"], a["epochs_planned"]) == ("tune", 6, 8)
+    assert (a["best_val_accuracy"], a["workers"], a["wall_s"]) == (0.97, 1, 80.5)
+    shown = run_cli_here("runs", "show", "tune-a", "--storage-path", str(tmp_path))
+    assert shown.returncode == 0, shown.stderr
+    assert "reproduce with:  raytrain-mnist fit --lr 0.1" in shown.stdout
+    assert "the same tune command" in shown.stdout
