@@ -2,12 +2,14 @@
 
 ``train_func_per_worker`` reads like Ray's own example loop: set the worker up, get the
 checkpoint, prepare the model and the loader, then for each epoch train, evaluate, report.
-Each of those is a named helper below it. The loop is plain PyTorch around four Ray calls:
-``get_checkpoint`` (resume), ``prepare_model`` (DDP), ``prepare_data_loader`` (the
-DistributedSampler) and ``report`` (metrics + checkpoint, every epoch). The data lives where
-the model lives: on a GPU, the uint8 tensors are moved there once and every batch is gathered
-there. ``train_step``, ``train_one_epoch`` and ``evaluate`` take objects, not globals, and
-work without Ray. Rank 0's progress stream to the driver is :mod:`.feed`.
+Each of those is a named helper below it. The loop is plain PyTorch around five Ray calls:
+``get_checkpoint`` (resume, from an epoch's end or mid-epoch: :mod:`.resume`),
+``prepare_model`` (DDP), ``prepare_data_loader`` (the DistributedSampler), ``report``
+(metrics + checkpoint, every epoch) and ``get_preemption_info`` (a just-in-time checkpoint
+when a node is preempted: :mod:`.preempt`). The data lives where the model lives: on a GPU,
+the uint8 tensors are moved there once and every batch is gathered there. ``train_step``,
+``train_one_epoch`` and ``evaluate`` take objects, not globals, and work without Ray. Rank
+0's progress stream to the driver is :mod:`.feed`.
 """
 
 from __future__ import annotations
