@@ -234,9 +234,9 @@ STEPS = [
     ("controller finishes", "Ray", "worker_group_shut_down", "controller_finished"),
     ("trainer.fit() returns", "Ray", "controller_finished", "fit_returned"),
     ("progress drained, summary", "ours", "fit_returned", "summary_built"),
-    ("ray.shutdown", "Ray", "summary_built", "ray_shut_down"),
-    ("curves, tracking", "ours", "ray_shut_down", "files_written"),
-    ("summary.json, print, exit", "ours", "files_written", "exit"),
+    ("curves, tracking", "ours", "summary_built", "files_written"),
+    ("ray.shutdown", "Ray", "files_written", "ray_shut_down"),
+    ("summary.json, print, exit", "ours", "ray_shut_down", "exit"),
 ]
 #: The plain loop's steps: the moments its RESULT line gives (benchmarks/variants.py).
 PLAIN_STEPS = {
@@ -343,9 +343,6 @@ def warm_head(args, env: dict):
     import socket
 
     marker, tmp = uuid.uuid4().hex, Path(tempfile.mkdtemp(prefix="rtbw", dir="/tmp"))
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        port = probe.getsockname()[1]
     head_env = {**env, HEAD_MARKER: marker, "RAY_TMPDIR": str(tmp)}
     ray = str(Path(sys.executable).with_name("ray"))
 
@@ -358,6 +355,9 @@ def warm_head(args, env: dict):
 
     try:
         for _ in range(3):  # Ray gives its raylet 30 s to register: a loaded machine misses it
+            with socket.socket() as probe:  # a new port each try: the last one's may linger
+                probe.bind(("127.0.0.1", 0))
+                port = probe.getsockname()[1]
             started = subprocess.run(
                 [ray, "start", "--head", f"--port={port}", f"--num-cpus={args.cores}"]
                 + ["--num-gpus=0", "--include-dashboard=false", "--disable-usage-stats"],

@@ -13,9 +13,10 @@ import signal
 import subprocess
 import sys
 import time
+import uuid
 from pathlib import Path
 
-from tests.conftest import MARKER_VAR, REPO, marked, tiny_run_flags
+from tests.conftest import MARKER_VAR, REPO, kill_marked, marked, tiny_run_flags
 
 
 def _terminate_when(command: list[str], env: dict, ready, tmp_path: Path):
@@ -103,3 +104,57 @@ def test_sigterm_stops_tune_as_ctrl_c_does_and_exits_143(tiny_mnist, tmp_path, r
     best = json.loads((tmp_path / "terminated" / "best.json").read_text())
     assert best["num_trials"] == 2 and best["num_unfinished"] >= 1 and best["num_finished"] == 0
     _no_process_left(ray_env[MARKER_VAR])
+
+
+def test_a_stopped_fit_lets_go_of_ray_before_ray_shuts_down(tiny_mnist, tmp_path, monkeypatch):
+    """The stop protocol, in process: Ctrl-C once the first epoch is committed, and by the
+    time ``ray.shutdown()`` starts no thread of the fit runs and no garbage holds Ray's
+    objects. (Garbage that holds an object reference or an actor handle is freed by
+    whichever thread next collects; one that does so while Ray shuts down makes Ray's core
+    worker end the process with exit 1, "The core worker has already been shutdown".)"""
+    import _thread
+    import gc
+    import threading
+
+    import ray
+
+    from raytrain_mnist.driver.events import EpochCommitted
+    from raytrain_mnist.driver.fitting import fit
+    from raytrain_mnist.fit import parse_config
+
+    ray_tmp = tmp_path.parent / f"rt{tmp_path.name[-6:]}"  # short: unix socket paths
+    ray_tmp.mkdir()
+    monkeypatch.setenv("RAY_TMPDIR", str(ray_tmp))
+    monkeypatch.setenv(MARKER_VAR, marker := uuid.uuid4().hex)
+    seen: dict = {}
+    real_shutdown = ray.shutdown
+
+    def shutdown(*args, **kwargs):
+        gc.set_debug(gc.DEBUG_SAVEALL)
+        try:
+            gc.collect()
+            seen["garbage"] = sorted(
+                {type(o).__name__ for o in gc.garbage if type(o).__module__.startswith("ray")}
+            )
+        finally:
+            gc.set_debug(0)
+            gc.garbage.clear()
+        ours = ("trainer.fit", "RunMonitor", "curves", "plots")
+        seen["threads"] = sorted(t.name for t in threading.enumerate() if t.name in ours)
+        return real_shutdown(*args, **kwargs)
+
+    def on_event(event):
+        if isinstance(event, EpochCommitted) and not seen.get("interrupted"):
+            seen["interrupted"] = True
+            _thread.interrupt_main()  # Ctrl-C, as the main thread receives it
+
+    monkeypatch.setattr(ray, "shutdown", shutdown)
+    assert not ray.is_initialized()
+    cfg = parse_config(tiny_run_flags(tiny_mnist, tmp_path / "runs", "stopped", epochs=30))
+    try:
+        result = fit(cfg, on_event)
+    finally:
+        kill_marked(marker)
+    assert result.status == "interrupted" and 1 <= result.summary["epochs_completed"] < 30
+    assert seen["threads"] == [], seen
+    assert "ObjectRef" not in seen["garbage"] and "ActorHandle" not in seen["garbage"], seen

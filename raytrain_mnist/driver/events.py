@@ -49,7 +49,7 @@ STARTUP = {
     "first_step": "first optimizer step done",
 }
 #: The moments of its teardown, from the last epoch's report to the summary
-#: (``timeline["teardown_s"]``); the command exits after ``summary.json`` is written.
+#: (``timeline["teardown_s"]``), in the order a fit stops (:func:`~.fitting._train`).
 TEARDOWN = {
     "last_report": "last epoch evaluated (rank 0): checkpoint saved, reported",
     "checkpoint_committed": "its checkpoint committed (controller)",
@@ -58,8 +58,8 @@ TEARDOWN = {
     "controller_finished": "controller finished",
     "fit_returned": "trainer.fit() returned (driver)",
     "summary_built": "progress drained, summary built",
-    "ray_shut_down": "Ray shut down (a Ray fit started)",
-    "files_written": "training_curves.png, tracking closed",
+    "files_written": "curves drawn, summary.json and training_curves.png written, tracking closed",
+    "ray_shut_down": "Ray shut down (a Ray fit started; nothing of the fit runs then)",
 }
 
 

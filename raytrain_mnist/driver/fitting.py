@@ -3,13 +3,15 @@
 ``fit`` loads MNIST once and puts it in the object store, claims the run directory
 ``<storage-path>/<name>``, connects to (or starts) Ray, then builds and fits a
 ``TorchTrainer`` and writes ``summary.json`` and ``training_curves.png``. It never touches
-a tensor itself. What happens on the way reaches the caller as
+a tensor itself. It is a row of named stages over one :class:`_Fit`: *prepare*, *open*,
+*connect*, *build*, *monitor*, *summarize*, *write*, then Ray shuts down (:func:`_train`
+alone orders the stop, whatever stopped the run). What happens on the way reaches the caller as
 :mod:`~raytrain_mnist.driver.events` (the CLI renders them; a notebook passes its own sink
 or reads the log), and the outcome as a :class:`FitResult`::
 
     from raytrain_mnist.driver import fit
 
-    result = fit(FitConfig(TrainConfig(epochs=3), RunSettings(num_workers=2)))
+    result = fit(FitConfig(TrainConfig(epochs=3), RunSettings.from_flags(num_workers=2)))
     result.status, result.best_checkpoint
 
 Errors a user can cause (bad data, a run of other settings under the name, a cluster that
@@ -20,12 +22,13 @@ run that fails or is stopped with Ctrl-C returns its result with that status.
 from __future__ import annotations
 
 import dataclasses
+import gc
 import json
 import logging
 import os
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -35,10 +38,8 @@ from raytrain_mnist.config import (
     FitConfig,
     RunSettings,
     check_data_fits,
-    command_line,
     epochs_for,
     flags_of,
-    python_command,
 )
 from raytrain_mnist.driver import cluster, runs
 from raytrain_mnist.driver.events import Event, EventSink, Note, Phase, Status, Stopping, log_event
@@ -49,8 +50,10 @@ from raytrain_mnist.driver.monitor import (
     controller_callbacks,
     start_channel,
 )
+from raytrain_mnist.driver.relay import INTERRUPTED, relay
 from raytrain_mnist.driver.runs import CURVES_FILE, RUN_FILE, SUMMARY_FILE, Run
 from raytrain_mnist.errors import UserError, cause_line
+from raytrain_mnist.shell import command_line, python_command
 
 logger = logging.getLogger(__name__)
 
@@ -135,64 +138,296 @@ def fit(
     :func:`process_started_at`): the phases' seconds and ``summary.json``'s ``timeline``
     count from it. Default: this call.
     """
-    started = time.perf_counter()
-    called = time.time()
+    ctx = _prepare(cfg, _Serialized(on_event or log_event), poll_s, started_at)
+    with ctx.run.claim(ctx.cfg.run.storage.fresh):
+        ctx.run.held.handled = True  # a lost claim stops the run, with one line (Stopping)
+        finished = _open(ctx)
+        if finished is not None:
+            return finished
+        _train(ctx)
+        _record(ctx)
+    return _result(ctx, invocation)
+
+
+@dataclass
+class _Fit:
+    """One fit as its stages hand it on: what it was asked, then what each stage found
+    (each field after ``timeline`` is set by the stage its comment names)."""
+
+    cfg: FitConfig  # _prepare sizes its epochs for the data
+    emit: EventSink
+    poll_s: float
+    started: float  # perf_counter at the call: the summary's wall time
+    timeline: Timeline
+    data: Any = None  # _prepare
+    run: Run = field(init=False)  # _prepare
+    identity: dict = field(init=False)  # _prepare: what run.json holds
+    prior: list[dict] = field(default_factory=list)  # _open: the history a resume continues
+    address: str | None = None  # _size
+    local: bool = False  # _size: this fit starts its own Ray
+    cpus_per_worker: int = 0  # _size
+    tracker: Any = None  # _build: TensorBoard, MLflow
+    channel: Any = None  # _build: the progress channel's actor
+    trainer: Any = None  # _build
+    plotting: _Plotting | None = None  # _build
+    monitor: RunMonitor = field(init=False)  # _monitor
+    result: Any = None  # _monitor: Ray Train's Result (a run that was not stopped)
+    error: BaseException | None = None  # _monitor: the failure; dropped once summarized
+    logs: str | None = None  # _monitor: the worker logs of a failed run
+    summary: dict = field(default_factory=dict)  # _summarize
+    lost: str | None = None  # _write: why the claim was lost (nothing more is written)
+
+    def phase(self, text: str, key: str | None = None) -> None:
+        elapsed = time.time() - self.timeline.t0 if key is None else self.timeline.mark(key)
+        self.emit(Phase(text, elapsed))
+
+
+def _prepare(cfg: FitConfig, emit: EventSink, poll_s: float, started_at: float | None) -> _Fit:
+    """Start the timeline, load MNIST (once, on the driver), size the run for it, name it."""
+    started, called = time.perf_counter(), time.time()
     timeline = (
         Timeline(started_at, "process start")
         if started_at is not None and started_at <= called
         else Timeline(called, "fit() called")
     )
     timeline.mark("fit_called", called)
-    emit = _Serialized(on_event or log_event)
-
-    def phase(text: str, key: str | None = None) -> None:
-        elapsed = time.time() - timeline.t0 if key is None else timeline.mark(key)
-        emit(Phase(text, elapsed))
-
     from raytrain_mnist.data import load_mnist
 
-    data = load_mnist(cfg.run.data_dir, cfg.run.dataset)
+    data = load_mnist(cfg.run.data.data_dir, cfg.run.data.dataset)
     # The epochs are part of the run's name and identity: decided before either.
     cfg = _sized_for_data(cfg, data.train_size)
     check_data_fits(cfg.train, cfg.run, data.train_size)
-    run = Run(cfg.run.storage_path, runs.default_name(cfg))
-    phase(
+    ctx = _Fit(cfg, emit, poll_s, started, timeline, data)
+    ctx.run = Run(cfg.run.storage.storage_path, runs.default_name(cfg))
+    ctx.phase(
         f"data loaded: {data.train_size} train / {data.test_size} test images ({data.kind})",
         "data_loaded",
     )
-    identity = runs.fit_identity(cfg, data)
-    with run.claim(cfg.run.fresh):
-        run.held.handled = True  # a lost claim stops the run, with one line (Stopping)
-        # Inside the claim: no other command can be writing what these read.
-        run.check_identity(identity)
-        finished = run.finished()
-        if finished is not None:
-            logger.debug("run '%s' already finished; see %s/%s", run.name, run.dir, SUMMARY_FILE)
-            return FitResult(
-                "finished",
-                finished,
-                run.dir,
-                finished.get("best_checkpoint"),
-                already_finished=True,
-            )
-        prior = _resume_point(run, cfg)
-        summary, error, tracker, logs, curves = _train(
-            cfg, run, data, identity, prior, started, emit, phase, poll_s, timeline
+    ctx.identity = runs.fit_identity(cfg, data)
+    return ctx
+
+
+def _open(ctx: _Fit) -> FitResult | None:
+    """Inside the claim (no other command can be writing what this reads): check the
+    run's identity, and return the result of a run that had finished; else read where a
+    resume continues from."""
+    run = ctx.run
+    run.check_identity(ctx.identity)
+    finished = run.finished()
+    if finished is not None:
+        logger.debug("run '%s' already finished; see %s/%s", run.name, run.dir, SUMMARY_FILE)
+        best = finished.get("best_checkpoint")
+        return FitResult("finished", finished, run.dir, best, already_finished=True)
+    ctx.prior = _resume_point(run, ctx.cfg)
+    return None
+
+
+def _train(ctx: _Fit) -> None:
+    """Connect, build, monitor, summarize, write; then Ray shuts down. The one owner of the
+    order in which a fit stops, whatever stopped it (the end, Ctrl-C, SIGTERM, a lost
+    claim, a failure): the trainer has ended and the progress is drained (:func:`_monitor`),
+    the monitor, drawing and tracking are stopped and the files written (:func:`_write`),
+    nothing of this fit holds Ray (:func:`_let_go_of_ray`); only then does
+    :func:`cluster.connect` shut down a Ray this fit started. Nothing touches Ray after:
+    what follows (:func:`_record`, the claim's release) is files only."""
+    request = _size(ctx)
+    # A single run needs no dashboard: without it its own Ray starts seconds sooner.
+    with cluster.connect(ctx.address, request, dashboard=False) as started:
+        try:
+            ctx.phase("Ray ready", "ray_ready")
+            _build(ctx)
+            _monitor(ctx)
+            _summarize(ctx)
+            _write(ctx)
+        finally:
+            _let_go_of_ray(ctx)
+    if started:
+        ctx.timeline.mark("ray_shut_down")
+
+
+def _size(ctx: _Fit) -> cluster.Request:
+    """Where the run trains and what it asks of the cluster."""
+    import ray
+
+    ctx.address = cluster.resolve_address(ctx.cfg.run.address)
+    ctx.local = ctx.address is None and not ray.is_initialized()
+    scaling = ctx.cfg.run.scaling
+    # Sized for the most workers the run may have; placed once the fewest fit.
+    ctx.cpus_per_worker = scaling.cpus_per_worker or cluster.default_cpus_per_worker(
+        scaling.max_workers, ctx.local
+    )
+    ctx.phase(
+        "starting a local Ray"
+        if ctx.local
+        else f"connecting to Ray at {ctx.address}"
+        if ctx.address
+        else "using the connected Ray",
+        "ray_starting",
+    )
+    return cluster.Request.for_run(ctx.cfg.run, ctx.cpus_per_worker)
+
+
+def _build(ctx: _Fit) -> None:
+    """Say what starts, write run.json, open tracking and the progress channel, and build
+    the trainer (the data goes into the object store once, for every worker)."""
+    import ray
+
+    cfg, data, run = ctx.cfg, ctx.data, ctx.run
+    full_epochs = RECIPES[cfg.recipe]["epochs"]
+    sized = (
+        f"; {cfg.train.epochs} epochs, as many steps as "
+        f"{full_epochs} on full MNIST (--epochs sets them)"
+        if cfg.auto_epochs and cfg.train.epochs != full_epochs
+        else ""
+    )
+    ctx.emit(
+        Note(
+            f"{'resuming' if ctx.prior else 'starting'} run '{run.name}': "
+            f"{_workers_text(cfg)} x {ctx.cpus_per_worker} CPU{_gpu_text(cfg.run)}, "
+            f"{data.train_size} train / {data.test_size} test images from {data.source}{sized}"
         )
-        # Still claimed: a second command never sees a half-written or stale summary. A
-        # claim lost meanwhile: another command may hold the run, nothing more is written.
-        lost = run.held.reason if run.held.lost.is_set() else None
-        if lost is not None:
-            summary["error"] = lost
-        else:
-            run.write_json(SUMMARY_FILE, summary)
-        if curves is not None and lost is None:
-            run.write_bytes(CURVES_FILE, curves.png())
-        tracker.close(summary)
-        timeline.mark("files_written")
-        summary["timeline"] = timeline.to_dict(summary["timeline"]["worker_clock"])
-        if lost is None:  # again, with the teardown's last moments
-            run.write_json(SUMMARY_FILE, summary)
+    )
+    run.write_json(RUN_FILE, ctx.identity)
+    from raytrain_mnist.driver.tracking import EpochLog
+    from raytrain_mnist.driver.trainer import build_trainer
+    from raytrain_mnist.worker.loop import train_func_per_worker
+
+    ctx.tracker = EpochLog(run.dir, cfg)  # a bad --mlflow-uri fails here, before training
+    ctx.channel = start_channel()
+    ctx.plotting = _Plotting()
+    # --progress off: no stream from rank 0 at all (the epochs still arrive).
+    loop_config = {
+        "train": cfg.train.to_dict(),
+        "data": ray.put(data),
+        "cpus_per_worker": ctx.cpus_per_worker,
+        "progress": None if cfg.run.output.progress == "off" else ctx.channel,
+        "compile": cfg.run.torch.compile,
+    }
+    ctx.trainer = build_trainer(
+        cfg.run,
+        train_func_per_worker,
+        loop_config,
+        ctx.cpus_per_worker,
+        run.storage,
+        run.name,
+        callbacks=controller_callbacks(ctx.channel),
+    )
+
+
+def _monitor(ctx: _Fit) -> None:
+    """Fit on a helper thread (:func:`relay`: Ctrl-C reaches this one) while the monitor
+    drains the progress, until the run ends, fails, or is stopped: by Ctrl-C (SIGTERM is
+    one) or by the claim being lost. Returns once ``trainer.fit()`` has returned and the
+    monitor's thread has ended, with what is left in the channel drained."""
+    import ray
+
+    held = ctx.run.held
+
+    def on_epoch(metrics: dict) -> None:
+        ctx.tracker.log(metrics)
+        ctx.plotting.start()  # matplotlib is imported while the run trains, not at its end
+
+    ctx.phase("workers starting", "trainer_started")
+    ctx.monitor = RunMonitor(
+        ctx.channel,
+        ctx.cfg.train.epochs,
+        ctx.prior,
+        ctx.emit,
+        ctx.timeline,
+        on_epoch=on_epoch,
+        poll_s=ctx.poll_s,
+    )
+    with ctx.monitor:
+        try:
+            outcome = relay(
+                ctx.trainer.fit,
+                lambda reason, running: _stop(ctx, reason, running),
+                name="trainer.fit",
+                watch=lambda: held.reason if held is not None and held.lost.is_set() else None,
+                stop_wait_s=_STOP_WAIT_S,
+            )
+            ctx.result = outcome.value if outcome.stopped is None else None
+            if not outcome.finished:
+                logger.warning(
+                    "trainer.fit() had not returned %.0f s after the run was stopped",
+                    _STOP_WAIT_S,
+                )
+        except ray.train.TrainingFailedError as exc:
+            ctx.error, ctx.logs = exc, cluster.worker_logs_dir()
+            logger.debug("training failed: %s (worker logs: %s)", cause_line(exc), ctx.logs)
+        finally:
+            ctx.timeline.mark("fit_returned")
+
+
+#: How long a stopped run's ``trainer.fit()`` may take to return once its controller was
+#: aborted (it returns within seconds; a loaded machine takes longer).
+_STOP_WAIT_S = 120.0
+
+
+def _stop(ctx: _Fit, reason: str, running: Callable[[], bool]) -> None:
+    """Stop the run as Ray's own SIGINT handler would: abort its controller. Its workers
+    stop, the committed checkpoints stay, a Ray that is not ours lives on."""
+    if reason == INTERRUPTED:
+        ctx.emit(Stopping())
+    else:  # the claim was lost
+        ctx.emit(Stopping(f"{reason}: stopping the workers; the last committed checkpoint is kept"))
+    abort_run(ctx.channel, running)
+
+
+def _summarize(ctx: _Fit) -> None:
+    """The summary, from the result (or the last epoch the monitor saw, or Ray's record)."""
+    metrics = (
+        ctx.result.metrics
+        if ctx.result is not None
+        else (ctx.monitor.seen[-1] if ctx.monitor.seen else ctx.run.latest_metrics())
+    )
+    ctx.summary = _summary(ctx, metrics, time.perf_counter() - ctx.started)
+    ctx.error = None  # its traceback holds the trainer's frames: Ray's objects
+    ctx.timeline.mark("summary_built")
+
+
+def _write(ctx: _Fit) -> None:
+    """Still claimed, Ray still up: draw the curves, close tracking, write summary.json and
+    the curves (a second command never sees a half-written or stale summary). A claim lost
+    meanwhile: another command may hold the run, nothing more is written into it."""
+    run, summary = ctx.run, ctx.summary
+    held = run.held
+    ctx.lost = held.reason if held is not None and held.lost.is_set() else None
+    title = f"{run.name}: {ctx.cfg.run.scaling.num_workers} worker(s), {ctx.data.kind}"
+    png = ctx.plotting.draw(summary["history"], title) if summary["history"] else None
+    summary["timeline"] = ctx.timeline.to_dict(ctx.monitor.clock)
+    if ctx.lost is not None:
+        summary["error"] = ctx.lost
+    else:
+        run.write_json(SUMMARY_FILE, summary)
+        if png is not None:
+            run.write_bytes(CURVES_FILE, png)
+    ctx.tracker.close(summary)
+    ctx.timeline.mark("files_written")
+
+
+def _let_go_of_ray(ctx: _Fit) -> None:
+    """The last step before Ray shuts down: drop every handle and reference into Ray this
+    fit holds, and collect the cycles that hold more, here, while Ray is up. Garbage that
+    holds an object reference or an actor handle (an exception from the trainer's thread
+    holds its frames: the controller's handle, the data's reference) would otherwise be
+    freed by whichever thread next collects, and one that does so while ``ray.shutdown()``
+    runs makes Ray's core worker end the process (exit 1)."""
+    ctx.trainer = ctx.channel = ctx.result = ctx.error = None
+    if ctx.plotting is not None:
+        ctx.plotting.join()
+    gc.collect()
+
+
+def _record(ctx: _Fit) -> None:
+    """After Ray (files only): summary.json again, with the teardown's last moments."""
+    ctx.summary["timeline"] = ctx.timeline.to_dict(ctx.monitor.clock)
+    if ctx.lost is None:
+        ctx.run.write_json(SUMMARY_FILE, ctx.summary)
+
+
+def _result(ctx: _Fit, invocation: Sequence[str] | None) -> FitResult:
+    summary = ctx.summary
     status = summary["status"]
     return FitResult(
         status,
@@ -200,9 +435,45 @@ def fit(
         summary["run_dir"],
         summary["best_checkpoint"],
         error=summary["error"],
-        resume_command=None if status == "finished" else resume_command(cfg, run.name, invocation),
-        worker_logs=logs,
+        resume_command=(
+            None if status == "finished" else resume_command(ctx.cfg, ctx.run.name, invocation)
+        ),
+        worker_logs=ctx.logs,
     )
+
+
+class _Plotting:
+    """The training curves' PNG. matplotlib's import (a second or more) runs on a thread
+    from the first committed epoch, while the run trains; the curves are drawn on the
+    caller's thread once the run has ended, before Ray shuts down (no thread of ours runs
+    while it does)."""
+
+    def __init__(self) -> None:
+        self._thread: threading.Thread | None = None
+
+    def start(self) -> None:
+        if self._thread is None:
+            self._thread = threading.Thread(target=_import_plots, name="plots", daemon=True)
+            self._thread.start()
+
+    def join(self) -> None:
+        if self._thread is not None:
+            self._thread.join()
+
+    def draw(self, history: list[dict], title: str) -> bytes:
+        self.join()
+        from raytrain_mnist.driver.plots import training_curves_png
+
+        return training_curves_png(history, title)
+
+
+def _import_plots() -> None:
+    try:
+        from raytrain_mnist.driver import plots
+
+        plots.warm_up()
+    except Exception:  # drawing raises it again, where the PNG is asked for
+        logger.debug("importing matplotlib failed", exc_info=True)
 
 
 def _resume_point(run: Run, cfg: FitConfig) -> list[dict]:
@@ -235,7 +506,7 @@ def _sized_for_data(cfg: FitConfig, train_size: int) -> FitConfig:
 
 
 def _workers_text(cfg: FitConfig) -> str:
-    r = cfg.run
+    r = cfg.run.scaling
     if not r.elastic:
         return f"{r.num_workers} worker(s)"
     return (
@@ -245,202 +516,12 @@ def _workers_text(cfg: FitConfig) -> str:
 
 
 def _gpu_text(run: RunSettings) -> str:
-    return f", {run.gpus:g} GPU, {run.backend_description}" if run.use_gpu else ""
+    return f", {run.scaling.gpus:g} GPU, {run.backend_description}" if run.scaling.use_gpu else ""
 
 
-def _train(
-    cfg: FitConfig,
-    run: Run,
-    data,
-    identity: dict,
-    prior: list[dict],
-    started: float,
-    emit: EventSink,
-    phase,
-    poll_s: float,
-    timeline: Timeline,
-):
-    """Connect, train, summarize: (summary, error or None, the tracker, worker logs, the
-    curves being drawn or None)."""
-    address = cluster.resolve_address(cfg.run.address)
-    import ray
-
-    local = address is None and not ray.is_initialized()
-    # Sized for the most workers the run may have; placed once the fewest fit.
-    cpus_per_worker = cfg.run.cpus_per_worker or cluster.default_cpus_per_worker(
-        cfg.run.max_workers, local
-    )
-    request = cluster.Request.for_run(cfg.run, cpus_per_worker)
-    phase(
-        "starting a local Ray"
-        if local
-        else f"connecting to Ray at {address}"
-        if address
-        else "using the connected Ray",
-        "ray_starting",
-    )
-    # A single run needs no dashboard: without it its own Ray starts seconds sooner.
-    with cluster.connect(address, request, dashboard=False):
-        phase("Ray ready", "ray_ready")
-        full_epochs = RECIPES[cfg.recipe]["epochs"]
-        sized = (
-            f"; {cfg.train.epochs} epochs, as many steps as "
-            f"{full_epochs} on full MNIST (--epochs sets them)"
-            if cfg.auto_epochs and cfg.train.epochs != full_epochs
-            else ""
-        )
-        emit(
-            Note(
-                f"{'resuming' if prior else 'starting'} run '{run.name}': "
-                f"{_workers_text(cfg)} x {cpus_per_worker} CPU"
-                f"{_gpu_text(cfg.run)}, {data.train_size} train / "
-                f"{data.test_size} test images from {data.source}{sized}"
-            )
-        )
-        run.write_json(RUN_FILE, identity)
-        from raytrain_mnist.driver.tracking import EpochLog
-
-        tracker = EpochLog(run.dir, cfg)  # a bad --mlflow-uri fails here, before training
-        channel = start_channel()
-        from raytrain_mnist.driver.trainer import build_trainer
-        from raytrain_mnist.worker.loop import train_func_per_worker
-
-        # --progress off: no stream from rank 0 at all (the epochs still arrive).
-        loop_config = {
-            "train": cfg.train.to_dict(),
-            "data": ray.put(data),
-            "cpus_per_worker": cpus_per_worker,
-            "progress": None if cfg.run.progress == "off" else channel,
-            "compile": cfg.run.compile,
-        }
-        trainer = build_trainer(
-            cfg.run,
-            train_func_per_worker,
-            loop_config,
-            cpus_per_worker,
-            run.storage,
-            run.name,
-            callbacks=controller_callbacks(channel),
-        )
-        result = error = logs = None
-        phase("workers starting", "trainer_started")
-        monitor = RunMonitor(
-            channel, cfg.train.epochs, prior, emit, timeline, on_epoch=tracker.log, poll_s=poll_s
-        )
-        with monitor:
-            try:
-                result = _fit_interruptibly(trainer, channel, emit, run.held)
-            except ray.train.TrainingFailedError as exc:
-                error, logs = exc, cluster.worker_logs_dir()
-                logger.debug("training failed: %s (worker logs: %s)", cause_line(exc), logs)
-            finally:
-                timeline.mark("fit_returned")
-        metrics = (
-            result.metrics
-            if result is not None
-            else (monitor.seen[-1] if monitor.seen else run.latest_metrics())
-        )
-        summary = _summarize(
-            cfg, run, data, cpus_per_worker, metrics, monitor, time.perf_counter() - started, error
-        )
-        timeline.mark("summary_built")
-        # Drawn (matplotlib's import, the figure: a second or more) while Ray shuts down.
-        curves = (
-            _Drawing(
-                summary["history"], f"{run.name}: {cfg.run.num_workers} worker(s), {data.kind}"
-            )
-            if summary["history"]
-            else None
-        )
-    if local:
-        timeline.mark("ray_shut_down")
-    summary["timeline"] = timeline.to_dict(monitor.clock)
-    return summary, error, tracker, logs, curves
-
-
-class _Drawing:
-    """The training curves' PNG, drawn on a thread from the moment it is made."""
-
-    def __init__(self, history: list[dict], title: str) -> None:
-        self._png: bytes | None = None
-        self._error: BaseException | None = None
-        self._thread = threading.Thread(
-            target=self._draw, args=(history, title), name="curves", daemon=True
-        )
-        self._thread.start()
-
-    def _draw(self, history: list[dict], title: str) -> None:
-        try:
-            from raytrain_mnist.driver.plots import training_curves_png
-
-            self._png = training_curves_png(history, title)
-        except BaseException as exc:  # raised where the PNG is asked for
-            self._error = exc
-
-    def png(self) -> bytes:
-        self._thread.join()
-        if self._error is not None:
-            raise self._error
-        assert self._png is not None
-        return self._png
-
-
-def _fit_interruptibly(trainer, channel, emit: EventSink, held: runs.Claim | None = None):
-    """``trainer.fit()`` on a helper thread, so that Ctrl-C reaches this (main) thread.
-
-    On the main thread Ray installs its own SIGINT handler, which exits the process
-    without a word; off it, Ray installs none, and we stop the run ourselves by aborting
-    its controller, as Ray's handler would: its workers stop, the committed checkpoints
-    stay. A Ray that is not ours (a notebook's, a cluster's) lives on; the one this call
-    started is shut down by :func:`cluster.connect` once the summary is written (not here:
-    the monitor thread would bring up a new Ray if it found none). Returns None when
-    interrupted, or when ``held`` (the run's claim) is lost: the run is stopped the same way.
-    """
-    outcome: dict[str, Any] = {}
-
-    def target() -> None:
-        try:
-            outcome["result"] = trainer.fit()
-        except BaseException as exc:  # handed to the main thread as is
-            outcome["error"] = exc
-
-    thread = threading.Thread(target=target, name="trainer.fit", daemon=True)
-    thread.start()
-
-    def stop(event: Stopping) -> None:
-        emit(event)
-        abort_run(channel, thread.is_alive)
-        thread.join(60)
-
-    try:
-        while thread.is_alive():
-            thread.join(0.5)
-            if held is not None and held.lost.is_set() and thread.is_alive():
-                stop(
-                    Stopping(
-                        f"{held.reason}: stopping the workers; the last committed "
-                        "checkpoint is kept"
-                    )
-                )
-                return None
-    except KeyboardInterrupt:
-        stop(Stopping())
-        return None
-    if "error" in outcome:
-        raise outcome["error"]
-    return outcome["result"]
-
-
-def _summarize(
-    cfg: FitConfig,
-    run: Run,
-    data,
-    cpus_per_worker: int,
-    metrics: dict,
-    monitor: RunMonitor,
-    wall_s: float,
-    error,
-) -> dict:
+def _summary(ctx: _Fit, metrics: dict, wall_s: float) -> dict:
+    """What summary.json holds."""
+    cfg, run, data, monitor, error = ctx.cfg, ctx.run, ctx.data, ctx.monitor, ctx.error
     history = monitor.history
     epochs_completed = history[-1]["epoch"] if history else 0
     if error is not None:
@@ -458,10 +539,10 @@ def _summarize(
         "dataset": data.kind,
         "train_size": data.train_size,
         "test_size": data.test_size,
-        "num_workers": cfg.run.num_workers,
-        "elastic": cfg.run.elastic,
-        "cpus_per_worker": cpus_per_worker,
-        "use_gpu": cfg.run.use_gpu,
+        "num_workers": cfg.run.scaling.num_workers,
+        "elastic": cfg.run.scaling.elastic,
+        "cpus_per_worker": ctx.cpus_per_worker,
+        "use_gpu": cfg.run.scaling.use_gpu,
         "epochs_completed": epochs_completed,
         "resumed_from_epoch": first.get("resumed_from_epoch"),
         "worker_restarts": monitor.restarts,
@@ -477,7 +558,7 @@ def _summarize(
         "best_checkpoint": run.best_checkpoint(),
         "latest_checkpoint": run.latest_checkpoint(),
         "workers": metrics.get("workers", []),
-        "config": {"train": cfg.train.to_dict(), "run": dataclasses.asdict(cfg.run)},
+        "config": {"train": cfg.train.to_dict(), "run": cfg.run.to_dict()},
         "history": history,
         "error": None if error is None else cause_line(error),
     }

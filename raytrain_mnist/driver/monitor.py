@@ -278,7 +278,9 @@ class RunMonitor:
 
     def __exit__(self, *exc) -> None:
         self._stop.set()
-        self._thread.join(timeout=10)
+        # To its end (its drain's ray.get times out after 10 s): a thread of ours still in
+        # Ray when the Ray it uses shuts down can take the process with it.
+        self._thread.join()
         self._flush()
         # The controller's last moments are sent as it finishes: they can reach the channel
         # just after trainer.fit() returned.

@@ -25,6 +25,13 @@ def _pyplot():
     return plt
 
 
+def warm_up() -> None:
+    """Import what drawing the training curves needs (matplotlib, its Agg backend, the
+    ticker), so that a thread can pay for it ahead of the drawing."""
+    _pyplot()
+    import matplotlib.ticker  # noqa: F401
+
+
 def _png(fig) -> bytes:
     buffer = io.BytesIO()
     fig.savefig(buffer, format="png", dpi=100)
