@@ -11,9 +11,10 @@ from raytrain_mnist.errors import ConfigError
 #: URI schemes whose user part (``abfs://CONTAINER@ACCOUNT...``, ``hdfs://USER@HOST``) names
 #: a container, an account or a user: not a credential unless it holds a password.
 _NAMED_USER_SCHEMES = ("abfs", "abfss", "hdfs", "viewfs")
-#: Query parameters that carry secrets, matched case-insensitively as parts of a parameter's
-#: name: pyarrow's S3 ``access_key``, ``secret_key``, ``session_token``; Azure's
-#: ``account_key``, ``client_secret``, SAS ``sig``; any server's token or password.
+#: Names of query parameters (and environment variables) that carry secrets, matched
+#: case-insensitively as parts of the name: pyarrow's S3 ``access_key``, ``secret_key``,
+#: ``session_token``; Azure's ``account_key``, ``client_secret``, SAS ``sig``; any server's
+#: token or password.
 _SECRET_PARAMETERS = ("key", "secret", "token", "passw", "pwd", "credential", "sig", "auth")
 _SCHEME = re.compile(r"([A-Za-z][A-Za-z0-9+.-]*):")
 #: A query value that is a URL (``KEY:SECRET@host`` is not: ``KEY:`` is no scheme there).
@@ -23,6 +24,13 @@ _LEADING = "".join(map(chr, range(0x21)))
 #: A query value that is itself a URI (``?endpoint_override=https://KEY:SECRET@host``) is
 #: checked as one, this many levels deep; deeper nesting is refused rather than parsed.
 _MAX_NESTING = 4
+
+
+def looks_secret(name: str) -> bool:
+    """Whether a parameter's or a variable's name says it holds a secret
+    (:data:`_SECRET_PARAMETERS`, case-insensitively: ``secret_key``, ``AWS_SESSION_TOKEN``)."""
+    key = name.lower()
+    return any(secret in key for secret in _SECRET_PARAMETERS)
 
 
 def _stripped(uri: str) -> str:
@@ -76,8 +84,7 @@ def uri_credentials(uri: str, _depth: int = 0) -> str | None:
         if scheme not in _NAMED_USER_SCHEMES:
             return "a user name or token"
     for name, value in parse_qsl(query, keep_blank_values=True):
-        key = name.lower()
-        if any(secret in key for secret in _SECRET_PARAMETERS):
+        if looks_secret(name):
             return f"the query parameter {name[:40]!r}"
         if _depth >= _MAX_NESTING and ("@" in value or "?" in value):
             return f"the query parameter {name[:40]!r} (URIs nested too deep to check)"

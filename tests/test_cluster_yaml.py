@@ -126,6 +126,14 @@ def test_job_drivers_have_a_node_type_with_the_workers_profile(config):
     assert config["max_workers"] >= workers
 
 
+def _dependencies() -> set[str]:
+    """The distributions pyproject.toml's [project] dependencies name (extras dropped)."""
+    import tomllib
+
+    listed = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["dependencies"]
+    return {re.match(r"[\w.-]+", requirement)[0] for requirement in listed}
+
+
 def _pins(config: dict) -> dict[str, str]:
     """The exact versions the setup commands install: {distribution: version}."""
     return dict(re.findall(r'"([\w.-]+)==([\w.]+)"', _commands(config, "setup_commands")))
@@ -140,8 +148,9 @@ def test_checkpoints_go_to_shared_storage_and_the_package_is_installed(config):
     # tensorboard come with it), nothing installed apart with --no-deps.
     assert re.search(r"pip install (--quiet )?-e ~/raytrain-mnist ", setup)
     assert "--no-deps" not in setup and "ray[" not in setup
-    # The dependencies that decide what runs are pinned to an exact version.
-    assert {"ray", "torch", "torchvision", "numpy", "pyarrow"} <= set(_pins(config))
+    # Every dependency pyproject.toml lists is pinned to an exact version (the comment above
+    # the command says so): a node installs what the suite was tested with, nothing newer.
+    assert _dependencies() <= set(_pins(config)), _dependencies() - set(_pins(config))
     # Anchored: the package's own driver/runs/ is synced, the checkout's runs/ is not.
     for excluded in ("/data/", "/runs/", "/checkpoints/", ".git/", ".venv/"):
         assert excluded in config["rsync_exclude"]

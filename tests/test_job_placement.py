@@ -1,5 +1,6 @@
-"""`submit --driver-resource job_driver` runs the job's driver on a node that offers the
-resource, as on cluster.yaml's ray.driver.cpu, instead of on the head; without it, on the head.
+"""On a cluster with a node that offers `job_driver` (cluster.yaml's ray.driver.cpu), `submit`
+runs the job's driver there unless told otherwise (`--driver-resource none`: the head); on a
+cluster without one, on the head. `--env` reaches the job's runtime environment.
 
 A real two-node Ray on this machine, on 127.0.0.1: a head with 0 CPUs and no job_driver (its
 dashboard and Jobs API on loopback) and a node with ``resources={"job_driver": 1}``.
@@ -58,7 +59,7 @@ def cluster():
         del os.environ[MARKER_VAR]
     try:
         cluster.wait_for_nodes()
-        deadline = time.monotonic() + 120
+        deadline = time.monotonic() + 300  # a loaded machine starts the agents late
         nodes: dict[str, str] = {}
         while len(nodes) < 2:
             try:
@@ -86,8 +87,9 @@ def cluster():
         shutil.rmtree(root, ignore_errors=True)
 
 
-def _submit(cluster, *flags: str, env: dict | None = None) -> str:
-    """Submit `evaluate` of a missing run with ``flags``; the node its driver ran on."""
+def _submit(cluster, *flags: str, env: dict | None = None, info: list | None = None) -> str:
+    """Submit `evaluate` of a missing run with ``flags``; the node its driver ran on (and
+    the job's info appended to ``info``)."""
     proc = subprocess.run(
         [
             sys.executable,
@@ -123,17 +125,53 @@ def _submit(cluster, *flags: str, env: dict | None = None) -> str:
         time.sleep(0.5)
     # It ran (evaluate refused the missing run), and the Jobs API says where.
     assert info.driver_exit_code not in (None, 0), info
+    where = "the head" if info.driver_node_id == cluster["head"] else "a node offering job_driver"
+    assert f"(driver on {where})" in proc.stderr, proc.stderr
     return info.driver_node_id
 
 
-def test_the_driver_runs_where_the_driver_resource_is_and_on_the_head_without_it(cluster):
+def test_the_driver_runs_on_the_driver_node_unless_told_otherwise(cluster, monkeypatch):
+    monkeypatch.delenv("RAYTRAIN_MNIST_DRIVER_RESOURCE", raising=False)
+    # By default: the cluster offers job_driver, so the driver goes there, not to the head.
+    assert _submit(cluster) == cluster["driver"]
     assert _submit(cluster, "--driver-resource", "job_driver") == cluster["driver"]
-    assert (
-        _submit(cluster, env={"RAYTRAIN_MNIST_DRIVER_RESOURCE": "job_driver"}) == cluster["driver"]
+    # Told otherwise: Ray's own placement, the head.
+    assert _submit(cluster, "--driver-resource", "none") == cluster["head"]
+    assert _submit(cluster, env={"RAYTRAIN_MNIST_DRIVER_RESOURCE": "none"}) == cluster["head"]
+
+
+def test_env_reaches_the_jobs_runtime_environment(cluster):
+    from ray.job_submission import JobSubmissionClient
+
+    proc = subprocess.run(
+        [sys.executable, "-m", "raytrain_mnist", "submit", "--address", cluster["url"]]
+        + ["--no-wait", "--env", "NCCL_DEBUG=INFO", "--env", "PROBE=a=b"]
+        + ["--", "evaluate", "/nonexistent/run"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=REPO,
+        stdin=subprocess.DEVNULL,
     )
-    # Off by default: Ray pins the driver to the head (what a local Ray without the
-    # resource needs: asking for it there would leave the job pending).
-    assert _submit(cluster) == cluster["head"]
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    info = JobSubmissionClient(cluster["url"]).get_job_info(proc.stdout.strip())
+    assert info.runtime_env["env_vars"] == {"NCCL_DEBUG": "INFO", "PROBE": "a=b"}
+
+
+@pytest.mark.parametrize(
+    "pair, fragment",
+    [
+        ("AWS_SECRET_ACCESS_KEY=wJalrXUtnFEMIK7MDENG", "--env AWS_SECRET_ACCESS_KEY: the job's"),
+        ("RAYTRAIN_MNIST_SERVE_TOKEN=wJalrXUtnFEMIK7MDENG", "job table"),
+        ("STORE=s3://AKIA:wJalrXUtnFEMIK7MDENG@bucket", "carries credentials"),
+        ("NOVALUE", "--env takes NAME=VALUE"),
+        ("1X=y", "--env takes NAME=VALUE"),
+    ],
+)
+def test_a_secret_in_env_is_refused_in_one_line_without_its_value(pair, fragment):
+    with pytest.raises(UserError, match=re.escape(fragment)) as info:
+        submit.parse(["--env", pair, "--", "fit"])
+    assert info.value.exit_code == 2 and "wJalrXUtnFEMIK7MDENG" not in str(info.value)
 
 
 @pytest.mark.parametrize("name", ["CPU", "GPU", "memory", "", "job driver"])
@@ -143,24 +181,29 @@ def test_a_driver_resource_ray_would_refuse_is_one_line_before_anything_is_sent(
     assert info.value.exit_code == 2
 
 
-def test_the_default_is_off_and_the_environment_can_set_it(monkeypatch):
+def test_the_default_is_decided_on_the_cluster_and_the_environment_can_set_it(monkeypatch):
     monkeypatch.delenv("RAYTRAIN_MNIST_DRIVER_RESOURCE", raising=False)
-    assert submit.parse(["--", "fit"]).driver_resource is None
+    assert submit.parse(["--", "fit"]).driver_resource is None  # job_driver where offered
+    assert submit.parse(["--driver-resource", "none", "--", "fit"]).driver_resource == "none"
     monkeypatch.setenv("RAYTRAIN_MNIST_DRIVER_RESOURCE", "job_driver")
     assert submit.parse(["--", "fit"]).driver_resource == "job_driver"
     assert submit.parse(["--driver-resource", "other", "--", "fit"]).driver_resource == "other"
 
 
-def test_cluster_yaml_offers_the_resource_the_docs_tell_submit_to_ask_for():
+def test_cluster_yaml_offers_the_resource_submit_asks_for_by_default():
     import yaml
+
+    from raytrain_mnist.driver.jobs import DRIVER_RESOURCE
 
     config = yaml.safe_load((REPO / "cluster.yaml").read_text())
     offered = {
-        name
+        name: node_type.get("min_workers", 0)
         for node_type in config["available_node_types"].values()
         for name in node_type["resources"]
         if name not in ("CPU", "GPU")
     }
+    # Offered by a node that `ray up` starts (min_workers >= 1): submit finds it live.
+    assert offered.get(DRIVER_RESOURCE, 0) >= 1, offered
     docs = (REPO / "docs" / "cluster.md").read_text()
-    asked = set(re.findall(r"--driver-resource (\w+)", docs))
-    assert asked and asked <= offered, (asked, offered)
+    asked = set(re.findall(r"--driver-resource ([a-z_]\w*)", docs)) - {"none"}  # none: the head
+    assert DRIVER_RESOURCE in docs and asked <= set(offered), (asked, offered)

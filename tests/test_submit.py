@@ -29,6 +29,7 @@ from pathlib import Path
 import pytest
 
 from raytrain_mnist import submit
+from raytrain_mnist.driver import jobs
 from raytrain_mnist.errors import EXIT_INTERRUPTED, UserError
 from raytrain_mnist.serving.settings import TOKEN_ENV
 
@@ -311,8 +312,8 @@ def test_bf16_fit_job_is_followed_to_success_and_ctrl_c_detaches(head, tmp_path)
     uploaded = _uploaded_files(head, job_id)
     assert {"pyproject.toml", "README.md", "raytrain_mnist/fit.py"} <= uploaded, uploaded
     assert all(
-        name in submit.UPLOAD_FILES
-        or (name.startswith("raytrain_mnist/") and name.endswith(submit.PACKAGE_SUFFIXES))
+        name in jobs.UPLOAD_FILES
+        or (name.startswith("raytrain_mnist/") and name.endswith(jobs.PACKAGE_SUFFIXES))
         for name in uploaded
     ), sorted(uploaded)
     proc = run_submit("--address", head["url"], "list", env=token_env)
@@ -456,7 +457,10 @@ def test_list_status_logs_and_outcome_escape_what_the_cluster_says(capsys):
     assert rows[3] == "log ^[]0;pwned^G^[[2J"
     with pytest.raises(UserError) as info:
         submit.outcome(client, "http://h:8265", "raysubmit_1", "FAILED")
-    assert str(info.value) == "job raysubmit_1 failed (exit code 3): last ^[]0;pwned^G^[[2J"
+    # The error holds the cluster's text as it is; the CLI prints every error escaped.
+    assert submit.printable(str(info.value)) == (
+        "job raysubmit_1 failed (exit code 3): last ^[]0;pwned^G^[[2J"
+    )
 
 
 def test_failed_job_exits_non_zero_and_bad_flags_never_reach_the_cluster(head, tmp_path):
@@ -499,8 +503,19 @@ def test_failed_job_exits_non_zero_and_bad_flags_never_reach_the_cluster(head, t
     assert proc.returncode == 0, proc.stderr
     job_id = proc.stdout.strip()
     assert re.fullmatch(r"raysubmit_\w+", job_id), proc.stdout
+    assert "(driver on the head)" in proc.stderr  # no node of this cluster offers job_driver
     proc = run_submit("--address", head["url"], "stop", job_id, env=env)
     assert proc.returncode == 0 and "STOPPED" in proc.stderr, proc.stderr
+    # list --json: one object on stdout, the table on stderr.
+    proc = run_submit("--address", head["url"], "list", "--json", env=env)
+    assert proc.returncode == 0, proc.stderr
+    listed = {job["job_id"]: job for job in json.loads(proc.stdout)["jobs"]}
+    assert (
+        listed[job_id]["status"] == "STOPPED"
+        and "raytrain_mnist.fit" in (listed[job_id]["entrypoint"])
+    )
+    assert re.fullmatch(r"\d{4}-\d\d-\d\dT\d\d:\d\d:\d\dZ", listed[job_id]["started"])
+    assert job_id in proc.stderr  # the table
     proc = run_submit("--address", head["url"], "logs", "--follow", job_id, env=env)
     assert proc.returncode == 1 and "Traceback" not in proc.stderr, proc.stderr
     assert proc.stderr.splitlines() == [
@@ -542,9 +557,10 @@ def test_a_submitted_serve_token_reaches_the_job_and_no_field_of_the_job_table(h
         run_submit("--address", head["url"], "list", env=env).stdout,
     ):
         assert SERVE_TOKEN not in shown
-    carried = _working_dir(head, job_id) / submit.SERVE_TOKEN_FILE
-    assert carried.read_text().splitlines()[0] == SERVE_TOKEN
-    assert stat.S_IMODE(carried.stat().st_mode) == 0o600  # as staged: Ray's zip keeps it
+    # serve deleted the carried file once it had read it: Ray's unpacked copy of the working
+    # directory would keep the token on the node's disk (test_a_serve_token_travels_... checks
+    # the staged file: the token, mode 0600).
+    assert not (_working_dir(head, job_id) / jobs.SERVE_TOKEN_FILE).exists()
 
     # What runtime_env.env_vars would have exposed: the Jobs API shows them to every caller.
     probe = secrets.token_hex(16)
@@ -573,6 +589,8 @@ def test_a_submitted_serve_token_reaches_the_job_and_no_field_of_the_job_table(h
         (["list", "x"], "list takes no JOB_ID"),
         (["status", "x", "--", "fit"], "not both"),
         (["--follow", "--", "fit"], "--follow goes with logs"),
+        (["--env", "A=1", "list"], "--env go with submitting a command"),
+        (["--json", "--", "fit"], "--json goes with list"),
         (["--", "evaluate-all"], "is not a command to submit"),
         (["--", "fit", "--batch-size", "100", "--num-workers", "3"], "use a multiple of 3"),
         (["--", "fit", "--no-such-flag"], "unrecognized arguments"),
@@ -692,7 +710,6 @@ def test_a_serve_token_travels_in_the_working_directory_not_the_entrypoint(
     for flags in (
         ["--auth-token-file", str(local)],
         [f"--auth-token-file={local}"],
-        ["--auth-token-f", str(local)],
     ):
         options = submit.parse([*address, "serve", *flags, "runs/r", "--replicas", "2"])
         assert options.entrypoint == (
@@ -704,19 +721,19 @@ def test_a_serve_token_travels_in_the_working_directory_not_the_entrypoint(
     assert code == 2 and "cannot read it (No such file or directory)" in err, err
 
     with (
-        submit.staged_upload(serve_token=SERVE_TOKEN) as env,
-        submit.staged_upload(serve_token=SERVE_TOKEN) as again,
+        jobs.staged_upload(serve_token=SERVE_TOKEN) as env,
+        jobs.staged_upload(serve_token=SERVE_TOKEN) as again,
     ):
-        staged = Path(env["working_dir"], submit.SERVE_TOKEN_FILE)
+        staged = Path(env["working_dir"], jobs.SERVE_TOKEN_FILE)
         assert stat.S_IMODE(staged.stat().st_mode) == 0o600
         token, salt = staged.read_text().splitlines()
-        other = Path(again["working_dir"], submit.SERVE_TOKEN_FILE).read_text().splitlines()
+        other = Path(again["working_dir"], jobs.SERVE_TOKEN_FILE).read_text().splitlines()
         assert token == SERVE_TOKEN == other[0] and len(salt) == 64 and salt != other[1]
         monkeypatch.chdir(env["working_dir"])  # where the job runs
         words = options.entrypoint.split()[3:]
         assert parse_command(words).token == SERVE_TOKEN
-    with submit.staged_upload() as env:
-        assert not Path(env["working_dir"], submit.SERVE_TOKEN_FILE).exists()
+    with jobs.staged_upload() as env:
+        assert not Path(env["working_dir"], jobs.SERVE_TOKEN_FILE).exists()
 
 
 def test_parse_checks_and_returns_the_options():
@@ -758,11 +775,11 @@ def test_entrypoint_and_the_staged_working_directory():
         submit.entrypoint(["fit", "--num-workers", "4", "--use-gpu", "--name", "run.2_b"])
         == "python -m raytrain_mnist.fit --num-workers 4 --use-gpu --name run.2_b"
     )
-    with submit.staged_upload() as env:
+    with jobs.staged_upload() as env:
         assert set(env) == {"working_dir"}
         staged = Path(env["working_dir"])
         files = sorted(p.relative_to(staged).as_posix() for p in staged.rglob("*") if p.is_file())
-        assert files == submit.upload_files(REPO)
+        assert files == jobs.upload_files(REPO)
         assert {"pyproject.toml", "README.md", "raytrain_mnist/fit.py"} <= set(files)
         assert "raytrain_mnist/serving/static/index.html" in files  # the package's data
         assert not any(f.startswith(("tests/", "docs/", ".")) for f in files)
@@ -816,8 +833,8 @@ def test_the_upload_is_an_allow_list(tmp_path):
     (checkout / "raytrain_mnist" / "leak.py").symlink_to(checkout / "id_rsa")
     (checkout / "raytrain_mnist" / "keys").symlink_to(checkout / ".ssh")
     (checkout / "raytrain_mnist" / "linked.html").symlink_to(checkout / ".netrc")
-    assert submit.upload_files(checkout) == kept
-    with submit.staged_upload(checkout) as env:
+    assert jobs.upload_files(checkout) == kept
+    with jobs.staged_upload(checkout) as env:
         staged = Path(env["working_dir"])
         assert not any(p.is_symlink() for p in staged.rglob("*"))
         files = sorted(p.relative_to(staged).as_posix() for p in staged.rglob("*") if p.is_file())
@@ -825,7 +842,7 @@ def test_the_upload_is_an_allow_list(tmp_path):
         assert all("SECRET" not in (staged / f).read_text() for f in files)
     # An installed package (no pyproject.toml beside it) travels alone.
     (checkout / "pyproject.toml").unlink()
-    assert submit.upload_files(checkout) == [f for f in kept if f.startswith("raytrain_mnist/")]
+    assert jobs.upload_files(checkout) == [f for f in kept if f.startswith("raytrain_mnist/")]
 
 
 def test_the_staged_directory_runs_the_job_command():
@@ -835,7 +852,7 @@ def test_the_staged_directory_runs_the_job_command():
         "import raytrain_mnist, runpy, sys; print(raytrain_mnist.__file__, flush=True); "
         "sys.argv = ['fit', '--help']; runpy.run_module('raytrain_mnist.fit', run_name='__main__')"
     )
-    with submit.staged_upload() as env:
+    with jobs.staged_upload() as env:
         proc = subprocess.run(
             [sys.executable, "-c", probe],
             cwd=env["working_dir"],
@@ -860,10 +877,10 @@ def test_one_exclude_list_for_submit_rayignore_and_cluster_yaml():
         if line.strip() and not line.startswith("#")
     ]
     rsync = yaml.safe_load((REPO / "cluster.yaml").read_text())["rsync_exclude"]
-    assert rayignore == submit.EXCLUDES
-    assert rsync == submit.EXCLUDES
+    assert rayignore == jobs.EXCLUDES
+    assert rsync == jobs.EXCLUDES
     for required in (".env", "*.pem", "*.key", ".aws/", "/mlruns/", "*.pt", "evaluation_*/"):
-        assert required in submit.EXCLUDES, required
+        assert required in jobs.EXCLUDES, required
 
 
 def test_the_upload_leaves_secrets_and_bulk_out(tmp_path):
@@ -898,7 +915,7 @@ def test_the_upload_leaves_secrets_and_bulk_out(tmp_path):
     for name in kept + left_out:
         (tmp_path / "checkout" / name).parent.mkdir(parents=True, exist_ok=True)
         (tmp_path / "checkout" / name).write_text("x")
-    for how, excludes in (("list", submit.EXCLUDES), ("rayignore", [])):
+    for how, excludes in (("list", jobs.EXCLUDES), ("rayignore", [])):
         if how == "rayignore":
             (tmp_path / "checkout" / ".rayignore").write_text((REPO / ".rayignore").read_text())
         package = tmp_path / f"{how}.zip"
@@ -913,12 +930,12 @@ def test_the_upload_leaves_secrets_and_bulk_out(tmp_path):
 def test_address_order(monkeypatch):
     monkeypatch.delenv("RAY_ADDRESS", raising=False)
     monkeypatch.delenv("RAY_API_SERVER_ADDRESS", raising=False)
-    assert submit.resolve_address(None) == "http://127.0.0.1:8265"
+    assert jobs.dashboard_url(None) == "http://127.0.0.1:8265"
     monkeypatch.setenv("RAY_ADDRESS", "http://b:8265")
-    assert submit.resolve_address(None) == "http://b:8265"
+    assert jobs.dashboard_url(None) == "http://b:8265"
     monkeypatch.setenv("RAY_API_SERVER_ADDRESS", "http://a:8265/")
-    assert submit.resolve_address(None) == "http://a:8265"
-    assert submit.resolve_address("http://flag:8265") == "http://flag:8265"
+    assert jobs.dashboard_url(None) == "http://a:8265"
+    assert jobs.dashboard_url("http://flag:8265") == "http://flag:8265"
 
 
 class _FakeClient:
@@ -977,18 +994,18 @@ def test_token_sources(monkeypatch, tmp_path):
     monkeypatch.setenv("HOME", str(tmp_path))  # no ~/.ray/auth_token
     monkeypatch.setenv("RAY_AUTH_TOKEN_PATH", str(tmp_path / "missing"))
     with pytest.raises(UserError, match="RAY_AUTH_TOKEN_PATH=.* is not a file"):
-        submit.use_token_if_given()
+        jobs.use_token_if_given()
     (tmp_path / "token").write_text("t")
     monkeypatch.setenv("RAY_AUTH_TOKEN_PATH", str(tmp_path / "token"))
-    submit.use_token_if_given()
+    jobs.use_token_if_given()
     assert os.environ["RAY_AUTH_MODE"] == "token"
 
     monkeypatch.delenv("RAY_AUTH_TOKEN_PATH")
     with pytest.raises(UserError, match="RAY_AUTH_MODE=token but no token"):
-        submit.use_token_if_given()
+        jobs.use_token_if_given()
     monkeypatch.setenv("RAY_AUTH_MODE", "disabled")
     monkeypatch.setenv("RAY_AUTH_TOKEN", "t")
-    submit.use_token_if_given()
+    jobs.use_token_if_given()
     assert os.environ["RAY_AUTH_MODE"] == "disabled"  # an explicit mode is respected
 
 
@@ -1012,7 +1029,7 @@ def test_token_sources(monkeypatch, tmp_path):
     ],
 )
 def test_which_addresses_get_the_token_unasked(url, private):
-    assert submit.private_channel(url) is private
+    assert jobs.private_channel(url) is private
 
 
 def _local_outward_address() -> str | None:
