@@ -229,7 +229,7 @@ def format_show(record: dict) -> str:
     if record["resume_command"]:
         what = "train again with" if status == "finished" else "resume with"
         extra = " --fresh" if status == "finished" else ""
-        lines.append(f"{what}:{' ' * (16 - len(what) - 1)}{record['resume_command']}{extra}")
+        lines.append(f"{what}:{' ' * max(1, 16 - len(what))}{record['resume_command']}{extra}")
     elif kind == "tune":
         lines.append("resume with:     the same tune command that started it")
         if record["fit_command"]:
