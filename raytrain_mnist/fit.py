@@ -79,7 +79,7 @@ def resume_command(cfg: FitConfig, name: str) -> str:
 def fit_and_show(cfg: FitConfig) -> FitResult:
     """The library's fit, shown on stdout as the command shows it: the run's events as they
     come, then the summary (or the line of a run that had finished before)."""
-    renderer = Renderer(cfg.run.progress)
+    renderer = Renderer(cfg.run.output.progress)
     try:
         result = fitting.fit(
             cfg,

@@ -61,20 +61,24 @@ def fit_identity(cfg: FitConfig, data) -> dict[str, Any]:
     number of workers), but it is part of the default name, so that runs on 1 and on 4
     workers do not meet by accident.
     """
-    return {"train": cfg.train.to_dict(), "dataset": cfg.run.dataset, "data": data_identity(data)}
+    return {
+        "train": cfg.train.to_dict(),
+        "dataset": cfg.run.data.dataset,
+        "data": data_identity(data),
+    }
 
 
 def default_name(cfg: FitConfig) -> str:
     """Deterministic (no timestamp): the same command finds the same run again."""
-    if cfg.run.name:
-        return cfg.run.name
+    if cfg.run.storage.name:
+        return cfg.run.storage.name
     settings = {
         **cfg.train.to_dict(),
-        "num_workers": cfg.run.num_workers,
-        "use_gpu": cfg.run.use_gpu,
-        "dataset": cfg.run.dataset,
+        "num_workers": cfg.run.scaling.num_workers,
+        "use_gpu": cfg.run.scaling.use_gpu,
+        "dataset": cfg.run.data.dataset,
     }
-    return f"mnist-{cfg.run.num_workers}w-{settings_digest(settings)}"
+    return f"mnist-{cfg.run.scaling.num_workers}w-{settings_digest(settings)}"
 
 
 def describe_difference(old: dict, new: dict) -> str:

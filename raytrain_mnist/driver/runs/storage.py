@@ -33,7 +33,7 @@ def check_no_credentials(uri: str, flag: str) -> None:
     """Refuse a URI that carries credentials (:func:`raytrain_mnist.config.check_no_credentials`:
     user info, secret query parameters; the message redacts them), as a usage error."""
     from raytrain_mnist.config import ConfigError
-    from raytrain_mnist.config import check_no_credentials as check
+    from raytrain_mnist.uris import check_no_credentials as check
 
     try:
         check(uri, flag)
