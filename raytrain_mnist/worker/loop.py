@@ -454,7 +454,7 @@ def train_func_per_worker(config: dict[str, Any]) -> None:
     """Ray Train's entry point. ``config``: ``train`` (TrainConfig as a dict), ``data``
     (ObjectRef of :class:`MnistData`), ``cpus_per_worker`` (its torch threads), and
     optionally ``progress`` (an actor whose ``put`` takes rank 0's progress dicts) and
-    ``compile`` (RunSettings.compile)."""
+    ``compile`` (RunSettings.torch.compile)."""
     started_at = time.time()  # tells the driver which worker-group start a report came from
     cfg = TrainConfig.from_dict(config["train"])
     ctx = ray.train.get_context()
