@@ -41,7 +41,7 @@ logger = logging.getLogger(__name__)
 #: About how often the ranks check for a preemption, in seconds of training. Ray's watcher
 #: polls the drain state every 5 s (RAY_TRAIN_PREEMPTION_POLL_INTERVAL_S): checking much
 #: more often only adds barriers.
-CHECK_EVERY_S = 1.0
+CHECK_EVERY_S = 2.0
 #: Ray Train's own wait when a drain names no deadline
 #: (ray.train.v2._internal.constants.DEFAULT_PREEMPTION_DEADLINE_S in Ray 2.60).
 NO_DEADLINE_S = 120.0
