@@ -129,3 +129,44 @@ def test_mlflow_records_params_metrics_and_the_best_checkpoint(trained_run, tmp_
     again = EpochLog(run_dir, trained_run["config"], tensorboard=False, mlflow=True)
     again.close({"status": "finished"})
     assert json.loads((run_dir / "mlflow_run.json").read_text()) == recorded
+
+
+def test_mlflow_never_follows_a_link_out_of_the_run(tmp_path):
+    """Links planted in the run (in the best checkpoint, as the checkpoint itself, as
+    summary.json) are not followed: nothing outside the run reaches the tracking store."""
+    pytest.importorskip("mlflow", reason="the optional extra raytrain-mnist[mlflow]")
+    from mlflow.tracking import MlflowClient
+
+    secret = tmp_path / "outside" / "secret.txt"
+    secret.parent.mkdir()
+    secret.write_text("not the run's")
+    run_dir = tmp_path / "run"
+    checkpoint = run_dir / "checkpoint_1"
+    (checkpoint / "extra").mkdir(parents=True)
+    (checkpoint / "state.pt").write_bytes(b"weights")
+    (checkpoint / "extra" / "notes.txt").write_text("the run's own")
+    (checkpoint / "leak.txt").symlink_to(secret)
+    (checkpoint / "linked_dir").symlink_to(secret.parent, target_is_directory=True)
+    (run_dir / "summary.json").symlink_to(secret)
+    (run_dir / "elsewhere").symlink_to(secret.parent, target_is_directory=True)
+
+    def logged(best: str) -> set[str]:
+        log = EpochLog(run_dir, {"run": {}}, tensorboard=False, mlflow=True)
+        log.close({"status": "finished", "best_checkpoint": best})
+        recorded = json.loads((run_dir / "mlflow_run.json").read_text())
+        (run_dir / "mlflow_run.json").unlink()  # the next one is a run of its own
+        client = MlflowClient(recorded["tracking_uri"])
+
+        def walk(path=None):
+            for a in client.list_artifacts(recorded["run_id"], path):
+                yield from walk(a.path) if a.is_dir else [a.path]
+
+        return set(walk())
+
+    assert logged(str(checkpoint)) == {
+        "best_checkpoint/state.pt",
+        "best_checkpoint/extra/notes.txt",
+    }
+    assert logged(str(run_dir / "elsewhere")) == set()  # a checkpoint that is a link out
+    stored = [p.read_bytes() for p in (run_dir / "mlruns").rglob("*") if p.is_file()]
+    assert not any(b"not the run's" in content for content in stored)

@@ -16,6 +16,9 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
+import shutil
+import stat
+import tempfile
 import time
 from pathlib import Path
 from typing import Any
@@ -264,14 +267,44 @@ class _Mlflow:
             self._call(
                 "log_batch", self.run_id, metrics=[Metric(k, v, now, 0) for k, v in final.items()]
             )
-        if best_checkpoint and not is_uri(best_checkpoint) and Path(best_checkpoint).is_dir():
-            self._call("log_artifacts", self.run_id, best_checkpoint, "best_checkpoint")
+        local = not is_uri(self.run_dir)
+        if best_checkpoint and local and Run.at(self.run_dir).contains(best_checkpoint):
+            with tempfile.TemporaryDirectory(prefix="raytrain_mnist-mlflow-") as copy:
+                if _copy_plain_files(Path(best_checkpoint), Path(copy)):
+                    self._call("log_artifacts", self.run_id, copy, "best_checkpoint")
         for name in (SUMMARY_FILE, CURVES_FILE):
             path = Path(self.run_dir) / name
-            if not is_uri(self.run_dir) and path.is_file():
+            if local and path.is_file() and not path.is_symlink():
                 self._call("log_artifact", self.run_id, str(path))
         status = _MLFLOW_STATUS.get(summary.get("status"), "FINISHED" if summary else "KILLED")
         self._call("set_terminated", self.run_id, status)
+
+
+def _copy_plain_files(source: Path, into: Path) -> int:
+    """Copy the regular files below ``source`` into ``into`` (same relative paths) and
+    return how many: a symbolic link (to a file or a directory) is never followed, so
+    nothing outside the run reaches the tracking store, whoever planted the link (the rule
+    ``evaluate`` keeps). ``source`` itself must not be a link."""
+    if source.is_symlink() or not source.is_dir():
+        return 0
+    copied = 0
+    for directory, subdirs, files in os.walk(source):  # never into a linked directory
+        here = Path(directory)
+        subdirs[:] = [d for d in subdirs if not (here / d).is_symlink()]
+        for name in files:
+            try:
+                fd = os.open(here / name, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+            except OSError:  # a link (ELOOP), or gone meanwhile
+                continue
+            with os.fdopen(fd, "rb") as src:
+                if not stat.S_ISREG(os.fstat(src.fileno()).st_mode):
+                    continue
+                target = into / here.relative_to(source) / name
+                target.parent.mkdir(parents=True, exist_ok=True)
+                with open(target, "xb") as dst:
+                    shutil.copyfileobj(src, dst)
+            copied += 1
+    return copied
 
 
 def _params(params: dict[str, str]):

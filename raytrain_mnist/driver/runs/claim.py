@@ -25,7 +25,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 
 from raytrain_mnist.driver.runs.storage import RunStorage
-from raytrain_mnist.errors import UserError, first_line
+from raytrain_mnist.errors import EXIT_USAGE, UserError, first_line
 
 logger = logging.getLogger(__name__)
 
@@ -119,6 +119,12 @@ class DirLock:
 
     def acquire(self, what: str) -> None:
         directory = Path(self.files.dir)
+        if directory.is_symlink():  # planted: the run would be written where it points
+            raise UserError(
+                f"{directory} is a symbolic link; a run directory is never used through a "
+                "link: remove it or pick another --name",
+                EXIT_USAGE,
+            )
         for _ in range(20):
             made_dir = not directory.exists()
             try:
@@ -252,6 +258,11 @@ class Lease:
         self._renewed = 0.0  # monotonic start of the last write that succeeded
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
+
+    @property
+    def renewed_at(self) -> float:
+        """When (monotonic clock) the last write of the lease that succeeded began."""
+        return self._renewed
 
     @property
     def uri(self) -> str:
