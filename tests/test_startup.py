@@ -70,7 +70,7 @@ def test_every_startup_and_teardown_moment_is_recorded_in_order(timed_fit):
     # API call); asking the GCS takes milliseconds (compat.cleaner_asks_gcs).
     teardown = timeline["teardown_s"]
     assert teardown["worker_group_shut_down"] - teardown["workers_finished"] < 6, teardown
-    # The curves, drawn while Ray shut down, were written before the last moment.
+    # The curves were drawn and written before Ray shut down.
     assert timed_fit["png"].startswith(b"\x89PNG")
 
 
