@@ -207,11 +207,13 @@ class Chaos:
                  "DRAIN_NODE_REASON_PREEMPTION", "--reason-message", "chaos",
                  "--deadline-remaining-seconds", str(self.notice_s)]  # fmt: skip
         env = {**os.environ, "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0"}
-        drained_at = time.perf_counter()
         done = subprocess.run(words, capture_output=True, text=True, env=env, timeout=120)
+        # The CLI set the deadline as it sent the drain, after its own start-up (seconds on
+        # a loaded machine): the notice counts from its return, at most that late.
+        drained_at = time.perf_counter()
         if done.returncode:
             raise RuntimeError(f"ray drain-node: {done.stderr.strip()[-300:]}")
-        time.sleep(max(0.0, drained_at + self.notice_s - time.perf_counter()))
+        time.sleep(self.notice_s)
         node = next(n for n in self.nodes if n.node_id == node_id)
         pids = [w.pid for w in workers if w.node_id == node_id]
         self.cluster.remove_node(node, allow_graceful=False)  # the deadline: the node goes
