@@ -125,14 +125,14 @@ class BoundedHttpToolsProtocol(HttpToolsProtocol):  # type: ignore[misc,valid-ty
         self._completed_in_feed = False
         self._pending = None  # (cycle, app) waiting for the whole body
         self._held = 0  # this connection's share of _Budget
-        self._timer = None
+        self._timer = self._timer_kind = None
         self._refused = False
         self._has_body = False
         self._loopback = bool(self.server) and _is_loopback_ip(self.server[0])
         if len(self.connections) > self.limits.max_connections:
             self._refuse(503, "this server has all the connections it takes; retry shortly")
             return
-        self._arm(self.limits.head_timeout_s, self._head_timed_out)
+        self._arm("head")  # a silent connection is closed too
 
     def connection_lost(self, exc) -> None:
         self._disarm()
@@ -150,8 +150,6 @@ class BoundedHttpToolsProtocol(HttpToolsProtocol):  # type: ignore[misc,valid-ty
                 super().data_received(data)
                 data = b""
             else:
-                if self._timer is None:  # a kept-alive connection's next request begins
-                    self._arm(self.limits.head_timeout_s, self._head_timed_out)
                 piece = data[: self.limits.max_head_bytes - self._head]
                 data = data[len(piece) :]
                 self._head += len(piece)
@@ -164,26 +162,26 @@ class BoundedHttpToolsProtocol(HttpToolsProtocol):  # type: ignore[misc,valid-ty
                         f"the request line and headers are over {self.limits.max_head_bytes} bytes",
                     )
                 return
+        self._settle_timer()
 
     def on_message_begin(self) -> None:
         super().on_message_begin()
         if self._head is None or self._completed_in_feed:
             self._head = self._feed  # begun inside an uncounted read: count all of it
-        if self._timer is None:
-            self._arm(self.limits.head_timeout_s, self._head_timed_out)
 
     def on_headers_complete(self) -> None:
         if self._refused:
             return
         self._head = None
-        self._disarm()
-        host = None
-        declared = None
+        host = declared = None
+        chunked = False
         for name, value in self.headers:
             if name == b"host":
                 host = value
             elif name == b"content-length" and value.strip().isdigit():
                 declared = int(value)
+            elif name == b"transfer-encoding":
+                chunked = True
         if declared is not None and declared > self.limits.max_body_bytes:
             self._refuse(
                 413,
@@ -191,16 +189,14 @@ class BoundedHttpToolsProtocol(HttpToolsProtocol):  # type: ignore[misc,valid-ty
                 "request",
             )
             return
-        if self._loopback and host is not None and not _loopback_host(host) and _system(self.url):
+        if self._loopback and _system(self.url) and host is not None and not _loopback_host(host):
             self._refuse(
                 421,
                 f"Host {host[:80].decode('latin-1')!r} is not a loopback name: this server "
                 "answers only Host 127.0.0.1, localhost or [::1] on loopback",
             )
             return
-        self._has_body = (declared or 0) > 0 or any(
-            name == b"transfer-encoding" for name, _ in self.headers
-        )
+        self._has_body = (declared or 0) > 0 or chunked
         super().on_headers_complete()
         if self.cycle is not None:  # a pipelined request starts later: it keeps its own
             self.cycle.has_body = self._has_body
@@ -215,7 +211,6 @@ class BoundedHttpToolsProtocol(HttpToolsProtocol):  # type: ignore[misc,valid-ty
         if cycle.waiting_for_100_continue:
             cycle.waiting_for_100_continue = False
             self.transport.write(b"HTTP/1.1 100 Continue\r\n\r\n")
-        self._arm(self.limits.body_timeout_s, self._body_timed_out)
 
     def on_body(self, body: bytes) -> None:
         if self._refused:
@@ -245,7 +240,6 @@ class BoundedHttpToolsProtocol(HttpToolsProtocol):  # type: ignore[misc,valid-ty
         if self._pending is not None and self._pending[0] is self.cycle:
             cycle, app = self._pending
             self._pending = None
-            self._disarm()
             self._release()
             super()._start_asgi_task(cycle, app)
 
@@ -273,10 +267,25 @@ class BoundedHttpToolsProtocol(HttpToolsProtocol):  # type: ignore[misc,valid-ty
                 "once, or fewer images per request",
             )
 
-    def _arm(self, seconds: float, callback) -> None:
+    def _settle_timer(self) -> None:
+        """After a read: the deadline the connection's state now needs (a body not yet whole:
+        the body's; a head begun and not complete: the head's; else none), changed only when
+        it changes, so a request read whole in one read costs no timer at all."""
+        if self._refused:
+            return
+        kind = "body" if self._pending is not None else "head" if self._head else None
+        if kind != self._timer_kind:
+            self._disarm()
+            if kind is not None:
+                self._arm(kind)
+
+    def _arm(self, kind: str) -> None:
         self._disarm()
-        self._rechecked = False
-        self._timer = self.loop.call_later(seconds, callback)
+        self._rechecked, self._timer_kind = False, kind
+        if kind == "head":
+            self._timer = self.loop.call_later(self.limits.head_timeout_s, self._head_timed_out)
+        else:
+            self._timer = self.loop.call_later(self.limits.body_timeout_s, self._body_timed_out)
 
     def _recheck(self, callback) -> bool:
         """Whether a timer that just expired looks once more first: a loop kept busy (a
@@ -292,7 +301,7 @@ class BoundedHttpToolsProtocol(HttpToolsProtocol):  # type: ignore[misc,valid-ty
     def _disarm(self) -> None:
         if self._timer is not None:
             self._timer.cancel()
-            self._timer = None
+        self._timer = self._timer_kind = None
 
     def _release(self) -> None:
         _Budget.held -= self._held
