@@ -8,7 +8,10 @@
 limits, parsing and model: :class:`raytrain_mnist.serving.app.DigitClassifier`, one image per
 forward pass) behind a bare uvicorn process, one torch thread, no Ray. Each **variant** is the
 real command, ``python -m raytrain_mnist serve`` with the variant's flags (and environment),
-started on 127.0.0.1 with its own local Ray. The plain process runs all along; for each
+started on 127.0.0.1 with its own local Ray; ``plain-bounded`` is not the command but a
+second plain process whose uvicorn runs serve's bounded HTTP protocol
+(:mod:`raytrain_mnist.serving.http`), so its ratio is what the connection bounds cost. The
+plain process runs all along; for each
 variant the rounds alternate between plain and the variant (the order swapped every round),
 so each serve figure has a plain figure taken within the same minute, on the same machine
 state: the ratio is the result, the absolute figures move with the machine's other load.
