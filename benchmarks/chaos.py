@@ -41,6 +41,7 @@ import os
 import platform
 import queue
 import random
+import re
 import signal
 import socket
 import subprocess
@@ -491,11 +492,18 @@ def _per_fault(chaos: Chaos, calm: dict, hurt: dict | None = None) -> list[dict]
         else:
             # "workers restarted from the checkpoint of epoch N": epochs N+1 .. the killed
             # one are trained again (N can lag by one: Ray commits an epoch's checkpoint only
-            # once its controller has polled every rank, every 2 s).
+            # once its controller has polled every rank, every 2 s); "... at step S of epoch
+            # E": from that step (a preemption's checkpoint was the latest).
+            mid = re.search(r"at step (\d+) of epoch (\d+)$", note)
             resumed = (
                 int(note.rsplit(" ", 1)[-1]) if note[-1:].isdigit() else record["at_epoch"] - 1
             )
-            again_steps = round((record["at_epoch"] - 1 - resumed + share) * steps_per_epoch)
+            done_at = (record["at_epoch"] - 1 + share) * steps_per_epoch
+            if mid:
+                resumed = {"epoch": int(mid[2]), "step": int(mid[1])}
+                again_steps = round(done_at - (int(mid[2]) - 1) * steps_per_epoch - int(mid[1]))
+            else:
+                again_steps = round(done_at - resumed * steps_per_epoch)
         rows.append(
             {
                 "kind": record["kind"],
