@@ -25,6 +25,7 @@ from raytrain_mnist.driver.runs import Run
 from raytrain_mnist.driver.runs.claim import LEASE_TTL_S, LOCK_FILE, Lease, host_id
 from raytrain_mnist.errors import UserError
 from tests.conftest import MARKER_VAR, REPO, kill_marked, run_cli_here, tiny_run_flags
+from tests.test_signals import no_process_left
 
 
 def _lease_path(run: Run) -> str:
@@ -367,10 +368,11 @@ def test_a_fit_whose_lease_is_taken_stops_in_one_line_and_keeps_its_checkpoint(
             raise AssertionError("".join(seen) + stderr.read_text())
         theirs = _write_lease(run, {"token": "rival", "pid": 4242, "host": "elsewhere"})
         out = "".join(seen) + proc.communicate(timeout=240)[0]
+        err = stderr.read_text()
+        assert proc.returncode == 130, out + err
+        no_process_left(marker)  # the Ray the command started went with it
     finally:
         kill_marked(marker)
-    err = stderr.read_text()
-    assert proc.returncode == 130, out + err
     said = [line for line in err.splitlines() if "the lease on run" in line]
     assert said == [
         f"the lease on run 'taken' ({storage}/.taken.lease) was taken by another command "

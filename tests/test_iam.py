@@ -53,6 +53,7 @@ import uuid
 import pytest
 
 from tests.conftest import MARKER_VAR, REPO, aws_env, free_ports, kill_marked, tiny_run_flags
+from tests.test_signals import no_process_left
 
 POLICY = REPO / "docs" / "iam" / "worker-policy.json"
 PLACEHOLDER = "REPLACE_ME-bucket"
@@ -273,6 +274,7 @@ def test_a_fit_with_the_worker_policy_checkpoints_and_resumes(iam_s3, tiny_mnist
         out, _ = first.communicate(timeout=300)
         out = "".join(seen) + out
         assert first.returncode == 130, out
+        no_process_left(marker)  # the Ray the command started went with it
         resume = out.split("resume with: ")[1].splitlines()[0]
         resumed = subprocess.run(
             shlex.split(resume),
