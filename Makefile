@@ -1,4 +1,5 @@
-# `make fit` trains with the defaults on a local Ray; `make test` runs the test suite.
+# `make fit` trains with the defaults on a local Ray; `make test` runs the test suite (CI's
+# gate); `make test-fast` runs its unit tests only, the ones marked slow left out.
 # Both create .venv and install the package (with its test extras and MLflow, which the
 # suite exercises) on first use.
 # `make gpu-bundle` packs what the offline GPU machine needs (docs/gpu.md).
@@ -8,7 +9,7 @@ VENV   := .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
 
-.PHONY: fit test install clean gpu-bundle
+.PHONY: fit test test-fast install clean gpu-bundle
 
 # What a GPU machine without Ray or internet needs (docs/gpu.md): the Ray wheels for its
 # Python 3.12 (at most 48 MiB) and full MNIST as its four .gz files, both in ignored folders
@@ -24,6 +25,9 @@ fit: $(STAMP)
 
 test: $(STAMP)
 	$(BIN)/python -m pytest $(ARGS)
+
+test-fast: $(STAMP)
+	$(BIN)/python -m pytest -m "not slow" $(ARGS)
 
 install: $(STAMP)
 

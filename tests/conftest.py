@@ -8,7 +8,9 @@ need a token create their own in a temporary directory.
 from __future__ import annotations
 
 import contextlib
+import inspect
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -248,8 +250,82 @@ def _shared_by(item) -> int:
     )
 
 
+# --------------------------------------------------------------------------- slow
+#
+# `pytest -m "not slow"` (`make test-fast`) runs every module's unit tests in a few minutes:
+# what starts no Ray, no cluster, no server and no command that trains. A test is `slow` when
+# it uses a fixture that starts one (any file's: the names below), or is named in _SLOW_TESTS
+# (it starts one itself: a subprocess `fit`, a Jobs head, a notebook kernel). A test that
+# takes longer than _FAST_S without the marker is named at the end of a `-m "not slow"` run.
+
+#: Fixtures that start a Ray, a cluster, a server or a training run (conftest's and the test
+#: files' own).
+_SLOW_FIXTURES = frozenset(
+    {
+        *_SHARED,
+        "fitted",
+        "trained_run",
+        "ray_env",
+        "onprem",  # test_ray_up
+        "heads",  # test_connect
+        "on_three_workers",  # test_distributed
+        "one_node",  # test_elastic
+        "cluster",  # test_job_placement
+        "two_hosts",  # test_netns
+        "head",  # test_submit
+        "server",  # test_serve
+        "timed_fit",  # test_startup
+        "gpu_ray",  # test_gpu
+        "one_worker_nccl",  # test_gpu
+        "iam_s3",  # test_iam
+    }
+)
+
+#: What in a test's own body starts a new Python, a Ray or a kernel (a CLI subprocess
+#: imports torch, and most start a Ray).
+_STARTS = re.compile(
+    r"\brun_cli\(|\bsubprocess\.(run|Popen)\(|\bPopen\(|\bray\.init\(|\bCluster\(|NotebookClient\("
+)
+
+#: Tests (file::name, any parameters) that start one through a helper.
+_SLOW_TESTS = frozenset(
+    {
+        "test_gpu.py::test_the_gpu_benchmark_runs_its_seeds_and_steps_on_cpu",
+    }
+)
+
+_FAST_S = 10.0
+_UNMARKED_SLOW: list[tuple[str, float]] = []
+
+
+def _is_slow(item) -> bool:
+    name = f"{item.path.name}::{item.originalname}"
+    if _SLOW_FIXTURES & set(item.fixturenames) or name in _SLOW_TESTS:
+        return True
+    try:
+        return bool(_STARTS.search(inspect.getsource(item.function)))
+    except (OSError, TypeError):  # no source (a generated test)
+        return False
+
+
+@pytest.hookimpl(tryfirst=True)  # before `-m` deselects by marker
 def pytest_collection_modifyitems(items):
+    for item in items:
+        if _is_slow(item):
+            item.add_marker(pytest.mark.slow)
     items.sort(key=_shared_by)  # stable: file order within each group
+
+
+def pytest_runtest_logreport(report):
+    if report.when == "call" and report.duration > _FAST_S and "slow" not in report.keywords:
+        _UNMARKED_SLOW.append((report.nodeid, report.duration))
+
+
+def pytest_terminal_summary(terminalreporter):
+    if _UNMARKED_SLOW:
+        terminalreporter.section(f"over {_FAST_S:.0f} s without the slow marker")
+        for nodeid, seconds in _UNMARKED_SLOW:
+            terminalreporter.write_line(f"{seconds:6.1f}s {nodeid}: add it to _SLOW_TESTS")
 
 
 def pytest_collection_finish(session):
