@@ -39,7 +39,9 @@ def cluster():
 
     root = Path(tempfile.mkdtemp(prefix="rtjp", dir="/tmp"))  # short: Ray's socket paths
     marker = uuid.uuid4().hex
-    (dashboard,) = free_ports(1)
+    # Every port ours: Ray's default agent port (52365) may be another Ray's on this machine,
+    # and a head whose agent cannot bind it takes no job ("No available agent").
+    dashboard, head_agent, node_agent = free_ports(3)
     url = f"http://127.0.0.1:{dashboard}"
     os.environ[MARKER_VAR] = marker  # inherited by every process of both nodes, and drivers
     try:
@@ -51,10 +53,13 @@ def cluster():
                     "include_dashboard": True,
                     "dashboard_host": "127.0.0.1",
                     "dashboard_port": dashboard,
+                    "dashboard_agent_listen_port": head_agent,
                     "temp_dir": str(root),
                 },
             )
-            cluster.add_node(num_cpus=1, resources={"job_driver": 1})
+            cluster.add_node(
+                num_cpus=1, resources={"job_driver": 1}, dashboard_agent_listen_port=node_agent
+            )
     finally:
         del os.environ[MARKER_VAR]
     try:
