@@ -74,9 +74,10 @@ def relay(
     """
     outcome: dict[str, object] = {}
     context = contextvars.copy_context()
-    done = threading.Event()
+    began, done = threading.Event(), threading.Event()
 
     def target() -> None:
+        began.set()
         try:
             outcome["value"] = context.run(call)
         except BaseException as exc:  # handed to the waiting thread as is
@@ -84,13 +85,16 @@ def relay(
         finally:
             done.set()
 
-    threading.Thread(target=target, name=name, daemon=True).start()
     reason = None
     try:
+        # Started inside: a Ctrl-C while Thread.start() waits for the thread is one too.
+        threading.Thread(target=target, name=name, daemon=True).start()
         while not done.wait(poll_s):
             if watch is not None and (reason := watch()) is not None:
                 break
     except KeyboardInterrupt:
+        if not began.wait(5):  # it came before the thread existed: there is nothing to stop
+            raise
         reason = INTERRUPTED
     if reason is None:
         if "error" in outcome:
