@@ -124,6 +124,7 @@ def test_piped_fit_prints_phase_lines_and_no_carriage_return(fitted):
 def test_fit_on_a_terminal_redraws_a_bar_during_an_epoch(fitted, tmp_path, monkeypatch):
     """The shared run's settings, one worker, as the command shows them on a
     pseudo-terminal."""
+    from raytrain_mnist.config import RunSettings
     from raytrain_mnist.fit import fit_and_show
 
     monkeypatch.setenv("TERM", "xterm")
@@ -131,7 +132,9 @@ def test_fit_on_a_terminal_redraws_a_bar_during_an_epoch(fitted, tmp_path, monke
     cfg = dataclasses.replace(
         cfg,
         train=dataclasses.replace(cfg.train, epochs=2),
-        run=dataclasses.replace(cfg.run, num_workers=1, name="tty", storage_path=str(tmp_path)),
+        run=RunSettings.from_flags(
+            **{**cfg.run.to_dict(), "num_workers": 1, "name": "tty", "storage_path": str(tmp_path)}
+        ),
     )
     master, slave = pty.openpty()
     attrs = termios.tcgetattr(slave)
