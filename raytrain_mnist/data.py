@@ -97,25 +97,7 @@ def load_mnist(
     tried: list[str] = []
 
     if data_dir is not None:
-        root = Path(data_dir).expanduser()
-        if not root.is_dir():
-            raise DataError(
-                f"--data-dir {root} is not a directory; point it at the folder holding MNIST/raw/",
-                EXIT_USAGE,
-            )
-        same = root.resolve() == cache.resolve()
-        data = _load_cache(cache, []) if same else _load_from(root, [])
-        if data is not None:
-            return data
-        # Asked for means asked for: no fallback to the cache, a download or the sample.
-        looked = ", ".join(str(folder) for folder in _raw_candidates(root))
-        names = ", ".join(f"{name}[.gz]" for name, _ in FILES.values())
-        raise DataError(
-            f"--data-dir {root} holds no MNIST: looked in {looked} for {names}; point it "
-            "at the folder holding MNIST/raw/, or drop it to use the cache, a download or "
-            "the sample",
-            EXIT_USAGE,
-        )
+        return _load_asked_for(Path(data_dir).expanduser(), cache)
 
     data = _load_cache(cache, tried)
     if data is not None:
@@ -144,6 +126,28 @@ def load_mnist(
         "; ".join(tried),
     )
     return load_sample()
+
+
+def _load_asked_for(root: Path, cache: Path) -> MnistData:
+    """MNIST from ``--data-dir``: asked for means asked for, with no fallback to the cache,
+    a download or the sample."""
+    if not root.is_dir():
+        raise DataError(
+            f"--data-dir {root} is not a directory; point it at the folder holding MNIST/raw/",
+            EXIT_USAGE,
+        )
+    same = root.resolve() == cache.resolve()
+    data = _load_cache(cache, []) if same else _load_from(root, [])
+    if data is not None:
+        return data
+    looked = ", ".join(str(folder) for folder in _raw_candidates(root))
+    names = ", ".join(f"{name}[.gz]" for name, _ in FILES.values())
+    raise DataError(
+        f"--data-dir {root} holds no MNIST: looked in {looked} for {names}; point it "
+        "at the folder holding MNIST/raw/, or drop it to use the cache, a download or "
+        "the sample",
+        EXIT_USAGE,
+    )
 
 
 def _raw_candidates(root: Path) -> tuple[Path, ...]:

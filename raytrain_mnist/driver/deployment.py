@@ -411,24 +411,7 @@ def serving(cfg: ServeConfig, checkpoint: str, token: str | None = None) -> Iter
         cluster.connect(address, request) as started_ray,
     ):
         _check_placeable(cfg, strict=started_ray)
-        before = serve.status()
-        if APP_NAME in before.applications:
-            raise UserError(
-                f"an application named {APP_NAME!r} already runs on this "
-                "cluster's Serve (`serve status`): stop the serve that runs it, "
-                "or remove it (`serve shutdown` stops all of Serve)"
-            )
-        serve_was_running = bool(before.proxies or before.applications)
-        if serve_was_running and ingress != "proxy":
-            # Serve's ingress is set when Serve starts, for the whole cluster.
-            if cfg.ingress != "auto":
-                raise UserError(
-                    f"--ingress {ingress} needs to start Serve, and Serve already runs on "
-                    "this cluster (with its own ingress): pass --ingress proxy, or stop "
-                    "that Serve first (`serve shutdown`)",
-                    EXIT_USAGE,
-                )
-            ingress = "proxy"
+        serve_was_running, ingress = _serve_already_running(cfg, ingress)
         # On this machine's Ray (started here, or held by this process): HAProxy's files
         # and ports of this serve only.
         env = ingress_env(ingress, cfg, scratch if address is None else None)
@@ -460,6 +443,31 @@ def serving(cfg: ServeConfig, checkpoint: str, token: str | None = None) -> Iter
             # A Ray we started goes down whole right after this; Serve with it.
             if not serve_was_running and not started_ray:
                 serve.shutdown()
+
+
+def _serve_already_running(cfg: ServeConfig, ingress: str) -> tuple[bool, str]:
+    """Whether Serve already runs on the cluster, and the ingress then left to this serve:
+    Serve's ingress is set when Serve starts, for the whole cluster, so only its proxy."""
+    from ray import serve
+
+    before = serve.status()
+    if APP_NAME in before.applications:
+        raise UserError(
+            f"an application named {APP_NAME!r} already runs on this "
+            "cluster's Serve (`serve status`): stop the serve that runs it, "
+            "or remove it (`serve shutdown` stops all of Serve)"
+        )
+    running = bool(before.proxies or before.applications)
+    if running and ingress != "proxy":
+        if cfg.ingress != "auto":
+            raise UserError(
+                f"--ingress {ingress} needs to start Serve, and Serve already runs on "
+                "this cluster (with its own ingress): pass --ingress proxy, or stop "
+                "that Serve first (`serve shutdown`)",
+                EXIT_USAGE,
+            )
+        ingress = "proxy"
+    return running, ingress
 
 
 def _address_and_ingress(cfg: ServeConfig, token: str | None) -> tuple[str | None, str]:
