@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import shutil
 import sys
 from pathlib import Path
 
@@ -105,9 +106,13 @@ def test_mlflow_records_params_metrics_and_the_best_checkpoint(trained_run, tmp_
 
     run_dir = tmp_path / "run"
     run_dir.mkdir()
-    (run_dir / "summary.json").write_text(json.dumps(trained_run))
+    # The best checkpoint lies inside its run (one outside is never copied: the next test).
+    best = run_dir / Path(trained_run["best_checkpoint"]).name
+    shutil.copytree(trained_run["best_checkpoint"], best)
+    summary = {**trained_run, "run_dir": str(run_dir), "best_checkpoint": str(best)}
+    (run_dir / "summary.json").write_text(json.dumps(summary))
     log = EpochLog(run_dir, trained_run["config"], tensorboard=False, mlflow=True)
-    _replay(log, {**trained_run, "run_dir": str(run_dir)})
+    _replay(log, summary)
 
     recorded = json.loads((run_dir / "mlflow_run.json").read_text())
     assert recorded["tracking_uri"] == (run_dir / "mlruns").resolve().as_uri()
