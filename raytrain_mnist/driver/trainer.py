@@ -5,17 +5,22 @@ evaluate's workers. A run setting (``--socket-ifname``, ``--placement-strategy``
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable
 from typing import Any
 
 from raytrain_mnist import compat
 from raytrain_mnist.config import CHECKPOINT_METRIC, RunSettings
 
+#: The driver's variables that its workers read too (a worker's environment is its node's).
+FORWARDED = ("RAYTRAIN_MNIST_PREEMPTION_CHECK_S",)
+
 
 def worker_env(run: RunSettings) -> dict[str, str]:
     """Environment variables every worker needs for this run's settings."""
     ifname = run.torch.socket_ifname
-    return {"GLOO_SOCKET_IFNAME": ifname, "NCCL_SOCKET_IFNAME": ifname} if ifname else {}
+    env = {name: os.environ[name] for name in FORWARDED if name in os.environ}
+    return {**env, "GLOO_SOCKET_IFNAME": ifname, "NCCL_SOCKET_IFNAME": ifname} if ifname else env
 
 
 def build_trainer(

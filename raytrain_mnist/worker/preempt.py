@@ -47,6 +47,26 @@ CHECK_EVERY_S = 2.0
 NO_DEADLINE_S = 120.0
 #: The most steps between two checks, whatever the step time.
 MAX_EVERY_STEPS = 10_000
+#: Sets the cadence instead of CHECK_EVERY_S, in seconds of training: for a provider whose
+#: notice is short, or a watcher polled more often (the driver forwards it to the workers).
+CHECK_EVERY_ENV = "RAYTRAIN_MNIST_PREEMPTION_CHECK_S"
+
+
+def check_every_s() -> float:
+    """The cadence: $RAYTRAIN_MNIST_PREEMPTION_CHECK_S when it is a positive number of
+    seconds, else :data:`CHECK_EVERY_S` (with a warning when it is set but not a number)."""
+    text = os.environ.get(CHECK_EVERY_ENV)
+    if text is None:
+        return CHECK_EVERY_S
+    try:
+        value = float(text)
+    except ValueError:
+        value = 0.0
+    if math.isfinite(value) and value > 0:
+        return value
+    logger.warning("%s=%r is not a positive number of seconds; checking every %.0f s",
+                   CHECK_EVERY_ENV, text, CHECK_EVERY_S)  # fmt: skip
+    return CHECK_EVERY_S
 
 
 def _broadcast_int(value: int, world_size: int, device: torch.device) -> int:
@@ -87,13 +107,14 @@ class JustInTime:
         save: Callable[[int, torch.Tensor, bool], None],
         check: Callable[[], object],
         send: Callable[..., None] = lambda kind, **item: None,
-        every_s: float = CHECK_EVERY_S,
+        every_s: float | None = None,
         clock: Callable[[], float] = time.time,
         device: torch.device = torch.device("cpu"),
     ) -> None:
         self.rank, self.world_size, self.device = rank, world_size, device
         self._save, self._check, self._send = save, check, send
-        self.every_s, self._clock = every_s, clock
+        self.every_s = check_every_s() if every_s is None else every_s
+        self._clock = clock
         self.steps = 0  # steps this worker group has trained
         self._next = 1  # the step of the next check: the group's first
         self._checked_at_step = 0  # self.steps at the last check
