@@ -31,7 +31,14 @@ os.environ.setdefault("RAY_DEDUP_LOGS", "0")
 # Ray's 2 s: faster polling costs training throughput, benchmarks/README.md).
 from raytrain_mnist.driver.cluster import LOCAL_TRAIN_ENV  # noqa: E402
 
-for _key, _value in {**LOCAL_TRAIN_ENV, "RAY_TRAIN_HEALTH_CHECK_INTERVAL_S": "0.5"}.items():
+# And a worker group that cannot be placed is given up on after 10 s instead of 60: right
+# after a node is lost, an elastic run's first restart asks for the size it had (Ray Train's
+# reserved resources lag the node's death), and would wait the whole timeout for it.
+_TEST_TRAIN_ENV = {
+    "RAY_TRAIN_HEALTH_CHECK_INTERVAL_S": "0.5",
+    "RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S": "10",
+}
+for _key, _value in {**LOCAL_TRAIN_ENV, **_TEST_TRAIN_ENV}.items():
     os.environ.setdefault(_key, _value)
 
 REPO = Path(__file__).resolve().parents[1]
