@@ -23,11 +23,15 @@ MNIST_FILES := train-images-idx3-ubyte train-labels-idx1-ubyte t10k-images-idx3-
 fit: $(STAMP)
 	$(BIN)/python -m raytrain_mnist.fit $(ARGS)
 
+# Two pytest-xdist workers, one work unit per xdist group (tests/conftest.py: in parallel),
+# sent in the order collected.
+PARALLEL := -n 2 --dist loadgroup --no-loadscope-reorder
+
 test: $(STAMP)
-	$(BIN)/python -m pytest $(ARGS)
+	$(BIN)/python -m pytest $(PARALLEL) $(ARGS)
 
 test-fast: $(STAMP)
-	$(BIN)/python -m pytest -m "not slow" $(ARGS)
+	$(BIN)/python -m pytest $(PARALLEL) -m "not slow" $(ARGS)
 
 install: $(STAMP)
 

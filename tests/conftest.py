@@ -317,12 +317,37 @@ def _is_slow(item) -> bool:
         return False
 
 
-@pytest.hookimpl(tryfirst=True)  # before `-m` deselects by marker
+# --------------------------------------------------------------------------- in parallel
+#
+# `make test` runs the suite in two pytest-xdist workers (`-n 2 --dist loadgroup`): most of a
+# Ray test's time is waiting (a process starting, a controller's poll, a head coming up), so
+# two at once fill the machine's two cores. Each work unit is an xdist group: the tests of
+# the shared Rays are one (they need one process: its session fixtures), every other file is
+# its own (its module fixtures start once). Units go out in the order collected: the shared
+# one first, then the files with the most tests that start something, so the longest come
+# first and the short ones fill in at the end.
+
+_SHARED_GROUP = "shared-rays"
+
+
+def _group(item) -> str:
+    return _SHARED_GROUP if _shared_by(item) else item.path.name
+
+
+@pytest.hookimpl(tryfirst=True)  # before `-m` deselects by marker, and before xdist groups
 def pytest_collection_modifyitems(items):
+    slow_in: dict[str, int] = {}
     for item in items:
         if _is_slow(item):
             item.add_marker(pytest.mark.slow)
-    items.sort(key=_shared_by)  # stable: file order within each group
+            slow_in[_group(item)] = slow_in.get(_group(item), 0) + 1
+        item.add_marker(pytest.mark.xdist_group(_group(item)))
+
+    def order(item):
+        group = _group(item)
+        return (group != _SHARED_GROUP, -slow_in.get(group, 0), _shared_by(item))
+
+    items.sort(key=order)  # stable: file order within each group
 
 
 def pytest_runtest_logreport(report):
