@@ -323,11 +323,25 @@ def _is_slow(item) -> bool:
 # Ray test's time is waiting (a process starting, a controller's poll, a head coming up), so
 # two at once fill the machine's two cores. Each work unit is an xdist group: the tests of
 # the shared Rays are one (they need one process: its session fixtures), every other file is
-# its own (its module fixtures start once). Units go out in the order collected: the shared
-# one first, then the files with the most tests that start something, so the longest come
-# first and the short ones fill in at the end.
+# its own (its module fixtures start once). Units go out in the order collected, the longest
+# first so that the short ones fill in at the end: the shared one, the files named in
+# _LONGEST (their seconds in CONTRIBUTING.md's timing), then the files with the most tests
+# that start something.
 
 _SHARED_GROUP = "shared-rays"
+_LONGEST = (
+    "test_ray_up.py",
+    "test_tune.py",
+    "test_runs.py",
+    "test_signals.py",
+    "test_submit.py",
+    "test_connect.py",
+    "test_claim.py",
+    "test_iam.py",
+    "test_notebook.py",
+    "test_netns.py",
+    "test_elastic.py",
+)
 
 
 def _group(item) -> str:
@@ -345,7 +359,8 @@ def pytest_collection_modifyitems(items):
 
     def order(item):
         group = _group(item)
-        return (group != _SHARED_GROUP, -slow_in.get(group, 0), _shared_by(item))
+        known = _LONGEST.index(group) if group in _LONGEST else len(_LONGEST)
+        return (group != _SHARED_GROUP, known, -slow_in.get(group, 0), _shared_by(item))
 
     items.sort(key=order)  # stable: file order within each group
 
