@@ -48,6 +48,19 @@ REPO = Path(__file__).resolve().parents[1]
 MARKER_VAR = "RAYTRAIN_MNIST_TEST_CLUSTER"
 
 
+def wait_for(predicate, what: str, timeout: float = 120, interval: float = 0.2):
+    """``predicate()``'s first answer that is not None, polled; AssertionError naming
+    ``what`` after ``timeout`` seconds."""
+    import time
+
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if (found := predicate()) is not None:
+            return found
+        time.sleep(interval)
+    raise AssertionError(f"timed out after {timeout:.0f} s waiting for {what}")
+
+
 def free_ports(n: int) -> list[int]:
     socks = [socket.socket() for _ in range(n)]
     for s in socks:

@@ -25,7 +25,7 @@ import torch
 
 from raytrain_mnist.nn import checkpoint as ckpt
 from raytrain_mnist.worker.preempt import JustInTime
-from tests.conftest import REPO
+from tests.conftest import REPO, wait_for
 
 # The tests' Rays run without Ray Train's preemption watcher (conftest: LOCAL_TRAIN_ENV, as
 # fit's own one-machine Ray does); these runs turn it on, polling each second instead of 5.
@@ -140,15 +140,6 @@ def _latest(run_dir: Path) -> dict | None:
         return None
 
 
-def _wait_for(predicate, what: str, timeout: float = 120):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if (found := predicate()) is not None:
-            return found
-        time.sleep(0.2)
-    raise AssertionError(f"timed out waiting for {what}")
-
-
 def _replace(cluster, nodes, node_id: str) -> None:
     """Remove the node ``node_id`` (its raylet and workers), add a fresh 1-CPU one."""
     from raytrain_mnist.driver.cluster import loopback_node
@@ -196,7 +187,7 @@ def test_a_preempted_node_costs_at_most_a_step_and_the_run_ends_as_a_calm_one(
         m = _latest(run_dir)
         return m if m and m.get("progress") == "checkpoint" and m["final"] else None
 
-    final = _wait_for(final_checkpoint, "the final just-in-time checkpoint")
+    final = wait_for(final_checkpoint, "the final just-in-time checkpoint")
     _replace(cluster, nodes, node)
     resumed = run.until("resumed after the preemption from ")
     out = run.wait()

@@ -40,7 +40,15 @@ from raytrain_mnist.driver.searching.space import (
     parse_range,
 )
 from raytrain_mnist.nn import checkpoint as ckpt
-from tests.conftest import MARKER_VAR, REPO, kill_marked, run_cli, tiny_run_flags, write_tiny_mnist
+from tests.conftest import (
+    MARKER_VAR,
+    REPO,
+    kill_marked,
+    run_cli,
+    tiny_run_flags,
+    wait_for,
+    write_tiny_mnist,
+)
 
 BEST_KEYS = {
     "best_val_accuracy",
@@ -354,8 +362,13 @@ def test_asha_stops_a_bad_trial_the_next_still_runs_and_a_killed_search_resumes(
         records = {t: exp / "runs" / t / "trial.json" for t in started[:2]}
         assert all(r.is_file() for r in records.values()), "".join(seen)
         records_before = {t: r.read_bytes() for t, r in records.items()}
+        # Tune's own result.json of a trial is written by its driver a little later.
         results_before = {
-            t: next(exp.glob(f"trial_{t}/result.json")).read_text() for t in started[:2]
+            t: wait_for(
+                lambda t=t: next(iter(exp.glob(f"trial_{t}/result.json")), None),
+                f"trial {t}'s result.json",
+            ).read_text()
+            for t in started[:2]
         }
         checkpoints_before = sorted(
             p.name for p in (exp / "runs" / started[0]).glob("checkpoint_*")
