@@ -66,9 +66,10 @@ def test_compiled_convnet_trains_as_eager_and_checkpoints_as_eager(sample_digits
     eager, compiled = _training(cfg, False), _training(cfg, True)
     eager_losses, compiled_losses = _steps(eager, batches), _steps(compiled, batches)
     # Inductor rounds differently (fused kernels, other summation orders): the first loss
-    # agrees to float precision; AdamW's normalised steps let the difference grow to a few
-    # parts in 10,000 over four steps (measured: 3e-4).
-    assert compiled_losses[0] == pytest.approx(eager_losses[0], rel=1e-6)
+    # agrees to float precision (2e-6 measured where an earlier test of the same process had
+    # set torch's threads: its reductions split otherwise); AdamW's normalised steps let the
+    # difference grow to a few parts in 10,000 over four steps (measured: 3e-4).
+    assert compiled_losses[0] == pytest.approx(eager_losses[0], rel=1e-5)
     assert compiled_losses == pytest.approx(eager_losses, rel=2e-3)
     assert compiled_losses[-1] < compiled_losses[0]
 
