@@ -133,6 +133,28 @@ def gcs_refuses_token(address: str, token: str | None, timeout: float) -> bool |
     return False
 
 
+def alive_node_addresses(address: str, token: str | None, timeout: float) -> set[str] | None:
+    """The addresses the cluster's alive nodes registered, asked of the GCS at ``HOST:PORT``
+    (``GetAllNodeInfo``, with the token as :func:`gcs_refuses_token` sends it). None when it
+    cannot tell: ``ray.init`` finds out then."""
+    try:
+        import grpc
+        from ray.core.generated import gcs_pb2, gcs_service_pb2, gcs_service_pb2_grpc
+    except ImportError:
+        return None
+    metadata = [("authorization", f"Bearer {token}")] if token else None
+    with grpc.insecure_channel(address) as channel:
+        stub = gcs_service_pb2_grpc.NodeInfoGcsServiceStub(channel)
+        try:
+            reply = stub.GetAllNodeInfo(
+                gcs_service_pb2.GetAllNodeInfoRequest(), timeout=timeout, metadata=metadata
+            )
+            alive = gcs_pb2.GcsNodeInfo.GcsNodeState.Value("ALIVE")
+            return {n.node_manager_address for n in reply.node_info_list if n.state == alive}
+        except Exception:  # no answer, a refusal or a changed stub: let ray.init find out
+            return None
+
+
 def autoscaler_ceiling() -> dict[str, int] | None:
     """The most resources an autoscaler may provide, when the cluster has one (read from
     the cluster config the autoscaler published). None: no autoscaler we know of."""

@@ -22,6 +22,7 @@ import shutil
 import subprocess
 import sys
 import tempfile
+import time
 import uuid
 from pathlib import Path
 
@@ -177,11 +178,21 @@ def test_two_workers_across_two_namespaces_over_the_named_interface(two_hosts, s
     assert len({w["node_id"] for w in summary["workers"]}) == 2
 
 
+def _client_server_logs(root: Path) -> str:
+    """The tails of the Ray Client servers' logs under ``root`` (why one did not start)."""
+    tails = [
+        f"\n--- {log.name}:\n" + log.read_text(errors="replace")[-2000:]
+        for log in sorted(root.glob("ray/session_*/logs/ray_client_server*"))
+    ]
+    return "".join(tails)
+
+
 @pytest.mark.skipif(_SKIP is not None, reason=_SKIP or "")
 def test_a_head_off_loopback_is_reached_by_its_address_loopback_and_ray_client(two_hosts):
     """A head that registered an address of its host's network (not loopback, not the
     machine's): a driver on its host joins by that address or by 127.0.0.1; a driver on the
-    other host, with no Ray node of its own, through Ray Client (ray://)."""
+    other host, with no Ray node of its own, through Ray Client (ray://), and by the address
+    it is refused in one line that names Ray Client, in seconds."""
     from .test_connect import _DRIVER, WITHIN_S
 
     (head_ns, node_ns), marker = two_hosts
@@ -226,11 +237,22 @@ def test_a_head_off_loopback_is_reached_by_its_address_loopback_and_ray_client(t
         ):
             done = run(ns, sys.executable, "-c", _DRIVER, address)
             lines = [line for line in done.stdout.splitlines() if line.startswith("{")]
-            assert done.returncode == 0 and lines, done.stdout[-2000:] + done.stderr[-3000:]
+            assert done.returncode == 0 and lines, (
+                done.stdout[-2000:] + done.stderr[-3000:] + _client_server_logs(root)
+            )
             seen[address] = json.loads(lines[-1])
+        # By address from the host with no node: Ray would wait a minute for a raylet there.
+        began = time.monotonic()
+        refused = run(node_ns, sys.executable, "-m", "raytrain_mnist", "fit", "--address",
+                      f"{HEAD_IP}:{GCS_PORT}", "--dataset", "sample")  # fmt: skip
+        refused_s = time.monotonic() - began
     finally:
         kill_marked(marker)
         shutil.rmtree(root, ignore_errors=True)
+
+    assert refused.returncode == 1 and refused_s < WITHIN_S, (refused_s, refused.stderr[-3000:])
+    [line] = refused.stderr.splitlines()
+    assert "no node of it runs on this machine" in line and f"ray://{HEAD_IP}:10001" in line
 
     for address, driver in seen.items():
         assert driver["heads"] == ["head_netns"] and driver["task"] == "ran", (address, driver)

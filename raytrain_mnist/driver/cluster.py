@@ -130,6 +130,7 @@ def _connect_to(address: str) -> None:
     head = _find_head(address)
     if not head.address.startswith("ray://"):
         _choose_token(head.address, address)
+        _check_a_node_here(head, address)
     try:
         # A head that listens on loopback alone registered 127.0.0.1: Ray, left to itself,
         # maps a loopback address to the machine's outward one, where nothing of it listens.
@@ -144,6 +145,26 @@ def _connect_to(address: str) -> None:
             )
     except (ConnectionError, RuntimeError, ValueError) as exc:
         raise UserError(f"cannot connect to the Ray cluster at {address}: {_why(exc)}") from exc
+
+
+def _check_a_node_here(head: _Head, address: str) -> None:
+    """A driver joins the cluster through a Ray node on its own machine: without one,
+    ``ray.init`` waits a minute for a raylet that never comes. One line instead, and the
+    way that needs none (Ray Client, or a job)."""
+    if head.loopback_only:
+        return  # that head is on this machine
+    token = _local_token()[0] if os.environ.get("RAY_AUTH_MODE", "").lower() == "token" else None
+    nodes = compat.alive_node_addresses(head.address, token, _CONNECT_TIMEOUT_S)
+    here = _interface_addresses()
+    if nodes is None or not here or nodes & here:
+        return
+    host = split_host_port(head.address)[0]
+    raise UserError(
+        f"cannot connect to the Ray cluster at {address}: no node of it runs on this machine "
+        f"(its nodes: {', '.join(sorted(nodes)) or 'none'}), and a driver needs one; use Ray "
+        f"Client (--address ray://{host}:10001, `ray start --head --ray-client-server-port "
+        "10001`) or `raytrain-mnist submit`"
+    )
 
 
 #: Where Ray reads a cluster's token, in its order (docs: ray-security/token-auth).
@@ -320,17 +341,31 @@ def loopback_node() -> Iterator[None]:
             os.environ[_SINGLE_NODE_VAR] = saved_env
 
 
-def _loopback_interface() -> str | None:
-    """The name of the interface that holds 127.0.0.1 (lo on Linux, lo0 on macOS)."""
+def _interfaces() -> dict[str, set[str]]:
+    """Each interface's IP addresses ({} without psutil, which comes with ray[default])."""
     try:
         import psutil
 
-        for name, addresses in psutil.net_if_addrs().items():
-            if any(a.family == socket.AF_INET and a.address == LOOPBACK for a in addresses):
-                return name
-    except Exception:  # psutil comes with ray[default]; without it Gloo picks as it does
-        pass
-    return None
+        return {
+            name: {a.address.split("%")[0] for a in addresses if a.family in _IP_FAMILIES}
+            for name, addresses in psutil.net_if_addrs().items()
+        }
+    except Exception:
+        return {}
+
+
+_IP_FAMILIES = (socket.AF_INET, socket.AF_INET6)
+
+
+def _interface_addresses() -> set[str]:
+    """Every IP address of this machine's interfaces, loopback's too."""
+    return set().union(*_interfaces().values())
+
+
+def _loopback_interface() -> str | None:
+    """The name of the interface that holds 127.0.0.1 (lo on Linux, lo0 on macOS); None
+    where it cannot tell (Gloo then picks as it does)."""
+    return next((name for name, ips in _interfaces().items() if LOOPBACK in ips), None)
 
 
 def local_runtime_env() -> dict:
