@@ -401,6 +401,17 @@ def pytest_runtest_teardown(item, nextitem):
     for name, last in _LAST_USER.items():
         if item.nodeid == last and name in _STOP_AFTER_LAST_USER:
             _STOP_AFTER_LAST_USER.pop(name)()
+    _no_ray_left(item)
+
+
+def _no_ray_left(item) -> None:
+    """A test that leaves this process connected to a Ray (a shared one aside) fails at its
+    teardown, and the connection goes: else a later test finds a Ray it never started."""
+    ray = sys.modules.get("ray")
+    if ray is None or "ray_local" in _STOP_AFTER_LAST_USER or not ray.is_initialized():
+        return
+    ray.shutdown()
+    raise AssertionError(f"{item.nodeid} left this process connected to a Ray")
 
 
 def _stopping(name: str, stop):
