@@ -408,10 +408,46 @@ def _no_ray_left(item) -> None:
     """A test that leaves this process connected to a Ray (a shared one aside) fails at its
     teardown, and the connection goes: else a later test finds a Ray it never started."""
     ray = sys.modules.get("ray")
+    if _AUTO_INITS:
+        raise AssertionError("a Ray call without a Ray, refused: " + _AUTO_INITS.pop())
     if ray is None or "ray_local" in _STOP_AFTER_LAST_USER or not ray.is_initialized():
         return
     ray.shutdown()
     raise AssertionError(f"{item.nodeid} left this process connected to a Ray")
+
+
+#: What called Ray in this process while no Ray was connected (Ray would start one).
+_AUTO_INITS: list[str] = []
+
+
+def _refuse_auto_init() -> None:
+    """In the tests' own process, a Ray API called while no Ray is connected raises instead
+    of starting a new local Ray (Ray's auto-init): a thread left running by an earlier test
+    would otherwise start one that later tests find. The test during which it happens fails
+    at its teardown, naming the thread and the call."""
+    import traceback
+
+    import ray
+    import ray._private.auto_init_hook as hook
+    import ray._private.client_mode_hook as client_hook
+
+    def refused():
+        if ray.is_initialized():
+            return
+        import threading
+
+        where = "".join(traceback.format_stack(limit=8)[:-1])
+        _AUTO_INITS.append(
+            f"thread {threading.current_thread().name!r} during "
+            f"{os.environ.get('PYTEST_CURRENT_TEST', '?')}:\n{where}"
+        )
+        raise RuntimeError("no Ray is connected in the tests' process (auto-init is off)")
+
+    hook.auto_init_ray = refused
+    client_hook.auto_init_ray = refused
+
+
+_refuse_auto_init()
 
 
 def _stopping(name: str, stop):
