@@ -378,6 +378,29 @@ def pytest_collection_modifyitems(items):
     items.sort(key=order)  # stable: file order within each group
 
 
+class _XdistGroupSuffix:
+    """pytest-xdist (3.8) sends a group to one worker by suffixing each test's node id with
+    ``@group``, set as ``item._nodeid``; pytest 9.2 keeps the id in ``item._id``, so the
+    suffix is lost and groups are split. This sets it where pytest 9.2 reads it."""
+
+    @pytest.hookimpl(trylast=True)  # after xdist's own
+    def pytest_collection_modifyitems(self, config, items):
+        if not config.getvalue("loadgroup"):
+            return
+        from _pytest.nodeid import coerce_node_id
+
+        for item in items:
+            group = item.get_closest_marker("xdist_group")
+            suffix = f"@{group.args[0]}" if group and group.args else ""
+            if suffix and not item.nodeid.endswith(suffix):
+                item._id = coerce_node_id(item.nodeid + suffix)
+
+
+def pytest_configure(config):
+    if hasattr(config.option, "loadgroup") or config.pluginmanager.hasplugin("xdist"):
+        config.pluginmanager.register(_XdistGroupSuffix(), "raytrain-xdist-group-suffix")
+
+
 def pytest_runtest_logreport(report):
     if report.when == "call" and report.duration > _FAST_S and "slow" not in report.keywords:
         _UNMARKED_SLOW.append((report.nodeid, report.duration))
