@@ -385,7 +385,7 @@ class _XdistGroupSuffix:
 
     @pytest.hookimpl(trylast=True)  # after xdist's own
     def pytest_collection_modifyitems(self, config, items):
-        if not config.getvalue("loadgroup"):
+        if not getattr(config.option, "loadgroup", False):  # set in xdist's workers only
             return
         from _pytest.nodeid import coerce_node_id
 
