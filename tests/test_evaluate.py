@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import shutil
+import signal
 from pathlib import Path
 
 import pytest
@@ -88,9 +89,12 @@ def test_several_workers_score_like_one_process(trained_run, tmp_path):
     """2 Ray workers (exact shards, all-reduced) give the same answer, image for image."""
     latest = Path(trained_run["latest_checkpoint"]) / "state.pt"  # a state.pt file works too
     one = evaluate_checkpoint(latest, out=tmp_path / "one")
+    handler = signal.getsignal(signal.SIGINT)
     two = evaluate_checkpoint(
         latest, out=tmp_path / "two", workers=RunSettings.from_flags(num_workers=2)
     )
+    # Ray Train's own Ctrl-C handler for the run (it aborts that run's controller) is gone.
+    assert signal.getsignal(signal.SIGINT) is handler
     assert isinstance(two, Evaluation)
     assert one.epoch == two.epoch == trained_run["epochs_completed"]
     assert two.test_size == 203 and two.num_workers == 2

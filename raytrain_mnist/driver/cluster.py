@@ -313,6 +313,21 @@ def keeping_sigterm_handler() -> Iterator[None]:
             signal.signal(signal.SIGTERM, before)
 
 
+@contextlib.contextmanager
+def keeping_sigint_handler() -> Iterator[None]:
+    """Around a ``trainer.fit()`` on the main thread: Ray Train installs a SIGINT handler that
+    aborts that run's controller and never takes it down, so a later Ctrl-C (in a notebook,
+    after ``evaluate``) would call a controller long gone, with Ray's auto-init starting a new
+    local Ray when Ray is down. The handler from before is put back."""
+    main = threading.current_thread() is threading.main_thread()
+    before = signal.getsignal(signal.SIGINT) if main else None
+    try:
+        yield
+    finally:
+        if main and before is not None:
+            signal.signal(signal.SIGINT, before)
+
+
 #: The address a Ray this process starts binds its servers to: nothing outside the machine.
 LOOPBACK = "127.0.0.1"
 #: Ray's single-node switch (its default on macOS and Windows): the node IP is loopback.

@@ -292,7 +292,8 @@ def _score_on_ray(weights: dict, data, amp: str, run: RunSettings) -> dict[str, 
                 run, score_per_worker, config, cpus_per_worker, storage, "evaluate"
             )
             try:
-                return trainer.fit().return_value
+                with cluster.keeping_sigint_handler():
+                    return trainer.fit().return_value
             except ray.train.TrainingFailedError as exc:
                 raise UserError(f"evaluation failed: {cause_line(exc)}") from exc
     finally:
