@@ -11,9 +11,11 @@ from __future__ import annotations
 import json
 import os
 import re
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 import uuid
 from pathlib import Path
@@ -149,8 +151,7 @@ def test_a_stopped_fit_lets_go_of_ray_before_ray_shuts_down(tiny_mnist, tmp_path
     from raytrain_mnist.driver.fitting import fit
     from raytrain_mnist.fit import parse_config
 
-    ray_tmp = tmp_path.parent / f"rt{tmp_path.name[-6:]}"  # short: unix socket paths
-    ray_tmp.mkdir()
+    ray_tmp = Path(tempfile.mkdtemp(prefix="rt", dir="/tmp"))  # short: unix socket paths
     monkeypatch.setenv("RAY_TMPDIR", str(ray_tmp))
     monkeypatch.setenv(MARKER_VAR, marker := uuid.uuid4().hex)
     seen: dict = {}
@@ -182,6 +183,7 @@ def test_a_stopped_fit_lets_go_of_ray_before_ray_shuts_down(tiny_mnist, tmp_path
         result = fit(cfg, on_event)
     finally:
         kill_marked(marker)
+        shutil.rmtree(ray_tmp, ignore_errors=True)
     assert result.status == "interrupted" and 1 <= result.summary["epochs_completed"] < 30
     assert seen["threads"] == [], seen
     assert "ObjectRef" not in seen["garbage"] and "ActorHandle" not in seen["garbage"], seen
