@@ -135,6 +135,11 @@ def test_sigterm_stops_tune_as_ctrl_c_does_and_exits_143(tiny_mnist, tmp_path, r
     no_process_left(ray_env[MARKER_VAR])
 
 
+@pytest.mark.skipif(
+    bool(os.environ.get("PYTEST_XDIST_WORKER")),
+    reason="its Ctrl-C (_thread.interrupt_main) ends an xdist worker; runs in one process "
+    "(make test PARALLEL=, or pytest alone)",
+)
 def test_a_stopped_fit_lets_go_of_ray_before_ray_shuts_down(tiny_mnist, tmp_path, monkeypatch):
     """The stop protocol, in process: Ctrl-C once the first epoch is committed, and by the
     time ``ray.shutdown()`` starts no thread of the fit runs and no garbage holds Ray's
