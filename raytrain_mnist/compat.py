@@ -108,6 +108,19 @@ def auto_address() -> str | None:
         quiet.setLevel(level)
 
 
+@contextlib.contextmanager
+def _node_info_stub(address: str, token: str | None):
+    """The GCS's node-info service at ``HOST:PORT`` on a plain gRPC channel, and the
+    metadata that carries ``token`` as Ray's own clients send it (``authorization: Bearer``,
+    2.60's token auth; None without one)."""
+    import grpc
+    from ray.core.generated import gcs_service_pb2_grpc
+
+    metadata = [("authorization", f"Bearer {token}")] if token else None
+    with grpc.insecure_channel(address) as channel:
+        yield gcs_service_pb2_grpc.NodeInfoGcsServiceStub(channel), metadata
+
+
 def gcs_refuses_token(address: str, token: str | None, timeout: float) -> bool | None:
     """Whether the GCS at ``HOST:PORT`` refuses a request with this token (None: without
     one), asked with its cheapest call (``GetClusterId``, what ``ray.init`` asks first) and
@@ -116,12 +129,10 @@ def gcs_refuses_token(address: str, token: str | None, timeout: float) -> bool |
     the stubs moved): ``ray.init`` finds out then."""
     try:
         import grpc
-        from ray.core.generated import gcs_service_pb2, gcs_service_pb2_grpc
+        from ray.core.generated import gcs_service_pb2
     except ImportError:
         return None
-    metadata = [("authorization", f"Bearer {token}")] if token else None
-    with grpc.insecure_channel(address) as channel:
-        stub = gcs_service_pb2_grpc.NodeInfoGcsServiceStub(channel)
+    with _node_info_stub(address, token) as (stub, metadata):
         try:
             stub.GetClusterId(
                 gcs_service_pb2.GetClusterIdRequest(), timeout=timeout, metadata=metadata
@@ -138,13 +149,11 @@ def alive_node_addresses(address: str, token: str | None, timeout: float) -> set
     (``GetAllNodeInfo``, with the token as :func:`gcs_refuses_token` sends it). None when it
     cannot tell: ``ray.init`` finds out then."""
     try:
-        import grpc
-        from ray.core.generated import gcs_pb2, gcs_service_pb2, gcs_service_pb2_grpc
+        import grpc  # noqa: F401  (the channel's; without it, ray.init finds out)
+        from ray.core.generated import gcs_pb2, gcs_service_pb2
     except ImportError:
         return None
-    metadata = [("authorization", f"Bearer {token}")] if token else None
-    with grpc.insecure_channel(address) as channel:
-        stub = gcs_service_pb2_grpc.NodeInfoGcsServiceStub(channel)
+    with _node_info_stub(address, token) as (stub, metadata):
         try:
             reply = stub.GetAllNodeInfo(
                 gcs_service_pb2.GetAllNodeInfoRequest(), timeout=timeout, metadata=metadata
