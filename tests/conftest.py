@@ -397,8 +397,7 @@ class _XdistGroupSuffix:
 
 
 def pytest_configure(config):
-    if hasattr(config.option, "loadgroup") or config.pluginmanager.hasplugin("xdist"):
-        config.pluginmanager.register(_XdistGroupSuffix(), "raytrain-xdist-group-suffix")
+    config.pluginmanager.register(_XdistGroupSuffix(), "raytrain-xdist-group-suffix")
 
 
 def pytest_runtest_logreport(report):
