@@ -418,12 +418,34 @@ def pytest_collection_finish(session):
             _LAST_USER[_SHARED[rank - 1]] = item.nodeid
 
 
+@pytest.hookimpl(tryfirst=True)
+def pytest_runtest_setup(item):
+    item.stash[_SIGINT_BEFORE] = signal.getsignal(signal.SIGINT)
+
+
 @pytest.hookimpl(trylast=True)
 def pytest_runtest_teardown(item, nextitem):
     for name, last in _LAST_USER.items():
         if item.nodeid == last and name in _STOP_AFTER_LAST_USER:
             _STOP_AFTER_LAST_USER.pop(name)()
     _no_ray_left(item)
+    _sigint_handler_kept(item)
+
+
+_SIGINT_BEFORE = pytest.StashKey[object]()
+
+
+def _sigint_handler_kept(item) -> None:
+    """A test (or a fixture it started) that leaves a SIGINT handler behind fails at its
+    teardown, and the handler from before is put back. Ray Train's ``trainer.fit()`` on the
+    main thread installs one that aborts its own, long-gone controller: a later test's Ctrl-C
+    would reach it and Ray would auto-init."""
+    before = item.stash.get(_SIGINT_BEFORE, None)
+    now = signal.getsignal(signal.SIGINT)
+    if before is None or now is before:
+        return
+    signal.signal(signal.SIGINT, before)
+    raise AssertionError(f"{item.nodeid} left a SIGINT handler installed: {now!r}")
 
 
 def _no_ray_left(item) -> None:

@@ -12,6 +12,7 @@ import torch.nn.functional as F
 from torch.utils.data import DistributedSampler
 
 from raytrain_mnist.config import TrainConfig
+from raytrain_mnist.driver import cluster
 from raytrain_mnist.nn.model import ConvNet, normalize
 from raytrain_mnist.nn.optim import build_optimizer
 from raytrain_mnist.nn.score import evaluate, shard
@@ -87,7 +88,8 @@ def on_three_workers(ray_local, tmp_path_factory, sample_digits) -> dict:
         scaling_config=ScalingConfig(num_workers=WORLD),
         run_config=RunConfig(storage_path=str(tmp_path_factory.mktemp("ddp"))),
     )
-    return {**data, **trainer.fit().return_value}
+    with cluster.keeping_sigint_handler():  # as the product's evaluate does
+        return {**data, **trainer.fit().return_value}
 
 
 def test_one_ddp_step_on_three_workers_matches_one_single_process_step(on_three_workers):

@@ -131,20 +131,34 @@ def _connect_to(address: str) -> None:
     if not head.address.startswith("ray://"):
         _choose_token(head.address, address)
         _check_a_node_here(head, address)
-    try:
-        # A head that listens on loopback alone registered 127.0.0.1: Ray, left to itself,
-        # maps a loopback address to the machine's outward one, where nothing of it listens.
-        with (
-            loopback_node() if head.loopback_only else contextlib.nullcontext(),
-            keeping_sigterm_handler(),
-        ):
-            ray.init(
-                address=head.address,
-                logging_level=logging.WARNING,
-                log_to_driver=_worker_logs_to_driver(),
-            )
-    except (ConnectionError, RuntimeError, ValueError) as exc:
-        raise UserError(f"cannot connect to the Ray cluster at {address}: {_why(exc)}") from exc
+    for attempt in range(2):
+        try:
+            # A head that listens on loopback alone registered 127.0.0.1: Ray, left to
+            # itself, maps a loopback address to the machine's outward one, where nothing of
+            # it listens.
+            with (
+                loopback_node() if head.loopback_only else contextlib.nullcontext(),
+                keeping_sigterm_handler(),
+            ):
+                ray.init(
+                    address=head.address,
+                    logging_level=logging.WARNING,
+                    log_to_driver=_worker_logs_to_driver(),
+                )
+            return
+        except (ConnectionError, RuntimeError, ValueError) as exc:
+            if attempt == 0 and _RAY_CLIENT_SERVER_DIED in str(exc):
+                # The head's Ray Client proxy starts one server per client; that process
+                # now and then exits as it starts, saying nothing. A new client gets a new
+                # one.
+                logger.warning("Ray Client's server for this driver did not start; again")
+                continue
+            why = _why(exc)
+            raise UserError(f"cannot connect to the Ray cluster at {address}: {why}") from exc
+
+
+#: What Ray Client's proxy answers when the server it started for a client exited at once.
+_RAY_CLIENT_SERVER_DIED = "Starting Ray client server failed"
 
 
 def _check_a_node_here(head: _Head, address: str) -> None:
