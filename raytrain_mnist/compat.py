@@ -22,7 +22,7 @@ them: the worker, the driver and Serve replicas may all import it.
 | :func:`autoscaler_ceiling` | ``ray._private.state.state.get_max_resources_from_cluster_config`` | placement checks cannot count nodes an autoscaler would add |
 | :func:`controller_callback_base` | ``ray.train.v2._internal.execution.callback.ControllerCallback`` | Ctrl-C cannot abort a run's controller: the run stops only with the Ray that runs it |
 | :func:`worker_group_callback_base` | ``ray.train.v2._internal.execution.callback.WorkerGroupCallback`` | ``summary.json``'s timeline has no "worker group started" moment |
-| :func:`cleaner_asks_gcs` | ``ray.train.v2._internal.callbacks.placement_group_callback``, ``...controller.placement_group_cleaner.is_actor_alive``, ``ray._private.state`` | every run's teardown waits 12 s for Ray Train's PlacementGroupCleaner (its State API call blocks for 40 s without a dashboard) |
+| :func:`lighter_run_callbacks` | ``ray.train.v2._internal.callbacks.placement_group_callback``, ``...callbacks.datasets.DatasetsCallback``, ``...controller.placement_group_cleaner.is_actor_alive``, ``ray._private.state`` | every run's teardown waits 12 s for Ray Train's PlacementGroupCleaner (its State API call blocks for 40 s without a dashboard), and every run starts a DatasetManager actor it never uses |
 | :func:`quiet_train_report_log` | ``ray.train.v2._internal.execution.context`` | every report logs an INFO line |
 | :func:`serve_http_config` | ``ray.serve.context._get_global_client`` | a second ``serve`` with other HTTP settings is not refused up front |
 | :func:`serve_http_reuses_address` | ``ray.serve._private.http_util.socket`` | a direct replica that replaces a dead one cannot bind the port for a minute (its connections' TIME_WAIT) |
@@ -208,13 +208,18 @@ def worker_group_callback_base() -> type | None:
 _CLEANER_NAMES = ("GcsPlacementGroupCleanerCallback", "GcsPlacementGroupCleaner")
 
 
-def cleaner_asks_gcs() -> None:
+def lighter_run_callbacks() -> None:
     """In the driver, before a trainer's ``fit``: Ray Train's default PlacementGroupCleaner
     callback is swapped for one whose cleaner asks the GCS whether the controller lives (the
     classes are built on first use here, so that the controller and the cleaner's processes
-    unpickle them by name). Without the names as read in 2.60 Ray's own is kept."""
+    unpickle them by name). And a trainer given no Ray Datasets (all of ours: each rank reads
+    its shard through ``prepare_data_loader``) gets no DatasetsCallback: it starts a
+    DatasetManager actor for every worker group regardless, a process that imports Ray Data
+    (1.5 CPU s of every run's CPU-bound start-up, 2026-12-01) and serves nothing. Without the
+    names as read in 2.60 Ray's own callbacks are kept."""
     try:
         from ray.train.v2._internal.callbacks import placement_group_callback as module
+        from ray.train.v2._internal.callbacks.datasets import DatasetsCallback
         from ray.train.v2.api.data_parallel_trainer import DataParallelTrainer
     except ImportError:
         return
@@ -226,9 +231,8 @@ def cleaner_asks_gcs() -> None:
         return
 
     def create_default_callbacks(self):
-        return [
-            ours() if type(c) is module.PlacementGroupCleanerCallback else c for c in default(self)
-        ]
+        kept = [c for c in default(self) if self.datasets or type(c) is not DatasetsCallback]
+        return [ours() if type(c) is module.PlacementGroupCleanerCallback else c for c in kept]
 
     create_default_callbacks._asks_gcs = True
     DataParallelTrainer._create_default_callbacks = create_default_callbacks

@@ -312,6 +312,7 @@ _SLOW_TESTS = frozenset(
     {
         "test_gpu.py::test_the_gpu_benchmark_runs_its_seeds_and_steps_on_cpu",
         "test_signals.py::test_a_stopped_fit_lets_go_of_ray_before_ray_shuts_down",
+        "test_signals.py::test_a_stopped_fit_lets_go_of_ray_before_ray_shuts_down_in_its_own_pytest",
         "test_compile.py::test_compiled_convnet_trains_as_eager_and_checkpoints_as_eager",
     }
 )

@@ -135,10 +135,30 @@ def test_sigterm_stops_tune_as_ctrl_c_does_and_exits_143(tiny_mnist, tmp_path, r
     no_process_left(ray_env[MARKER_VAR])
 
 
+_IN_XDIST = bool(os.environ.get("PYTEST_XDIST_WORKER"))
+
+
+@pytest.mark.skipif(not _IN_XDIST, reason="the test below runs in this process itself")
+def test_a_stopped_fit_lets_go_of_ray_before_ray_shuts_down_in_its_own_pytest():
+    """Under xdist (make test), the next test in a pytest process of its own: its Ctrl-C
+    (``_thread.interrupt_main``) would end the xdist worker it ran in."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("PYTEST_XDIST", "PYTEST_CURR"))}
+    test = f"{Path(__file__).name}::test_a_stopped_fit_lets_go_of_ray_before_ray_shuts_down"
+    done = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", f"tests/{test}"],
+        env=env,
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
+    assert done.returncode == 0 and "1 passed" in done.stdout, (
+        done.stdout[-4000:] + done.stderr[-2000:]
+    )
+
+
 @pytest.mark.skipif(
-    bool(os.environ.get("PYTEST_XDIST_WORKER")),
-    reason="its Ctrl-C (_thread.interrupt_main) ends an xdist worker; runs in one process "
-    "(make test PARALLEL=, or pytest alone)",
+    _IN_XDIST, reason="its Ctrl-C would end this xdist worker: the test above runs it"
 )
 def test_a_stopped_fit_lets_go_of_ray_before_ray_shuts_down(tiny_mnist, tmp_path, monkeypatch):
     """The stop protocol, in process: Ctrl-C once the first epoch is committed, and by the

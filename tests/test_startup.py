@@ -67,7 +67,7 @@ def test_every_startup_and_teardown_moment_is_recorded_in_order(timed_fit):
     assert timeline["teardown_s"]["last_report"] > timeline["startup_s"]["first_step"]
     assert "same clock" in timeline["worker_clock"]
     # Ray Train's PlacementGroupCleaner held the worker group's shutdown for 12 s (its State
-    # API call); asking the GCS takes milliseconds (compat.cleaner_asks_gcs).
+    # API call); asking the GCS takes milliseconds (compat.lighter_run_callbacks).
     teardown = timeline["teardown_s"]
     assert teardown["worker_group_shut_down"] - teardown["workers_finished"] < 6, teardown
     # The curves were drawn and written before Ray shut down.
