@@ -47,9 +47,11 @@ NOTICE_ENV = {
 class _Fit:
     """``python -m raytrain_mnist.fit ARGS``; its lines read on a thread."""
 
+    module = "raytrain_mnist.fit"
+
     def __init__(self, args: list[str], env: dict | None = None) -> None:
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "raytrain_mnist.fit", *args],
+            [sys.executable, "-m", self.module, *args],
             stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT,
             text=True,
@@ -214,6 +216,77 @@ def test_a_preempted_node_costs_at_most_a_step_and_the_run_ends_as_a_calm_one(
     for key, value in calm_state["model"].items():
         assert torch.equal(hurt_state["model"][key], value), key
     assert summary["val_accuracy"] == calm["val_accuracy"]
+
+
+def test_a_tune_trial_on_a_preempted_node_resumes_from_its_just_in_time_checkpoint(
+    two_nodes, fitted, tiny_mnist, tmp_path
+):
+    """One trial with the calm run's settings, its two workers on two 1-CPU nodes; a third
+    holds the trial actor (0.01 CPU: no room left there for a worker). After the trial's
+    second epoch rank 1's node is preempted: the trial's Train run checkpoints just in time,
+    Ray Train resumes it from that step inside the trial, and the trial ends with the
+    weights of ``fitted``, bit for bit: Tune charged it nothing."""
+    from raytrain_mnist.driver.cluster import loopback_node
+
+    cluster, nodes = two_nodes
+    with loopback_node():
+        nodes.append(cluster.add_node(num_cpus=1))
+    cluster.wait_for_nodes()
+    train, calm = fitted["cfg"].train, fitted["summary"]
+    flags = _args(cluster, tiny_mnist, tmp_path, "spot-tune", train)
+    epochs = flags.index("--epochs")
+    flags[epochs : epochs + 2] = ["--max-epochs", str(train.epochs)]
+    fixed = ["--momentum", str(train.momentum), "--weight-decay", str(train.weight_decay)]
+    search = _Tune([*flags, *fixed, "--num-samples", "1", "--scheduler", "fifo"], NOTICE_ENV)
+    try:
+        trial = search.until_in(" started: ").split()[1]
+        run_dir = tmp_path / "spot-tune" / "runs" / trial
+        wait_for(lambda: _reached(run_dir, 1), "the trial's first epoch", timeout=300)
+        began = time.monotonic()
+        wait_for(lambda: _reached(run_dir, 2), "the trial's second epoch")
+        notice_s = max(3.0, 3 * (time.monotonic() - began))
+        node = _ranks_by_node(run_dir)[1]
+        accepted, rejection = _drain(cluster, node, "DRAIN_NODE_REASON_PREEMPTION", notice_s)
+        assert accepted, rejection
+
+        def final_checkpoint():
+            m = _latest(run_dir)
+            return m if m and m.get("progress") == "checkpoint" and m["final"] else None
+
+        final = wait_for(final_checkpoint, "the trial's final just-in-time checkpoint")
+        _replace(cluster, nodes, node)
+        out = search.wait()
+    finally:
+        search.proc.kill()
+        cluster.remove_node(nodes.pop())  # two_nodes' two again
+    assert search.proc.returncode == 0, out
+    assert f"trial {trial} finished" in out, out
+    record = json.loads((run_dir / "trial.json").read_text())
+    assert [h["epoch"] for h in record["history"]] == list(range(1, train.epochs + 1)), record
+    # Resumed at the checkpoint's step: an epoch-start resume would train that epoch's first
+    # steps twice and end elsewhere.
+    assert final["step"] > 0, final
+    hurt_state = ckpt.load(_latest_checkpoint(run_dir))
+    calm_state = ckpt.load(calm["latest_checkpoint"])
+    for key, value in calm_state["model"].items():
+        assert torch.equal(hurt_state["model"][key], value), key
+
+
+class _Tune(_Fit):
+    """``python -m raytrain_mnist.tune ARGS``, read as :class:`_Fit` reads a fit."""
+
+    module = "raytrain_mnist.tune"
+
+
+def _reached(run_dir: Path, epoch: int) -> bool | None:
+    """True once the Train run at ``run_dir`` committed ``epoch`` (None before: wait_for)."""
+    m = _latest(run_dir)
+    return True if m and m.get("progress") != "checkpoint" and m["epoch"] >= epoch else None
+
+
+def _latest_checkpoint(run_dir: Path) -> str:
+    snapshot = json.loads((run_dir / "checkpoint_manager_snapshot.json").read_text())
+    return str(run_dir / snapshot["latest_checkpoint_result"]["checkpoint_dir_name"])
 
 
 def test_with_max_preemptions_0_a_preemption_fails_the_run_in_one_line(

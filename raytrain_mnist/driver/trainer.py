@@ -16,10 +16,17 @@ from raytrain_mnist.config import CHECKPOINT_METRIC, RunSettings
 FORWARDED = ("RAYTRAIN_MNIST_PREEMPTION_CHECK_S",)
 
 
-def worker_env(run: RunSettings) -> dict[str, str]:
-    """Environment variables every worker needs for this run's settings."""
+def forwarded_env() -> dict[str, str]:
+    """This process's values of :data:`FORWARDED`."""
+    return {name: os.environ[name] for name in FORWARDED if name in os.environ}
+
+
+def worker_env(run: RunSettings, forwarded: dict[str, str] | None = None) -> dict[str, str]:
+    """Environment variables every worker needs for this run's settings; ``forwarded``:
+    the :data:`FORWARDED` values of the command's own process, where that is not this one
+    (a Tune trial runs in an actor, whose environment is its node's)."""
     ifname = run.torch.socket_ifname
-    env = {name: os.environ[name] for name in FORWARDED if name in os.environ}
+    env = forwarded_env() if forwarded is None else dict(forwarded)
     return {**env, "GLOO_SOCKET_IFNAME": ifname, "NCCL_SOCKET_IFNAME": ifname} if ifname else env
 
 
@@ -32,6 +39,7 @@ def build_trainer(
     name: str,
     callbacks: list | None = None,
     storage_filesystem=None,
+    forwarded: dict[str, str] | None = None,
 ):
     """A ``TorchTrainer`` running ``train_func(loop_config)`` on ``run.scaling.num_workers``
     workers (a count, or an elastic range) of ``cpus_per_worker`` CPUs (and
@@ -43,7 +51,7 @@ def build_trainer(
     # Ray Train's PlacementGroupCleaner asks the State API, which holds every run's teardown
     # for 12 s, and its DatasetManager serves datasets we never pass (compat says more).
     compat.lighter_run_callbacks()
-    env_vars = worker_env(run)
+    env_vars = worker_env(run, forwarded)
     scaling = run.scaling
     resources = {"CPU": cpus_per_worker, **({"GPU": scaling.gpus} if scaling.use_gpu else {})}
     return TorchTrainer(

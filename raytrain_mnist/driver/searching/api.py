@@ -54,6 +54,7 @@ from raytrain_mnist.driver.searching.space import (
     experiment_identity,
     experiment_name,
 )
+from raytrain_mnist.driver.trainer import forwarded_env
 from raytrain_mnist.errors import EXIT_USAGE, UserError
 
 
@@ -230,6 +231,7 @@ def _build(ctx: _Search) -> TuneRun:
         cpus_per_worker=ctx.cpus_per_worker,
         runs_root=ctx.session.runs_root,
         plan=ctx.session.plan,
+        forwarded=forwarded_env(),
     )
     return TuneRun(
         trainable=trainable(setup, ray.put(ctx.data)),

@@ -57,6 +57,7 @@ class TrialSetup:
     cpus_per_worker: int
     runs_root: str
     plan: dict[str, dict]  # trial name -> the values it draws
+    forwarded: dict[str, str]  # the command's trainer.FORWARDED variables, for the workers
 
 
 def _trial(config: dict, setup: TrialSetup, data: list) -> None:
@@ -84,6 +85,7 @@ def _trial(config: dict, setup: TrialSetup, data: list) -> None:
         setup.runs_root,
         name,
         callbacks=[TuneReportCallback()],
+        forwarded=setup.forwarded,
     )
     trainer.fit()  # raises when the run fails: Tune records the error and may retry
 
