@@ -427,7 +427,9 @@ def test_ninety_pngs_of_63_ztxt_chunks_are_cheap():
     assert len(body) > 7 * 2**20
     images, cpu = _cpu(body)
     assert images is not None and images.shape == (90, 28, 28)
-    assert cpu <= BODY_CPU_S, f"{cpu * 1000:.0f} ms"
+    # Its 7.6 MiB of JSON and base64 alone take 30-55 ms here (measured, quiet and loaded), so
+    # the bound is 0.5 s: 20x under the 10 s of reading the chunks, never the machine's noise.
+    assert cpu <= 0.5, f"{cpu * 1000:.0f} ms"
     print(f"90 PNGs x 63 zTXt ({len(body)} bytes): {cpu * 1000:.1f} ms of CPU")
 
 

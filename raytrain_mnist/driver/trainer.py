@@ -45,31 +45,19 @@ def build_trainer(
     workers (a count, or an elastic range) of ``cpus_per_worker`` CPUs (and
     ``run.scaling.gpus`` GPUs) each, its run directory ``<storage>/<name>``."""
     import ray
-    from ray.train import CheckpointConfig, FailureConfig, RunConfig, ScalingConfig
+    from ray.train import CheckpointConfig, FailureConfig, RunConfig
     from ray.train.torch import TorchConfig, TorchTrainer
 
     # Ray Train's PlacementGroupCleaner asks the State API, which holds every run's teardown
     # for 12 s, and its DatasetManager serves datasets we never pass (compat says more).
     compat.lighter_run_callbacks()
     env_vars = worker_env(run, forwarded)
-    scaling = run.scaling
-    resources = {"CPU": cpus_per_worker, **({"GPU": scaling.gpus} if scaling.use_gpu else {})}
     return TorchTrainer(
         train_func,
         train_loop_config=loop_config,
         # Workers sharing a GPU get Gloo (on CUDA tensors): NCCL refuses two ranks on one device.
         torch_config=TorchConfig(backend=run.resolved_backend, init_method=run.torch.init_method),
-        # A (min, max) range is Ray's elastic policy: when it finds room to grow (or less
-        # than the group holds) it restarts the group from the latest checkpoint, and that is
-        # no failure. A node lost without notice kills its workers: that one is a failure
-        # (--max-failures), after which the group restarts at the size that fits.
-        scaling_config=ScalingConfig(
-            num_workers=tuple(scaling.num_workers) if scaling.elastic else scaling.num_workers,
-            elastic_resize_monitor_interval_s=scaling.resize_check_s,
-            use_gpu=scaling.use_gpu,
-            resources_per_worker=resources,
-            placement_strategy=scaling.placement_strategy,
-        ),
+        scaling_config=_scaling_config(run, cpus_per_worker),
         run_config=RunConfig(
             name=name,
             storage_path=storage,
@@ -90,4 +78,23 @@ def build_trainer(
             logging_config=ray.LoggingConfig(log_level="WARNING"),
             worker_runtime_env={"env_vars": env_vars} if env_vars else None,
         ),
+    )
+
+
+def _scaling_config(run: RunSettings, cpus_per_worker: int):
+    """Ray Train's ScalingConfig of ``run``. A (min, max) range is Ray's elastic policy: when
+    it finds room to grow (or less than the group holds) it restarts the group from the
+    latest checkpoint, and that is no failure. A node lost without notice kills its workers:
+    that one is a failure (--max-failures), after which the group restarts at the size that
+    fits."""
+    from ray.train import ScalingConfig
+
+    scaling = run.scaling
+    resources = {"CPU": cpus_per_worker, **({"GPU": scaling.gpus} if scaling.use_gpu else {})}
+    return ScalingConfig(
+        num_workers=tuple(scaling.num_workers) if scaling.elastic else scaling.num_workers,
+        elastic_resize_monitor_interval_s=scaling.resize_check_s,
+        use_gpu=scaling.use_gpu,
+        resources_per_worker=resources,
+        placement_strategy=scaling.placement_strategy,
     )
