@@ -47,6 +47,19 @@ def _write_lease(run: Run, record: dict) -> bytes:
     return payload
 
 
+def _keep_taken(run: Run, theirs: bytes, proc: subprocess.Popen) -> None:
+    """While ``proc`` runs, the lease is written back to ``theirs`` whenever it differs."""
+    while proc.poll() is None:
+        try:
+            with run.files.filesystem.open_input_stream(_lease_path(run)) as f:
+                now = f.read()
+        except FileNotFoundError:
+            now = b""
+        if now != theirs and proc.poll() is None:
+            _write_lease(run, json.loads(theirs))
+        time.sleep(0.5)
+
+
 def _in_own_pid_namespace() -> list[str]:
     """The words that start a command in a PID namespace of its own, as a container on this
     host would be (same hostname, same boot id, another process table)."""
@@ -367,7 +380,13 @@ def test_a_fit_whose_lease_is_taken_stops_in_one_line_and_keeps_its_checkpoint(
         else:
             raise AssertionError("".join(seen) + stderr.read_text())
         theirs = _write_lease(run, {"token": "rival", "pid": 4242, "host": "elsewhere"})
+        # A renewal that read the fit's own lease just before this write lands after it:
+        # renewals are read-then-write, S3 has no compare-and-swap through pyarrow. The rival
+        # takes the lease back while the fit runs, as a command that renews its own would.
+        rival = threading.Thread(target=_keep_taken, args=(run, theirs, proc), daemon=True)
+        rival.start()
         out = "".join(seen) + proc.communicate(timeout=240)[0]
+        rival.join(10)
         err = stderr.read_text()
         assert proc.returncode == 130, out + err
         no_process_left(marker)  # the Ray the command started went with it
