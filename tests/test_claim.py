@@ -49,14 +49,10 @@ def _write_lease(run: Run, record: dict) -> bytes:
 
 def _keep_taken(run: Run, theirs: bytes, proc: subprocess.Popen) -> None:
     """While ``proc`` runs, the lease is written back to ``theirs`` whenever it differs."""
+    record = json.loads(theirs)
     while proc.poll() is None:
-        try:
-            with run.files.filesystem.open_input_stream(_lease_path(run)) as f:
-                now = f.read()
-        except FileNotFoundError:
-            now = b""
-        if now != theirs and proc.poll() is None:
-            _write_lease(run, json.loads(theirs))
+        if _read_lease(run) != record and proc.poll() is None:
+            _write_lease(run, record)
         time.sleep(0.5)
 
 

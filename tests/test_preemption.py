@@ -23,6 +23,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from raytrain_mnist.driver.runs import Run
 from raytrain_mnist.nn import checkpoint as ckpt
 from raytrain_mnist.worker.preempt import JustInTime
 from tests.conftest import REPO, wait_for
@@ -266,7 +267,7 @@ def test_a_tune_trial_on_a_preempted_node_resumes_from_its_just_in_time_checkpoi
     # Resumed at the checkpoint's step: an epoch-start resume would train that epoch's first
     # steps twice and end elsewhere.
     assert final["step"] > 0, final
-    hurt_state = ckpt.load(_latest_checkpoint(run_dir))
+    hurt_state = ckpt.load(Run(run_dir.parent, trial).latest_checkpoint())
     calm_state = ckpt.load(calm["latest_checkpoint"])
     for key, value in calm_state["model"].items():
         assert torch.equal(hurt_state["model"][key], value), key
@@ -282,11 +283,6 @@ def _reached(run_dir: Path, epoch: int) -> bool | None:
     """True once the Train run at ``run_dir`` committed ``epoch`` (None before: wait_for)."""
     m = _latest(run_dir)
     return True if m and m.get("progress") != "checkpoint" and m["epoch"] >= epoch else None
-
-
-def _latest_checkpoint(run_dir: Path) -> str:
-    snapshot = json.loads((run_dir / "checkpoint_manager_snapshot.json").read_text())
-    return str(run_dir / snapshot["latest_checkpoint_result"]["checkpoint_dir_name"])
 
 
 def test_with_max_preemptions_0_a_preemption_fails_the_run_in_one_line(
