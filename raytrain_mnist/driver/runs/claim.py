@@ -5,9 +5,17 @@ On a local (or network) disk the command holds an exclusive ``flock`` on a lock 
 a descriptor opened read-only); the kernel drops it when the command dies. An object store has
 no locks: the run holds a *lease* object beside it, renewed every few seconds, and a rival
 judges it stale only on its own monotonic clock (unchanged for ``LEASE_TTL_S`` while it
-watched), never by comparing the lease's wall-clock time with its own. A command whose lease
-is taken from it is told through :class:`Claim` and stops its run. ``--fresh`` keeps the
-previous run as ``NAME.previous-N``. docs/design.md ("The claim") says why.
+watched), never by comparing the lease's wall-clock time with its own. On S3 (``s3://``,
+with boto3: the ``s3`` extra) every write of the lease is conditional (:mod:`.versioned`):
+the first over no lease (``If-None-Match: *``) or over the stale one watched, each renewal
+over the version this command wrote last (``If-Match``), so a rival's lease written in
+between is refused by the store, never overwritten, and of two commands taking a lease at
+once exactly one wins. Other stores (``gs://``, any other pyarrow file system) have no
+conditional write: there a lease is read back after it is taken and read before it is
+renewed, and a rival who writes between that read and the renewal is overwritten and seen
+one beat later. A command whose lease is taken from it is told through :class:`Claim` and
+stops its run. ``--fresh`` keeps the previous run as ``NAME.previous-N``. docs/design.md
+("The claim") says why.
 """
 
 from __future__ import annotations
@@ -25,6 +33,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 
 from raytrain_mnist.driver.runs.storage import RunStorage
+from raytrain_mnist.driver.runs.versioned import ABSENT, Conflict, FileObject, open_object
 from raytrain_mnist.errors import EXIT_USAGE, UserError, first_line
 
 logger = logging.getLogger(__name__)
@@ -33,7 +42,8 @@ logger = logging.getLogger(__name__)
 LEASE_TTL_S = 30.0
 #: The file inside a local run directory that its command holds locked.
 LOCK_FILE = ".claim.lock"
-#: Between writing a lease and reading it back: a rival who wrote at the same moment is seen.
+#: Between writing a lease and reading it back, on a store without conditional writes: a
+#: rival who wrote at the same moment is seen.
 _LEASE_SETTLE_S = 0.5
 #: How long taking and releasing a lease retry a store that answers with errors.
 _RETRY_S = 10.0
@@ -230,10 +240,12 @@ class Lease:
     unchanged for ``ttl_s`` on its own monotonic clock. The time recorded in the lease is
     for people; no clock is compared with another host's. Only "not found" means no lease:
     a store that answers with errors is retried, and the heartbeat never stops for them.
-    ``on_lost(reason)`` is called (from the heartbeat's thread) when another command's
-    token is found in the lease, or when renewals have failed for two thirds of the TTL
-    (before a rival could take over). ``filesystem``: the pyarrow file system to reach the
-    lease through (default: the run's).
+    Where the store has conditional writes (S3), each write names the version it replaces
+    and a refusal (412) means another command's lease is there. ``on_lost(reason)`` is
+    called (from the heartbeat's thread) when another command's token is found in the
+    lease, or when renewals have failed for two thirds of the TTL (before a rival could
+    take over). ``filesystem``: a pyarrow file system to reach the lease through, written
+    unconditionally (default: the run's own store, conditional where it can be).
     """
 
     def __init__(
@@ -248,6 +260,13 @@ class Lease:
         self.files = files
         self.fs = filesystem if filesystem is not None else files.filesystem
         self.path = f"{files.base.rpartition('/')[0]}/.{files.name}.lease"
+        #: The lease object: written conditionally where the store can (versioned.py).
+        self.store = (
+            FileObject(self.fs, self.path)
+            if filesystem is not None
+            else open_object(files, self.path)
+        )
+        self._version: str | None = None  # the version this command wrote last
         self.token = uuid.uuid4().hex
         self.on_lost = on_lost
         self.ttl_s = ttl_s
@@ -286,19 +305,29 @@ class Lease:
             }
         ).encode()
 
-    def _read_once(self) -> bytes | None:
-        """The lease's bytes; None only when the store says there is none."""
-        try:
-            with self.fs.open_input_stream(self.path) as f:
-                return f.read()
-        except FileNotFoundError:
-            return None
+    def _read_once(self) -> tuple[bytes, str | None] | None:
+        """The lease's bytes and version; None only when the store says there is none."""
+        return self.store.read()
 
-    def _write_once(self) -> None:
-        payload = self._record()
-        with self.fs.open_output_stream(self.path) as f:
-            f.write(payload)
-        self.beats += 1
+    def _put(self, expect: str | None) -> None:
+        """Write this command's record over the version ``expect`` (:data:`ABSENT`: over no
+        lease) where the store checks it, over whatever is there where it cannot.
+        :class:`_Taken` when the store holds another command's lease instead."""
+        for _ in range(3):
+            try:
+                self._version = self.store.write(self._record(), expect)
+            except Conflict:
+                found = self.store.read()
+                if found is None:
+                    logger.warning("the lease %s had vanished; writing it again", self.uri)
+                elif (lease := _parse(found[0])).get("token") != self.token:
+                    raise _Taken(lease) from None
+                # Ours after all (a request retried after it had landed), or gone: again.
+                expect = ABSENT if found is None else found[1]
+                continue
+            self.beats += 1
+            return
+        raise OSError("the lease changed under every conditional write")
 
     def _retried(self, call: Callable, doing: str):
         """``call()``, retried with backoff while the store answers with errors, for up to
@@ -319,25 +348,39 @@ class Lease:
     # ----------------------------------------------------------------- taking it
 
     def acquire(self, what: str) -> None:
-        held = self._retried(self._read_once, "read the lease")
-        if held is not None and _parse(held).get("token") != self.token:
-            self._wait_out(held, what)
+        found = self._retried(self._read_once, "read the lease")
+        expect = ABSENT  # where the store checks it: no lease, or the stale one we watched
+        if found is not None:
+            held, expect = found
+            if _parse(held).get("token") != self.token:
+                expect = self._wait_out(held, expect, what)
         written = time.monotonic()
-        self._retried(self._write_once, "write the lease")
-        time.sleep(_LEASE_SETTLE_S)
-        back = self._retried(self._read_once, "read the lease")
-        if back is None or _parse(back).get("token") != self.token:
+        try:
+            self._retried(lambda: self._put(expect), "write the lease")
+            if not self.store.conditional:
+                self._read_back()
+        except _Taken:
             raise UserError(
                 f"{what} '{self.files.name}' was claimed by another command at the "
                 "same moment; wait for it, or pick another --name"
-            )
+            ) from None
         self._renewed = written
         self._stop.clear()
         self._thread = threading.Thread(target=self._heartbeat, name="lease", daemon=True)
         self._thread.start()
 
-    def _wait_out(self, held: bytes, what: str) -> None:
-        """Return once the lease ``held`` is free to take; refuse while its owner lives."""
+    def _read_back(self) -> None:
+        """On a store without conditional writes: :class:`_Taken` when a rival who wrote
+        at the same moment is seen."""
+        time.sleep(_LEASE_SETTLE_S)
+        back = self._retried(self._read_once, "read the lease")
+        lease = _parse(back[0]) if back is not None else {}
+        if lease.get("token") != self.token:
+            raise _Taken(lease)
+
+    def _wait_out(self, held: bytes, version: str | None, what: str) -> str | None:
+        """Return once the lease ``held`` (at ``version``) is free to take: the version to
+        write over (:data:`ABSENT` once it is gone). Refuse while its owner lives."""
         lease = _parse(held)
         if lease.get("host_id") == host_id():  # the owner's process table is ours
             if _alive(lease):
@@ -348,7 +391,7 @@ class Lease:
                 self.files.name,
                 lease.get("pid"),
             )
-            return
+            return version
         logger.info(
             "%s '%s' has a lease (pid %s on %s): watching it for up to %.0f s to see "
             "whether it is renewed",
@@ -363,15 +406,17 @@ class Lease:
             time.sleep(min(self.beat_s / 3, self.ttl_s - waited))
             now = self._retried(self._read_once, "read the lease")
             if now is None:
-                return  # released meanwhile
-            if now != held:
-                raise self._refusal(_parse(now), what, ", renewed while this command watched")
+                return ABSENT  # released meanwhile
+            if now[0] != held:
+                raise self._refusal(_parse(now[0]), what, ", renewed while this command watched")
+            version = now[1]
         logger.info(
             "taking over the lease of %s '%s': not renewed for %.0f s",
             what,
             self.files.name,
             self.ttl_s,
         )
+        return version
 
     def _refusal(self, lease: dict, what: str, how: str) -> UserError:
         return UserError(
@@ -387,18 +432,15 @@ class Lease:
         while not self._stop.wait(wait):
             attempt = time.monotonic()
             try:
-                raw = self._read_once()
-                if raw is not None and (lease := _parse(raw)).get("token") != self.token:
-                    self._lose(
-                        f"the lease on run '{self.files.name}' ({self.uri}) was taken by "
-                        f"another command (pid {lease.get('pid')} on {lease.get('host')})"
-                    )
+                if not self._renew():
                     return
-                if raw is None:
-                    logger.warning("the lease %s had vanished; writing it again", self.uri)
-                if self._stop.is_set():
-                    return
-                self._write_once()
+            except _Taken as taken:
+                lease = taken.lease
+                self._lose(
+                    f"the lease on run '{self.files.name}' ({self.uri}) was taken by "
+                    f"another command (pid {lease.get('pid')} on {lease.get('host')})"
+                )
+                return
             except Exception as exc:  # a store hiccup: retried sooner, never the end
                 failing = attempt - self._renewed
                 if failing > self.give_up_s:
@@ -418,6 +460,22 @@ class Lease:
             self._renewed = attempt
             wait, pause, warned = self.beat_s, 0.25, False
 
+    def _renew(self) -> bool:
+        """One renewal; False once stopped. Where the store checks it, written over the
+        version this command wrote last: a rival's lease written since is refused by the
+        store, never overwritten. Elsewhere read first (a rival who writes between that
+        read and this write is overwritten, and seen at the next renewal)."""
+        if not self.store.conditional:
+            found = self._read_once()
+            if found is not None and (lease := _parse(found[0])).get("token") != self.token:
+                raise _Taken(lease)
+            if found is None:
+                logger.warning("the lease %s had vanished; writing it again", self.uri)
+        if self._stop.is_set():
+            return False
+        self._put(self._version)
+        return True
+
     def _lose(self, reason: str) -> None:
         if self.on_lost is not None:
             self.on_lost(reason)
@@ -436,11 +494,20 @@ class Lease:
         self._thread = None
         try:
             held = self._retried(self._read_once, "read the lease")
-            if held is not None and _parse(held).get("token") == self.token:
-                with contextlib.suppress(FileNotFoundError):
-                    self._retried(lambda: self.fs.delete_file(self.path), "delete the lease")
+            if held is not None and _parse(held[0]).get("token") == self.token:
+                # Conditional where the store can: a lease taken since the read stays.
+                with contextlib.suppress(FileNotFoundError, Conflict):
+                    self._retried(lambda: self.store.delete(held[1]), "delete the lease")
         except UserError as exc:
             logger.warning("%s; it expires %.0f s after its last renewal", exc, self.ttl_s)
+
+
+class _Taken(Exception):
+    """Another command's lease is in the store where this command's was to be."""
+
+    def __init__(self, lease: dict) -> None:
+        super().__init__(lease.get("token"))
+        self.lease = lease
 
 
 def _parse(raw: bytes) -> dict:
