@@ -1,7 +1,8 @@
 """One command at a time per run (driver/runs/claim.py), against the real things: a moto S3
 server on loopback for the lease (a rival in its own PID namespace and with a skewed clock,
-a store that drops requests, a real ``fit`` whose lease is taken), and the kernel's locks for
-a local run directory (a second process, SIGKILL, what ``/proc`` says of the lock)."""
+a store that drops requests, rivals whose writes land between a command's read and its
+write, a real ``fit`` whose lease is taken), and the kernel's locks for a local run directory
+(a second process, SIGKILL, what ``/proc`` says of the lock)."""
 
 from __future__ import annotations
 
@@ -16,7 +17,9 @@ import sys
 import threading
 import time
 import uuid
+from collections.abc import Callable
 from pathlib import Path
+from urllib.parse import parse_qs, urlparse
 
 import pyarrow.fs
 import pytest
@@ -335,6 +338,194 @@ def test_release_deletes_only_its_own_lease(s3):
     lease.release()
     with run.files.filesystem.open_input_stream(_lease_path(run)) as f:
         assert f.read() == theirs
+
+
+# --------------------------------------------------------------------------- writes that race
+
+
+class Landing:
+    """What the :func:`landing` fixture yields. ``before(key)``, when set, runs in the moto
+    server's thread just before a write of the object ``key`` lands (a PutObject, or the
+    CompleteMultipartUpload that ends pyarrow's writes), before the store checks the write's
+    conditions: another command's request can be put exactly there, or this one held back.
+    ``answer(key, outcome)``, when set, sees how the store answered such a write (its HTTP
+    status, or the code of the error it refused it with) and, for a write it applied, may
+    return another response (status, headers, body) for the client to get instead."""
+
+    def __init__(self) -> None:
+        self.before: Callable[[str], None] | None = None
+        self.answer: Callable[[str, int | str], tuple | None] | None = None
+
+
+@pytest.fixture
+def landing(s3, monkeypatch) -> Landing:
+    """Hooks into the moto server of :func:`s3` (it runs in this process): the store itself
+    still decides every write, its conditions included."""
+    from moto.s3.responses import S3Response
+
+    hooks, original = Landing(), S3Response._key_response
+
+    def key_response(self, request, full_url):
+        query = parse_qs(urlparse(full_url).query, keep_blank_values=True)
+        lands = (request.method == "PUT" and not {"uploadId", "partNumber"} & set(query)) or (
+            request.method == "POST" and "uploadId" in query
+        )
+        if lands and hooks.before is not None:
+            hooks.before(self.parse_key_name())
+        try:
+            response = original(self, request, full_url)
+        except Exception as exc:  # moto raises what it refuses: PreconditionFailed, NoSuchKey
+            if lands and hooks.answer is not None:
+                hooks.answer(self.parse_key_name(), getattr(exc, "code", type(exc).__name__))
+            raise
+        if lands and hooks.answer is not None:
+            response = hooks.answer(self.parse_key_name(), response[0]) or response
+        return response
+
+    monkeypatch.setattr(S3Response, "_key_response", key_response)
+    return hooks
+
+
+def _key(run: Run) -> tuple[str, str]:
+    """The lease's bucket and key."""
+    bucket, _, key = _lease_path(run).partition("/")
+    return bucket, key
+
+
+def test_a_rival_lease_written_just_before_a_renewal_lands_is_kept_and_the_renewal_loses(
+    s3, landing
+):
+    """The lost update seen for real in moto's log: the heartbeat had the lease as its own,
+    the rival's PUT landed, then the heartbeat's PUT overwrote it, and both commands held the
+    run for a beat. Now the renewal names the version it replaces: the store refuses it, the
+    renewing command loses the claim in one line, and the rival's lease stays, byte for byte."""
+    run = Run(s3(), "r")
+    run.files.check_writable()
+    bucket, key = _key(run)
+    reasons: list[str] = []
+    lost = threading.Event()
+
+    def on_lost(reason: str) -> None:
+        reasons.append(reason)
+        lost.set()
+
+    lease = Lease(run.files, on_lost, ttl_s=6.0, beat_s=0.2)
+    lease.acquire("run")
+    theirs = json.dumps({"token": "rival", "pid": 4242, "host": "elsewhere"}).encode()
+    fired, written = threading.Event(), threading.Event()
+
+    def rival_first(landing_key: str) -> None:
+        if landing_key == key and not fired.is_set():
+            fired.set()  # the rival's own PUT comes through here too
+            s3.client.put_object(Bucket=bucket, Key=key, Body=theirs)
+            written.set()
+
+    landing.before = rival_first
+    try:
+        assert written.wait(30)  # held the next renewal's write until the rival's landed
+        assert lost.wait(30)
+        assert reasons == [
+            f"the lease on run 'r' ({lease.uri}) was taken by another command "
+            "(pid 4242 on elsewhere)"
+        ]
+        assert lease.store.conditional
+    finally:
+        landing.before = None
+        lease.release()
+    assert s3.client.get_object(Bucket=bucket, Key=key)["Body"].read() == theirs
+
+
+def test_two_commands_taking_a_missing_lease_at_once_exactly_one_wins(s3, landing):
+    """Both read "no lease"; the first write lands, and the second only after the first
+    command has taken the run (later than any read-back could look). The store refuses the
+    second: it is refused in one line, and the first command's lease is the one there."""
+    run = Run(s3(), "r")
+    run.files.check_writable()
+    bucket, key = _key(run)
+    both_wrote = threading.Barrier(2, timeout=30)  # each write comes after its own read
+    first_took, arrived, lock = threading.Event(), [], threading.Lock()
+
+    def one_after_the_other(landing_key: str) -> None:
+        with lock:
+            if landing_key != key or len(arrived) == 2:
+                return
+            arrived.append(landing_key)
+            second = len(arrived) == 2
+        both_wrote.wait()  # neither lands before both have read the store
+        if second:
+            assert first_took.wait(30)
+
+    landing.before = one_after_the_other
+    leases = [Lease(run.files, ttl_s=6.0, beat_s=0.2) for _ in range(2)]
+    outcomes: dict[int, str] = {}
+
+    def take(i: int) -> None:
+        try:
+            leases[i].acquire("run")
+            outcomes[i] = "took it"
+        except UserError as exc:
+            outcomes[i] = str(exc)
+        finally:
+            first_took.set()
+
+    threads = [threading.Thread(target=take, args=(i,)) for i in range(2)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(60)
+    landing.before = None
+    try:
+        assert sorted(outcomes.values()) == [
+            "run 'r' was claimed by another command at the same moment; wait for it, or "
+            "pick another --name",
+            "took it",
+        ], outcomes
+        [winner] = [leases[i] for i, said in outcomes.items() if said == "took it"]
+        assert _read_lease(run)["token"] == winner.token
+    finally:
+        for lease in leases:
+            lease.release()
+    assert _read_lease(run) is None
+
+
+def test_a_renewal_that_landed_but_whose_answer_was_lost_is_not_taken_for_a_rival(s3, landing):
+    """The store applies a renewal and the answer is lost (here: a 500 instead of it); the
+    client sends it again over the version it knew, and the store refuses that. The lease
+    there is this command's own: it renews on, and a rival is still refused."""
+    run = Run(s3(), "r")
+    run.files.check_writable()
+    bucket, key = _key(run)
+    lost = threading.Event()
+    lease = Lease(run.files, lambda reason: lost.set(), ttl_s=6.0, beat_s=0.2)
+    lease.acquire("run")
+    dropped, renewed = threading.Event(), threading.Event()
+    outcomes: list[int | str] = []  # of the writes of the lease after the lost answer
+    error = b"<Error><Code>InternalError</Code><Message>answer lost</Message></Error>"
+
+    def lose_one_answer(landing_key: str, outcome: int | str):
+        if landing_key != key:
+            return None
+        if not dropped.is_set():
+            dropped.set()
+            return 500, {"Content-Type": "application/xml"}, error
+        outcomes.append(outcome)
+        if outcomes.count(200) >= 2:  # renewed twice since
+            renewed.set()
+        return None
+
+    landing.answer = lose_one_answer
+    try:
+        assert dropped.wait(30) and renewed.wait(30)
+        # The same write sent again, refused by the store: the version it names is gone.
+        assert outcomes[0] == "PreconditionFailed", outcomes
+        assert not lost.is_set()
+        assert _read_lease(run)["token"] == lease.token
+        with pytest.raises(UserError, match="'r' is already running"):
+            Lease(run.files).acquire("run")
+    finally:
+        landing.answer = None
+        lease.release()
+    assert _read_lease(run) is None
 
 
 # --------------------------------------------------------------------------- a fit that loses it
