@@ -338,13 +338,14 @@ class Landing:
     """What the :func:`landing` fixture yields. ``before(key)``, when set, runs in the moto
     server's thread just before a write of the object ``key`` lands (a PutObject, or the
     CompleteMultipartUpload that ends pyarrow's writes), before the store checks the write's
-    conditions: another command's request can be put exactly there, or this one held back.
+    conditions: another command's request can be put exactly there, or this one held back;
+    a response (status, headers, body) it returns is the answer, and the write is not applied.
     ``answer(key, outcome)``, when set, sees how the store answered such a write (its HTTP
     status, or the code of the error it refused it with) and, for a write it applied, may
     return another response (status, headers, body) for the client to get instead."""
 
     def __init__(self) -> None:
-        self.before: Callable[[str], None] | None = None
+        self.before: Callable[[str], tuple | None] | None = None
         self.answer: Callable[[str, int | str], tuple | None] | None = None
 
 
@@ -362,7 +363,9 @@ def landing(s3, monkeypatch) -> Landing:
             request.method == "POST" and "uploadId" in query
         )
         if lands and hooks.before is not None:
-            hooks.before(self.parse_key_name())
+            refused = hooks.before(self.parse_key_name())
+            if refused is not None:
+                return refused
         try:
             response = original(self, request, full_url)
         except Exception as exc:  # moto raises what it refuses: PreconditionFailed, NoSuchKey
@@ -515,6 +518,78 @@ def test_a_renewal_that_landed_but_whose_answer_was_lost_is_not_taken_for_a_riva
             Lease(run.files).acquire("run")
     finally:
         landing.answer = None
+        lease.release()
+    assert _read_lease(run) is None
+
+
+def test_store_errors_on_the_conditional_path_are_retried_and_never_lose_the_lease(s3, landing):
+    """The store answers writes of the lease with 503 (not applied), while the lease is
+    taken and then while it is renewed: both retry as they do through pyarrow, the
+    heartbeat goes on, and no 503 is mistaken for a rival."""
+    run = Run(s3(), "r")
+    run.files.check_writable()
+    _, key = _key(run)
+    refusals, lock = [0], threading.Lock()
+    quiet, lost = threading.Event(), threading.Event()
+    slow_down = b"<Error><Code>SlowDown</Code><Message>injected</Message></Error>"
+
+    def refuse(landing_key: str):
+        with lock:
+            if landing_key != key or refusals[0] == 0:
+                return None
+            refusals[0] -= 1
+            if refusals[0] == 0:
+                quiet.set()
+        return 503, {"Content-Type": "application/xml"}, slow_down
+
+    def arm(n: int) -> None:
+        with lock:
+            refusals[0] = n
+            quiet.clear()
+
+    landing.before = refuse
+    # The client backs off between its attempts (up to 3 s a call): the TTL leaves room.
+    lease = Lease(run.files, lambda reason: lost.set(), ttl_s=30.0, beat_s=0.2)
+    arm(4)  # more than the client's own three attempts: the lease's retries go on
+    lease.acquire("run")
+    try:
+        assert quiet.is_set() and _read_lease(run)["token"] == lease.token
+        arm(7)
+        assert quiet.wait(30)
+        beats = lease.beats
+        deadline = time.monotonic() + 30
+        while lease.beats < beats + 2 and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert lease.beats >= beats + 2 and not lost.is_set()
+        assert _read_lease(run)["token"] == lease.token
+    finally:
+        landing.before = None
+        lease.release()
+    assert _read_lease(run) is None
+
+
+def test_without_boto3_an_s3_lease_is_written_as_before_and_says_so(s3, monkeypatch, caplog):
+    """No boto3 (the ``s3`` extra): the lease goes through pyarrow, unconditionally, read
+    back after it is taken; one warning says what that costs."""
+    monkeypatch.setitem(sys.modules, "boto3", None)  # import boto3 raises ImportError
+    from raytrain_mnist.driver.runs import versioned
+
+    monkeypatch.setattr(versioned, "_warned", set())
+    run = Run(s3(), "r")
+    run.files.check_writable()
+    lease = Lease(run.files)
+    assert not lease.store.conditional
+    assert [r.getMessage() for r in caplog.records if "boto3" in r.getMessage()] == [
+        f"boto3 is not installed: the lease on {run.files.root} is written without a "
+        "conditional write, and two commands may both hold a run for a moment (pip install "
+        "'raytrain-mnist[s3]')"
+    ]
+    lease.acquire("run")
+    try:
+        assert _read_lease(run)["token"] == lease.token
+        with pytest.raises(UserError, match="'r' is already running"):
+            Lease(run.files).acquire("run")
+    finally:
         lease.release()
     assert _read_lease(run) is None
 
