@@ -304,23 +304,29 @@ def _parse_idx(raw: bytes, path: Path, magic: int) -> np.ndarray:
     return array.copy()  # writable, owned memory for torch
 
 
+#: The host of torchvision's first MNIST mirror (``MNIST.mirrors[0]``; tests/test_data.py
+#: checks the two agree).
+MIRROR_HOST = "ossci-datasets.s3.amazonaws.com"
+
+
 def _download(cache: Path, tried: list[str]) -> MnistData | None:
     """Fetch through torchvision (it verifies MD5s) under a lock shared by concurrent runs."""
     from filelock import FileLock
-    from torchvision.datasets import MNIST
 
     try:
         cache.mkdir(parents=True, exist_ok=True)
     except OSError as exc:
         tried.append(f"download into {cache} ({exc.strerror})")
         return None
-    host = MNIST.mirrors[0].split("/")[2]
     try:
-        # torchvision tries every mirror for every file; find out once, quickly, if we are offline.
-        socket.create_connection((host, 443), timeout=5).close()
+        # torchvision tries every mirror for every file; find out once, quickly, if we are
+        # offline, before importing torchvision (its models and ops come with it: seconds).
+        socket.create_connection((MIRROR_HOST, 443), timeout=5).close()
     except OSError as exc:
-        tried.append(f"download from {host} (unreachable: {exc})")
+        tried.append(f"download from {MIRROR_HOST} (unreachable: {exc})")
         return None
+    from torchvision.datasets import MNIST
+
     with FileLock(str(cache / _LOCK_NAME)):
         data = _load_from(cache, [])  # another process may have finished while we waited
         if data is not None:

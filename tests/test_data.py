@@ -1,6 +1,8 @@
 """Data sources resolve in order, and broken files are clear errors on the driver."""
 
 import struct
+import subprocess
+import sys
 
 import numpy as np
 import pytest
@@ -39,6 +41,28 @@ def test_offline_fallback_to_the_sample_is_loud(tmp_path, caplog):
     assert data.kind == "sample" and (data.train_size, data.test_size) == (4000, 1000)
     assert np.bincount(data.test_labels.numpy()).tolist() == [100] * 10
     assert "SAMPLE" in caplog.text and "Full MNIST not found" in caplog.text
+
+
+def test_the_mirror_probed_is_torchvisions_first():
+    from torchvision.datasets import MNIST
+
+    from raytrain_mnist.data import MIRROR_HOST
+
+    assert MNIST.mirrors[0].split("/")[2] == MIRROR_HOST
+
+
+def test_an_unreachable_mirror_falls_back_without_importing_torchvision(tmp_path):
+    """Offline, a default run pays for no torchvision import (its models and ops)."""
+    probe = (
+        "import sys; from raytrain_mnist import data; data.MIRROR_HOST = '127.0.0.1'\n"
+        f"d = data.load_mnist(None, 'auto', cache_dir={str(tmp_path)!r}, download=True)\n"
+        "print(d.kind, 'torchvision' in sys.modules)"
+    )
+    result = subprocess.run(
+        [sys.executable, "-c", probe], capture_output=True, text=True, timeout=120
+    )
+    assert result.stdout.split() == ["sample", "False"], result.stdout + result.stderr
+    assert "download from 127.0.0.1 (unreachable" in result.stderr, result.stderr
 
 
 def test_strict_mnist_never_falls_back(tmp_path):
