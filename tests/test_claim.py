@@ -342,11 +342,14 @@ class Landing:
     a response (status, headers, body) it returns is the answer, and the write is not applied.
     ``answer(key, outcome)``, when set, sees how the store answered such a write (its HTTP
     status, or the code of the error it refused it with) and, for a write it applied, may
-    return another response (status, headers, body) for the client to get instead."""
+    return another response (status, headers, body) for the client to get instead. With
+    ``ignore_conditions`` set the store drops ``If-Match`` and ``If-None-Match`` from every
+    request, as an S3-compatible store without conditional writes may."""
 
     def __init__(self) -> None:
         self.before: Callable[[str], tuple | None] | None = None
         self.answer: Callable[[str, int | str], tuple | None] | None = None
+        self.ignore_conditions = False
 
 
 @pytest.fixture
@@ -358,6 +361,12 @@ def landing(s3, monkeypatch) -> Landing:
     hooks, original = Landing(), S3Response._key_response
 
     def key_response(self, request, full_url):
+        if hooks.ignore_conditions:
+            from werkzeug.datastructures import Headers
+
+            self.headers = Headers(self.headers)  # what moto reads the conditions from
+            for name in ("If-Match", "If-None-Match"):
+                self.headers.remove(name)
         query = parse_qs(urlparse(full_url).query, keep_blank_values=True)
         lands = (request.method == "PUT" and not {"uploadId", "partNumber"} & set(query)) or (
             request.method == "POST" and "uploadId" in query
@@ -554,7 +563,7 @@ def test_store_errors_on_the_conditional_path_are_retried_and_never_lose_the_lea
     lease.acquire("run")
     try:
         assert quiet.is_set() and _read_lease(run)["token"] == lease.token
-        arm(7)
+        arm(4)
         assert quiet.wait(30)
         beats = lease.beats
         deadline = time.monotonic() + 30
@@ -566,6 +575,33 @@ def test_store_errors_on_the_conditional_path_are_retried_and_never_lose_the_lea
         landing.before = None
         lease.release()
     assert _read_lease(run) is None
+
+
+def test_a_store_that_ignores_the_conditions_is_found_out_when_the_lease_is_taken(
+    s3, landing, caplog
+):
+    """Once the lease is written, two writes the store must refuse are sent over it; a store
+    that applies them gets the lease of a store without conditional writes (said once): read
+    back, read before each renewal, so a rival's lease is still seen within a beat."""
+    run = Run(s3(), "r")
+    run.files.check_writable()
+    landing.ignore_conditions = True
+    lost = threading.Event()
+    lease = Lease(run.files, lambda reason: lost.set(), ttl_s=6.0, beat_s=0.2)
+    assert lease.store.conditional
+    lease.acquire("run")
+    try:
+        assert not lease.store.conditional
+        assert [r.getMessage() for r in caplog.records if "ignores" in r.getMessage()] == [
+            f"{run.files.root} ignores conditional writes: the lease {lease.uri} is read back "
+            "and read before each renewal instead"
+        ]
+        assert _read_lease(run)["token"] == lease.token
+        _write_lease(run, {"token": "rival", "pid": 4242, "host": "elsewhere"})
+        assert lost.wait(30)
+    finally:
+        lease.release()
+    assert _read_lease(run)["token"] == "rival"
 
 
 def test_without_boto3_an_s3_lease_is_written_as_before_and_says_so(s3, monkeypatch, caplog):

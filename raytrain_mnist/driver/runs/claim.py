@@ -10,12 +10,13 @@ with boto3: the ``s3`` extra) every write of the lease is conditional (:mod:`.ve
 the first over no lease (``If-None-Match: *``) or over the stale one watched, each renewal
 over the version this command wrote last (``If-Match``), so a rival's lease written in
 between is refused by the store, never overwritten, and of two commands taking a lease at
-once exactly one wins. Other stores (``gs://``, any other pyarrow file system) have no
-conditional write: there a lease is read back after it is taken and read before it is
-renewed, and a rival who writes between that read and the renewal is overwritten and seen
-one beat later. A command whose lease is taken from it is told through :class:`Claim` and
-stops its run. ``--fresh`` keeps the previous run as ``NAME.previous-N``. docs/design.md
-("The claim") says why.
+once exactly one wins (a store found to ignore the conditions is treated as one without
+them). Other stores (``gs://``, any other pyarrow file system) have no conditional write:
+there a lease is read back after it is taken and read before it is renewed, and a rival
+whose lease lands between that read and the renewal is overwritten and loses the claim at
+its own next renewal. A command whose lease is taken from it is told through
+:class:`Claim` and stops its run. ``--fresh`` keeps the previous run as
+``NAME.previous-N``. docs/design.md ("The claim") says why.
 """
 
 from __future__ import annotations
@@ -357,6 +358,7 @@ class Lease:
         written = time.monotonic()
         try:
             self._retried(lambda: self._put(expect), "write the lease")
+            self._check_conditions()
             if not self.store.conditional:
                 self._read_back()
         except _Taken:
@@ -368,6 +370,24 @@ class Lease:
         self._stop.clear()
         self._thread = threading.Thread(target=self._heartbeat, name="lease", daemon=True)
         self._thread.start()
+
+    def _check_conditions(self) -> None:
+        """A store that would apply the conditional writes it must refuse (over the lease
+        just written) gets the lease of a store without them: read back, read before
+        each renewal."""
+        if not self.store.conditional:
+            return
+        ignored = self._retried(
+            lambda: self.store.ignores_conditions(self._record()), "write the lease"
+        )
+        if ignored:
+            logger.warning(
+                "%s ignores conditional writes: the lease %s is read back and read before "
+                "each renewal instead",
+                self.files.root,
+                self.uri,
+            )
+            self.store.conditional = False
 
     def _read_back(self) -> None:
         """On a store without conditional writes: :class:`_Taken` when a rival who wrote

@@ -92,6 +92,18 @@ class S3Object:
                 raise Conflict(_code(exc)) from exc
             raise _os_error(exc) from exc  # 409 ConditionalRequestConflict too: retried
 
+    def ignores_conditions(self, payload: bytes) -> bool:
+        """Whether the store applies writes it must refuse while the object is there: one
+        with ``If-None-Match: *``, one with ``If-Match`` on a version that never was (an
+        S3-compatible store may ignore either header). What it applies is ``payload``."""
+        for expect in (ABSENT, '"00000000000000000000000000000000"'):
+            try:
+                self.write(payload, expect)
+            except Conflict:
+                continue
+            return True
+        return False
+
     def delete(self, expect: str | None) -> None:
         """Deleted only while it is the version ``expect`` (None: whatever is there);
         :class:`Conflict` otherwise. A store without conditional deletes (501) deletes it
