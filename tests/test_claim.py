@@ -344,12 +344,14 @@ class Landing:
     status, or the code of the error it refused it with) and, for a write it applied, may
     return another response (status, headers, body) for the client to get instead. With
     ``ignore_conditions`` set the store drops ``If-Match`` and ``If-None-Match`` from every
-    request, as an S3-compatible store without conditional writes may."""
+    request, as an S3-compatible store without conditional writes may. ``deleting(key,
+    headers)``, when set, sees each DeleteObject first and may answer it instead."""
 
     def __init__(self) -> None:
         self.before: Callable[[str], tuple | None] | None = None
         self.answer: Callable[[str, int | str], tuple | None] | None = None
         self.ignore_conditions = False
+        self.deleting: Callable[[str, dict], tuple | None] | None = None
 
 
 @pytest.fixture
@@ -371,6 +373,10 @@ def landing(s3, monkeypatch) -> Landing:
         lands = (request.method == "PUT" and not {"uploadId", "partNumber"} & set(query)) or (
             request.method == "POST" and "uploadId" in query
         )
+        if request.method == "DELETE" and hooks.deleting is not None:
+            answer = hooks.deleting(self.parse_key_name(), dict(self.headers))
+            if answer is not None:
+                return answer
         if lands and hooks.before is not None:
             refused = hooks.before(self.parse_key_name())
             if refused is not None:
@@ -602,6 +608,54 @@ def test_a_store_that_ignores_the_conditions_is_found_out_when_the_lease_is_take
     finally:
         lease.release()
     assert _read_lease(run)["token"] == "rival"
+
+
+def test_a_lease_taken_between_the_releases_read_and_its_delete_stays(s3, landing):
+    """Release read the lease as its own; a rival's lands before the delete does. The
+    delete names the version read: the store refuses it, and the rival's lease stays."""
+    run = Run(s3(), "r")
+    run.files.check_writable()
+    bucket, key = _key(run)
+    theirs = json.dumps({"token": "rival", "pid": 4242, "host": "elsewhere"}).encode()
+
+    def rival_first(landing_key: str, headers: dict):
+        if landing_key == key:
+            landing.deleting = None
+            s3.client.put_object(Bucket=bucket, Key=key, Body=theirs)
+        return None
+
+    lease = Lease(run.files, ttl_s=600.0)
+    lease.acquire("run")
+    landing.deleting = rival_first
+    lease.release()
+    assert landing.deleting is None  # the rival did write in between
+    assert s3.client.get_object(Bucket=bucket, Key=key)["Body"].read() == theirs
+
+
+@pytest.mark.parametrize("status", [501, 400])
+def test_a_store_without_conditional_deletes_still_has_the_lease_deleted(s3, landing, status):
+    """Release deletes its lease over the version it read; a store that answers that with
+    501 (or 400) for the condition gets a plain delete, as before conditions existed."""
+    run = Run(s3(), "r")
+    run.files.check_writable()
+    _, key = _key(run)
+    conditional = []
+
+    def no_conditions(landing_key: str, headers: dict):
+        if landing_key == key and "If-Match" in headers:
+            conditional.append(headers["If-Match"])
+            return (
+                status,
+                {"Content-Type": "application/xml"},
+                b"<Error><Code>NotImplemented</Code></Error>",
+            )
+        return None
+
+    lease = Lease(run.files, ttl_s=600.0)
+    lease.acquire("run")
+    landing.deleting = no_conditions
+    lease.release()
+    assert len(conditional) == 1 and _read_lease(run) is None
 
 
 def test_without_boto3_an_s3_lease_is_written_as_before_and_says_so(s3, monkeypatch, caplog):

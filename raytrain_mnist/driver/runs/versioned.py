@@ -106,19 +106,22 @@ class S3Object:
 
     def delete(self, expect: str | None) -> None:
         """Deleted only while it is the version ``expect`` (None: whatever is there);
-        :class:`Conflict` otherwise. A store without conditional deletes (501) deletes it
-        plainly; one that ignores the condition, too."""
-        condition = {"IfMatch": expect} if expect else {}
-        try:
+        :class:`Conflict` otherwise. A store that answers the conditional delete with
+        anything but 412 or 404 (one without conditional deletes may say 501 or 400) gets a
+        plain one, as before conditions: the caller has just read the object as its own."""
+        if expect is not None:
             try:
-                self.client.delete_object(Bucket=self.bucket, Key=self.key, **condition)
+                self.client.delete_object(Bucket=self.bucket, Key=self.key, IfMatch=expect)
+                return
             except self._errors as exc:
-                if not condition or _status(exc) != 501:
-                    raise
-                self.client.delete_object(Bucket=self.bucket, Key=self.key)
+                if _status(exc) == 412:
+                    raise Conflict(_code(exc)) from exc
+                if _status(exc) == 404:
+                    return
+                logger.debug("conditional delete of %s refused (%s)", self.key, _os_error(exc))
+        try:
+            self.client.delete_object(Bucket=self.bucket, Key=self.key)
         except self._errors as exc:
-            if _status(exc) == 412:
-                raise Conflict(_code(exc)) from exc
             if _status(exc) != 404:
                 raise _os_error(exc) from exc
 
