@@ -1,7 +1,7 @@
 # `make fit` trains with the defaults on a local Ray; `make test` runs the test suite (CI's
 # gate); `make test-fast` runs its unit tests only, the ones marked slow left out.
-# Both create .venv and install the package (with its test extras and MLflow, which the
-# suite exercises) on first use.
+# Both create .venv and install the package (with its test extras, MLflow, export and s3,
+# which the suite exercises) on first use.
 # `make gpu-bundle` packs what the offline GPU machine needs (docs/gpu.md).
 
 PYTHON ?= python3
@@ -39,7 +39,7 @@ install: $(STAMP)
 $(STAMP): pyproject.toml Makefile
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install --quiet --upgrade pip
-	$(BIN)/python -m pip install --quiet -e '.[dev,mlflow,export]'
+	$(BIN)/python -m pip install --quiet -e '.[dev,mlflow,export,s3]'
 	touch $(STAMP)
 
 gpu-bundle: $(GPU_WHEELS)/wheels.tar.xz $(MNIST_FILES:%=$(MNIST_GZ)/%.gz)

@@ -377,7 +377,9 @@ def test_dockerfile_installs_from_the_package_files_only():
     ]
     assert set(sources) == {"pyproject.toml", PYPROJECT["project"]["readme"], "raytrain_mnist"}
     assert all((REPO / s).exists() for s in sources)
-    assert re.search(r"^RUN pip install --no-cache-dir \. ", text, re.M)
+    (extras,) = re.findall(r"^RUN pip install --no-cache-dir '\.\[(.+)\]' ", text, re.M)
+    assert set(extras.split(",")) <= set(PYPROJECT["project"]["optional-dependencies"])
+    assert "s3" in extras.split(",")  # its pods hold their runs' S3 leases with boto3
     # The MNIST download it bakes in calls the package's own loader, as it is today.
     (code,) = re.findall(r'^RUN python -c "(.+)"$', text, re.M)
     match = re.fullmatch(r"from (\S+) import (\w+); \2\(dataset='mnist'\)", code)
