@@ -362,37 +362,6 @@ def test_an_address_in_ray_address_is_checked_like_the_flag(tmp_path, monkeypatc
     _assert_one_line_error(result, 2, "RAY_ADDRESS '10.0.0.1:http' is not HOST:PORT")
 
 
-def test_a_local_ray_we_start_says_nothing_about_token_auth(tmp_path):
-    """With RAY_AUTH_MODE unset (a newcomer's first `make fit`), the local Ray that a command
-    starts uses token authentication, Ray's default, without Ray's WARNING that it chose it."""
-    import subprocess
-    import sys
-    import uuid
-
-    from tests.conftest import MARKER_VAR, kill_marked
-
-    marker = uuid.uuid4().hex
-    env = {k: v for k, v in os.environ.items() if k not in ("RAY_AUTH_MODE", "RAY_ADDRESS")}
-    env.update({"HOME": str(tmp_path), MARKER_VAR: marker})  # Ray writes ~/.ray/auth_token
-    script = (
-        "import os, ray\n"
-        "from raytrain_mnist.driver import cluster\n"
-        "cluster.start_local(num_cpus=1, num_gpus=0)\n"
-        "print(os.environ['RAY_AUTH_MODE'], ray.get(ray.put(41)) + 1)\n"
-        "ray.shutdown()\n"
-    )
-    try:
-        result = subprocess.run(
-            [sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=300
-        )
-    finally:
-        kill_marked(marker)
-    assert result.returncode == 0, result.stderr[-3000:]
-    assert result.stdout.split() == ["token", "42"], result.stdout
-    assert "Token authentication" not in result.stderr, result.stderr
-    assert (tmp_path / ".ray" / "auth_token").is_file()
-
-
 # --------------------------------------------------------------------------- habits (issue 30)
 
 

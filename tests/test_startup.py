@@ -1,57 +1,110 @@
-"""fit's start-up and teardown timeline: every moment recorded, in order, on one clock.
+"""The Ray that `fit` starts for itself: its start-up and teardown timeline, what it listens
+on, how it authenticates, and what the command prints.
 
-One real `fit` command (the bundled sample, 2 workers, its own local Ray) is shared by every
-assertion: its ``summary.json`` ``timeline`` and the phase lines it printed. Not timed: the
-figures are a benchmark's (benchmarks/compare.py); this checks that they are all there and
-make sense.
+One real `fit` command (the bundled sample, 2 workers, 2 epochs, its own local Ray, started
+as a newcomer's first `make fit` would: no RAY_AUTH_MODE, no RAY_ADDRESS) is shared by every
+assertion: its ``summary.json`` ``timeline``, the phase lines it printed, and what a thread
+saw while it ran: every socket its processes listened on and the auth mode Ray's servers
+were started with. Not timed: the figures are a benchmark's (benchmarks/compare.py); this
+checks that they are all there and make sense.
 """
 
 from __future__ import annotations
 
 import json
+import os
 import re
+import subprocess
+import sys
+import threading
 import time
+import uuid
 
+import psutil
 import pytest
 
 from raytrain_mnist.driver.events import STARTUP, TEARDOWN
-from tests.conftest import run_cli
+from tests.conftest import MARKER_VAR, REPO, is_loopback, kill_marked, listening, marked
 
 _PHASE = re.compile(r"^ +(\d+\.\d) s  (.+)$", re.M)
+
+#: Ray's own servers, whose environment says which auth mode the cluster was started with.
+_RAY_SERVERS = ("gcs_server", "raylet")
+
+
+def _watch(fit: subprocess.Popen, marker: str, done: threading.Event, seen: dict) -> None:
+    """Until ``fit`` exits: every socket that its process tree (and what carries ``marker``)
+    listens on into ``seen["sockets"]``, ``(ip, port) -> process name``, and the
+    ``RAY_AUTH_MODE`` of Ray's servers into ``seen["auth_mode"]``, ``name -> value``."""
+    try:
+        root = psutil.Process(fit.pid)
+    except psutil.Error:  # already gone: nothing to watch
+        return
+    while fit.poll() is None:
+        pids = {fit.pid}
+        try:
+            pids.update(p.pid for p in root.children(recursive=True))
+        except psutil.Error:  # the driver went between the poll and the listing
+            pass
+        # Processes that rename themselves overwrite the environment the marker is in:
+        # the run's processes are the driver's descendants, or carry the marker.
+        pids |= set(marked(marker))
+        seen["sockets"].update(listening(pids))
+        for pid in pids:
+            try:
+                process = psutil.Process(pid)
+                if process.name() in _RAY_SERVERS and process.name() not in seen["auth_mode"]:
+                    seen["auth_mode"][process.name()] = process.environ().get("RAY_AUTH_MODE")
+            except psutil.Error:  # gone between the listing and the look
+                continue
+        done.wait(0.5)
 
 
 @pytest.fixture(scope="module")
 def timed_fit(tmp_path_factory) -> dict:
     storage = tmp_path_factory.mktemp("startup")
+    home = tmp_path_factory.mktemp("home")  # Ray writes ~/.ray/auth_token
+    marker = uuid.uuid4().hex
+    unset = ("RAY_AUTH_MODE", "RAY_ADDRESS", "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER")
+    env = {k: v for k, v in os.environ.items() if k not in (*unset, "GLOO_SOCKET_IFNAME")}
+    env.update({"HOME": str(home), MARKER_VAR: marker})
+    command = [sys.executable, "-m", "raytrain_mnist", "fit", "--dataset", "sample"]
+    command += ["--epochs", "2", "--num-workers", "2", "--cpus-per-worker", "1"]
+    command += ["--progress", "lines", "--storage-path", str(storage), "--name", "timed"]
+    seen: dict = {"sockets": {}, "auth_mode": {}}
+    done = threading.Event()
     before = time.time()
-    result = run_cli(
-        "fit",
-        "--dataset",
-        "sample",
-        "--epochs",
-        "2",
-        "--num-workers",
-        "2",
-        "--cpus-per-worker",
-        "1",
-        "--progress",
-        "lines",
-        "--storage-path",
-        str(storage),
-        "--name",
-        "timed",
-        timeout=600,
+    fit = subprocess.Popen(
+        command,
+        env=env,
+        cwd=REPO,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        stdin=subprocess.DEVNULL,
+        text=True,
     )
-    after = time.time()
-    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
-    summary = json.loads((storage / "timed" / "summary.json").read_text())
-    curves = (storage / "timed" / "training_curves.png").read_bytes()
+    watcher = threading.Thread(target=_watch, args=(fit, marker, done, seen), daemon=True)
+    watcher.start()
+    try:
+        out, err = fit.communicate(timeout=600)
+        after = time.time()
+    finally:
+        done.set()
+        watcher.join(timeout=60)
+        if fit.poll() is None:
+            fit.kill()
+        kill_marked(marker)
+    assert fit.returncode == 0, out[-3000:] + err[-3000:]
+    run = storage / "timed"
     return {
-        "summary": summary,
-        "out": result.stdout,
+        "summary": json.loads((run / "summary.json").read_text()),
+        "out": out,
+        "err": err,
         "before": before,
         "after": after,
-        "png": curves,
+        "png": (run / "training_curves.png").read_bytes(),
+        "home": home,
+        **seen,
     }
 
 
@@ -105,3 +158,24 @@ def test_phase_lines_show_the_moments_as_recorded(timed_fit):
         assert abs(lines[text] - startup[key]) <= 0.06, (text, lines[text], startup[key])
     shown = [float(seconds) for seconds, _ in _PHASE.findall(out)]
     assert shown == sorted(shown), out
+
+
+def test_the_ray_that_fit_starts_listens_on_loopback_only(timed_fit):
+    """Every socket that `fit`'s own Ray listens on, for the whole run (GCS, raylet, object
+    manager, Train workers and torch's rendezvous), is loopback."""
+    seen = timed_fit["sockets"]
+    exposed = {f"{ip}:{port} ({name})" for (ip, port), name in seen.items() if not is_loopback(ip)}
+    assert not exposed, f"listening beyond loopback: {sorted(exposed)}"
+    # The run was watched while it ran: its Ray and its Train workers were listening.
+    assert {"gcs_server", "raylet", "ray::RayTrainWorker"} <= set(seen.values()), seen
+
+
+def test_the_ray_that_fit_starts_uses_token_auth_and_says_nothing_about_it(timed_fit):
+    """With RAY_AUTH_MODE unset (a newcomer's first `make fit`), the local Ray that fit starts
+    uses token authentication, Ray's default, without Ray's WARNING that it chose it; the run
+    trained on it."""
+    assert timed_fit["auth_mode"] == dict.fromkeys(_RAY_SERVERS, "token"), timed_fit["auth_mode"]
+    assert (timed_fit["home"] / ".ray" / "auth_token").is_file()
+    output = timed_fit["out"] + timed_fit["err"]
+    assert "Token authentication" not in output, output[-3000:]
+    assert timed_fit["summary"]["status"] == "finished", timed_fit["summary"]
