@@ -9,6 +9,7 @@ found by that directory and stopped.
 from __future__ import annotations
 
 import csv
+import io
 import json
 import os
 import re
@@ -46,7 +47,6 @@ from tests.conftest import (
     kill_marked,
     run_cli,
     tiny_run_flags,
-    wait_for,
     write_tiny_mnist,
 )
 
@@ -307,195 +307,6 @@ def _tune_command(data: Path, storage: Path | str, name: str, *extra: str) -> li
     return [sys.executable, "-m", "raytrain_mnist.tune", *flags]
 
 
-def test_asha_stops_a_bad_trial_the_next_still_runs_and_a_killed_search_resumes(
-    mixed_mnist, tmp_path, ray_env
-):
-    # Search seed 2 draws lr 0.05, 1e-6, 0.05 in that order; one trial at a time, so the
-    # hopeless second trial reaches epoch 1 after the first finished, and ASHA stops it.
-    # The local Ray declares 2 CPUs: a leaked worker placement group would starve the third,
-    # which needs the CPU the stopped trial's workers held (ray-project/ray#54305).
-    command = _tune_command(
-        mixed_mnist,
-        tmp_path,
-        "asha",
-        "--num-samples",
-        "3",
-        "--max-epochs",
-        "2",
-        "--range",
-        "lr=1e-6,0.05",
-        "--max-concurrent-trials",
-        "1",
-        "--search-seed",
-        "2",
-        "--scheduler",
-        "asha",
-        "--grace-period",
-        "1",
-    )
-    exp = tmp_path / "asha"
-
-    # 1. Run until the third trial starts, then kill the driver and the Ray it started.
-    driver = subprocess.Popen(
-        command,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-        cwd=REPO,
-        env=ray_env,
-        start_new_session=True,
-    )
-    seen: list[str] = []
-    started: list[str] = []
-    try:
-        for line in driver.stdout:
-            seen.append(line)
-            if line.startswith("trial ") and " started: " in line:
-                started.append(line.split()[1])
-                if len(started) == 3:
-                    break
-        assert len(started) == 3, "".join(seen)
-        output = "".join(seen)
-        assert f"trial {started[0]} finished" in output
-        assert f"trial {started[1]} stopped early after epoch 1" in output
-        # The ended trials' records are written as they end, before the next one starts.
-        records = {t: exp / "runs" / t / "trial.json" for t in started[:2]}
-        assert all(r.is_file() for r in records.values()), "".join(seen)
-        records_before = {t: r.read_bytes() for t, r in records.items()}
-        # Tune's own result.json of a trial is written by its driver a little later.
-        results_before = {
-            t: wait_for(
-                lambda t=t: next(iter(exp.glob(f"trial_{t}/result.json")), None),
-                f"trial {t}'s result.json",
-            ).read_text()
-            for t in started[:2]
-        }
-        checkpoints_before = sorted(
-            p.name for p in (exp / "runs" / started[0]).glob("checkpoint_*")
-        )
-    finally:
-        os.killpg(driver.pid, signal.SIGKILL)
-        driver.wait(timeout=30)
-        kill_marked(ray_env[MARKER_VAR])
-
-    # 2. The same command resumes: the unfinished trial runs, the ended ones do not. What
-    # Tune's own restore would unpickle, planted with code inside, is never read.
-    _plant_tune_state(exp, trials=started)
-    done = subprocess.run(
-        command, capture_output=True, text=True, cwd=REPO, env=ray_env, timeout=240
-    )
-    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
-    assert "resuming search 'asha'" in done.stdout, done.stdout
-    assert "2 of 3 trial(s) ended before; they are not trained again" in done.stdout
-    assert not os.path.exists(PLANTED_MARK)
-    for trial_id in started[:2]:
-        assert f"trial {trial_id} started" not in done.stdout  # not run again
-        assert records[trial_id].read_bytes() == records_before[trial_id]
-        assert (
-            next(exp.glob(f"trial_{trial_id}/result.json")).read_text() == results_before[trial_id]
-        )  # same iterations, same timestamps
-    assert (
-        sorted(p.name for p in (exp / "runs" / started[0]).glob("checkpoint_*"))
-        == checkpoints_before
-    )
-    assert f"trial {started[2]} started" in done.stdout
-
-    best = json.loads((exp / "best.json").read_text())
-    assert best.keys() >= BEST_KEYS
-    trials = sorted(best["trials"], key=lambda t: t["trial_id"])  # creation order
-    assert [t["trial_id"] for t in trials] == started
-    assert [t["config"]["lr"] for t in trials] == [0.05, 1e-6, 0.05], (
-        "Tune's sampler drew another order; pick the seed again"
-    )
-    assert trials[1]["stopped_early"] and trials[1]["epochs_run"] == 1
-    assert [t["status"] for t in trials] == ["finished", "stopped early", "finished"]
-    assert trials[2]["epochs_run"] == 2  # the trial after the stopped one ran to the end
-    assert best["num_trials"] == 3 and best["num_stopped_early"] == 1
-    highest = max(trials, key=lambda t: t["best_val_accuracy"])
-    assert best["best_trial"] == highest["trial_id"]
-    assert best["best_val_accuracy"] == highest["best_val_accuracy"] > 0.5  # 512 digits
-    assert trials[1]["best_val_accuracy"] < 0.3  # lr 1e-6 learns nothing
-
-    # The CSV and the PNG hold exactly these trials.
-    with open(exp / "results.csv", newline="") as f:
-        rows = list(csv.DictReader(f))
-    assert [r["trial_id"] for r in rows] == [t["trial_id"] for t in best["trials"]]
-    assert [r["rank"] for r in rows] == ["1", "2", "3"]
-    by_id = {r["trial_id"]: r for r in rows}
-    for t in trials:
-        row = by_id[t["trial_id"]]
-        assert int(row["epochs_run"]) == t["epochs_run"]
-        assert row["stopped_early"] == str(t["stopped_early"])
-        assert float(row["lr"]) == t["config"]["lr"]
-        assert len(row["val_accuracy_per_epoch"].split()) == t["epochs_run"]
-    with Image.open(exp / "val_accuracy.png") as image:
-        assert image.format == "PNG" and image.size[0] > 400
-
-    # The best checkpoint loads into ConvNet, and the fit command trains its config again.
-    # It is the best epoch's: its own record says so.
-    state = ckpt.load(best["best_checkpoint"])
-    assert state["epoch"] == best["best_epoch"]
-    assert state["best_val_accuracy"] == best["best_val_accuracy"]
-    ckpt.load_model(best["best_checkpoint"])
-    assert Path(best["best_checkpoint"]).is_relative_to(exp / "runs" / best["best_trial"])
-    from raytrain_mnist.fit import parse_config
-
-    argv = shlex.split(best["fit_command"])
-    module = argv.index("-m") + 1
-    assert argv[module : module + 2] == ["raytrain_mnist", "fit"]
-    assert parse_config(argv[module + 2 :]).train.to_dict() == best["best_config"]
-
-    out = done.stdout
-    assert "rank" in out and "stopped early" in out and "reproduce with:" in out
-    assert f"best checkpoint: {best['best_checkpoint']}" in out
-
-    # 3. The same search as a library call, from a script: typed settings name the same
-    # experiment (the CLI's fixed --batch-size is a fixed parameter), it resumes it (every
-    # trial ended, so nothing trains), returns what best.json holds and prints nothing.
-    script = f"""
-import json
-from raytrain_mnist.config import RunSettings, TrainConfig
-from raytrain_mnist.driver import search
-from raytrain_mnist.driver.searching.space import Param, SearchSpace, TuneSettings
-
-events = []
-result = search(
-    SearchSpace().with_params(
-        lr=Param("choice", values=(1e-6, 0.05)), batch_size=Param("fixed", values=(32,))
-    ),
-    TuneSettings(num_samples=3, max_concurrent_trials=1, search_seed=2, grace_period=1),
-    TrainConfig(epochs=2, batch_size=32),
-    RunSettings.from_flags(num_workers=1, cpus_per_worker=1, dataset="mnist", data_dir={str(mixed_mnist)!r},
-                storage_path={str(tmp_path)!r}, name="asha"),
-    on_event=lambda event: events.append(type(event).__name__ + ": " + event.text),
-)
-with open({str(tmp_path / "library.json")!r}, "w") as f:
-    json.dump({{"status": result.status, "record": result.to_dict(), "events": events}}, f)
-"""
-    done = subprocess.run(
-        [sys.executable, "-c", script],
-        capture_output=True,
-        text=True,
-        cwd=REPO,
-        env=ray_env,
-        timeout=240,
-    )
-    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
-    assert done.stdout == "", done.stdout[-3000:]
-    library = json.loads((tmp_path / "library.json").read_text())
-    assert library["status"] == "finished"
-    assert library["events"][0].startswith("SearchStarting: resuming search 'asha'")
-    assert library["events"][1].startswith("Note: search space: lr choice(1e-06, 0.05)")
-    assert library["events"][2] == "Note: 3 of 3 trial(s) ended before; nothing to train"
-    record = library["record"]
-    assert record == json.loads((exp / "best.json").read_text())
-    assert {k: v for k, v in record.items() if k != "wall_time_s"} == {
-        k: v for k, v in best.items() if k != "wall_time_s"
-    }
-    argv = shlex.split(record["fit_command"])
-    assert argv[argv.index("-m") + 1 : argv.index("-m") + 3] == ["raytrain_mnist", "fit"]
-
-
 #: A line of Ray's Python logging: "2026-12-01 11:20:00,123\tERROR services.py:123 -- ...".
 RAY_LOG_LINE = re.compile(r"^\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d+\s+[A-Z]+ \S+\.py:\d+ -- ")
 
@@ -560,41 +371,56 @@ def test_ctrl_c_stops_the_search_prints_its_table_and_resume_command_and_exits_1
 # --------------------------------------------------------------------------- s3
 
 
-def test_an_s3_search_resumes_from_its_own_records_and_never_runs_what_storage_holds(
-    s3,
-    mixed_mnist,
-    tmp_path,
-    ray_env,
+def test_asha_stops_a_bad_trial_and_a_killed_s3_search_resumes_never_running_what_storage_holds(
+    s3, mixed_mnist, tmp_path, ray_env
 ):
-    """On an object store, whoever can write the prefix could replace Tune's state with code.
-    A search stopped mid-way is resumed from this project's JSON records and each trial's
-    weights-only checkpoint: the planted pickles never run, the trial that ended is not
-    trained again, the interrupted one resumes from its committed epoch, and searching once
-    more trains nothing and returns the same result."""
+    """ASHA stops the hopeless trial and the next still runs; a search whose driver is
+    killed (SIGKILL: a crash) mid-trial resumes on an object store from this project's JSON
+    records and each trial's weights-only checkpoint. Whoever can write the prefix could
+    replace Tune's state with code: the planted pickles never run, the trials that ended
+    are not trained again, the killed one resumes from its committed epoch, and the same
+    search as a library call then trains nothing, starts no Ray and returns best.json."""
     from raytrain_mnist.driver.runs import Run
 
     storage = s3()
     bucket, _, prefix = storage.removeprefix("s3://").partition("/")
-    exp = f"{storage}/s3search"
+    exp = f"{storage}/asha"
+    experiment = Run(storage, "asha")
     client = s3.client
+    # Search seed 2 draws lr 0.05, 1e-6, 0.05 in that order; one trial at a time, so the
+    # hopeless second trial reaches epoch 1 after the first finished, and ASHA stops it.
+    # The local Ray declares 2 CPUs: a leaked worker placement group would starve the third,
+    # which needs the CPU the stopped trial's workers held (ray-project/ray#54305).
     command = _tune_command(
         mixed_mnist,
         storage,
-        "s3search",
+        "asha",
         "--num-samples",
-        "2",
+        "3",
         "--max-epochs",
         "2",
+        "--range",
+        "lr=1e-6,0.05",
         "--max-concurrent-trials",
         "1",
-        "--scheduler",
-        "fifo",
         "--search-seed",
-        "3",
+        "2",
+        "--scheduler",
+        "asha",
+        "--grace-period",
+        "1",
     )
     env = ray_env  # made after the S3 fixture: it holds the AWS_* variables of the server
 
-    # 1. Stop the search once the first trial ended and the second committed an epoch.
+    def tune_result(trial: str) -> bytes | None:
+        """Tune's own result.json of a trial, as its driver last synced it to the store."""
+        try:
+            key = f"{prefix}/asha/trial_{trial}/result.json"
+            return client.get_object(Bucket=bucket, Key=key)["Body"].read()
+        except client.exceptions.NoSuchKey:
+            return None
+
+    # 1. Run until the third trial committed an epoch, then kill the driver and its Ray.
     driver = subprocess.Popen(
         command,
         stdout=subprocess.PIPE,
@@ -611,69 +437,163 @@ def test_an_s3_search_resumes_from_its_own_records_and_never_runs_what_storage_h
             seen.append(line)
             if line.startswith("trial ") and " started: " in line:
                 started.append(line.split()[1])
-                if len(started) == 2:
+                if len(started) == 3:
                     break
-        assert len(started) == 2 and f"trial {started[0]} finished" in "".join(seen), seen
-        second = Run(f"{exp}/runs", started[1])
+        assert len(started) == 3, "".join(seen)
+        third = Run(f"{exp}/runs", started[2])
         deadline = time.monotonic() + 240
-        while second.latest_checkpoint() is None:  # Ray Train's record of the commit
+        while third.latest_checkpoint() is None:  # Ray Train's record of the commit
             assert time.monotonic() < deadline and driver.poll() is None, "".join(seen)
-            time.sleep(0.5)
-        driver.send_signal(signal.SIGINT)
-        out, _ = driver.communicate(timeout=240)
+            time.sleep(0.1)
     finally:
-        if driver.poll() is None:
-            os.killpg(driver.pid, signal.SIGKILL)
-            driver.wait(timeout=30)
+        os.killpg(driver.pid, signal.SIGKILL)
+        driver.wait(timeout=30)
         kill_marked(ray_env[MARKER_VAR])
-    out = "".join(seen) + out
-    assert driver.returncode == 130, out[-3000:]
-    first = Run(f"{exp}/runs", started[0])
-    record_before = first.read_bytes("trial.json")
-    checkpoints_before = [path for path, _ in first.checkpoints()]
-    assert record_before and checkpoints_before and second.read_bytes("trial.json") is None
-    # Its epochs take a second here: its last one may have committed before the stop took.
-    second_before = [path for path, _ in second.checkpoints()]
-    assert len(second_before) in (1, 2)
+    output = "".join(seen)
+    assert f"trial {started[0]} finished" in output
+    assert f"trial {started[1]} stopped early after epoch 1" in output
+    # The ended trials' records are written as they end, before the next one starts.
+    ended = {t: Run(f"{exp}/runs", t) for t in started[:2]}
+    records_before = {t: run.read_bytes("trial.json") for t, run in ended.items()}
+    assert all(records_before.values()), records_before
+    checkpoints_before = {t: [p for p, _ in run.checkpoints()] for t, run in ended.items()}
+    assert checkpoints_before[started[0]], checkpoints_before
+    # Tune syncs its result.json of a trial to the store now and then: as it is, or absent.
+    results_before = {t: tune_result(t) for t in started[:2]}
+    # Its epochs take a second here: its last one may have committed before the kill took,
+    # but the trial had not ended.
+    third_before = [p for p, _ in third.checkpoints()]
+    assert len(third_before) in (1, 2) and third.read_bytes("trial.json") is None, third_before
 
     # 2. Plant code where Tune keeps its state, at the experiment's root and in its trials.
     for name, payload in _planted_tune_state().items():
-        client.put_object(Bucket=bucket, Key=f"{prefix}/s3search/{name}", Body=payload)
+        client.put_object(Bucket=bucket, Key=f"{prefix}/asha/{name}", Body=payload)
     for trial in started:
         for name, payload in _planted_trial_state().items():
-            key = f"{prefix}/s3search/trial_{trial}/{name}"
+            key = f"{prefix}/asha/trial_{trial}/{name}"
             client.put_object(Bucket=bucket, Key=key, Body=payload)
 
-    # 3. The same command: the ended trial is skipped, the stopped one resumes and ends.
+    # 3. The same command resumes: the ended trials are skipped (records, Tune's results and
+    # checkpoints as they were), the killed one resumes from its committed epoch and ends.
     done = subprocess.run(command, capture_output=True, text=True, cwd=REPO, env=env, timeout=400)
     kill_marked(ray_env[MARKER_VAR])
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     assert not os.path.exists(PLANTED_MARK)
-    assert "resuming search 's3search'" in done.stdout
-    assert f"trial {started[0]} started" not in done.stdout
-    assert f"trial {started[1]} started" in done.stdout
-    assert first.read_bytes("trial.json") == record_before  # not trained again
-    assert [path for path, _ in first.checkpoints()] == checkpoints_before
-    if len(second_before) == 1:  # stopped between its epochs: resumed from its checkpoint
-        assert second.latest_metrics()["resumed_from_epoch"] == 1
+    assert "resuming search 'asha'" in done.stdout, done.stdout
+    assert "2 of 3 trial(s) ended before; they are not trained again" in done.stdout
+    for trial_id, run in ended.items():
+        assert f"trial {trial_id} started" not in done.stdout  # not run again
+        assert run.read_bytes("trial.json") == records_before[trial_id]
+        assert [p for p, _ in run.checkpoints()] == checkpoints_before[trial_id]
+        assert tune_result(trial_id) == results_before[trial_id]  # same iterations, times
+    assert f"trial {started[2]} started" in done.stdout
+    if len(third_before) == 1:  # killed between its epochs: resumed from its checkpoint
+        assert third.latest_metrics()["resumed_from_epoch"] == 1
     else:  # both epochs had committed: the resumed trial found them and trained nothing
-        assert [path for path, _ in second.checkpoints()] == second_before
-    record = json.loads(second.read_bytes("trial.json"))
+        assert [p for p, _ in third.checkpoints()] == third_before
+    record = json.loads(third.read_bytes("trial.json"))
     assert record["status"] == "finished" and [h["epoch"] for h in record["history"]] == [1, 2]
-    best = json.loads(Run(storage, "s3search").read_bytes("best.json"))
-    assert best["num_trials"] == 2 and best["num_finished"] == 2 and best["num_unfinished"] == 0
-    assert {t["trial_id"] for t in best["trials"]} == set(started)
-    assert best["best_checkpoint"].startswith(f"{exp}/runs/{best['best_trial']}/checkpoint_")
 
-    # 4. Once more: nothing trains (no Ray starts), and the result is the same.
-    again = subprocess.run(command, capture_output=True, text=True, cwd=REPO, env=env, timeout=200)
-    assert again.returncode == 0, again.stdout[-3000:] + again.stderr[-3000:]
-    assert "2 of 2 trial(s) ended before; nothing to train" in again.stdout
-    assert " started: " not in again.stdout and not os.path.exists(PLANTED_MARK)
-    best_again = json.loads(Run(storage, "s3search").read_bytes("best.json"))
-    assert {k: v for k, v in best_again.items() if k != "wall_time_s"} == {
+    best = json.loads(experiment.read_bytes("best.json"))
+    assert best.keys() >= BEST_KEYS
+    trials = sorted(best["trials"], key=lambda t: t["trial_id"])  # creation order
+    assert [t["trial_id"] for t in trials] == started
+    assert [t["config"]["lr"] for t in trials] == [0.05, 1e-6, 0.05], (
+        "Tune's sampler drew another order; pick the seed again"
+    )
+    assert trials[1]["stopped_early"] and trials[1]["epochs_run"] == 1
+    assert [t["status"] for t in trials] == ["finished", "stopped early", "finished"]
+    assert trials[2]["epochs_run"] == 2  # the trial after the stopped one ran to the end
+    assert best["num_trials"] == 3 and best["num_stopped_early"] == 1
+    assert best["num_finished"] == 2 and best["num_unfinished"] == 0 and best["num_errors"] == 0
+    highest = max(trials, key=lambda t: t["best_val_accuracy"])
+    assert best["best_trial"] == highest["trial_id"]
+    assert best["best_val_accuracy"] == highest["best_val_accuracy"] > 0.5  # 512 digits
+    assert trials[1]["best_val_accuracy"] < 0.3  # lr 1e-6 learns nothing
+
+    # The CSV and the PNG hold exactly these trials.
+    rows = list(csv.DictReader(io.StringIO(experiment.read_bytes("results.csv").decode())))
+    assert [r["trial_id"] for r in rows] == [t["trial_id"] for t in best["trials"]]
+    assert [r["rank"] for r in rows] == ["1", "2", "3"]
+    by_id = {r["trial_id"]: r for r in rows}
+    for t in trials:
+        row = by_id[t["trial_id"]]
+        assert int(row["epochs_run"]) == t["epochs_run"]
+        assert row["stopped_early"] == str(t["stopped_early"])
+        assert float(row["lr"]) == t["config"]["lr"]
+        assert len(row["val_accuracy_per_epoch"].split()) == t["epochs_run"]
+    with Image.open(io.BytesIO(experiment.read_bytes("val_accuracy.png"))) as image:
+        assert image.format == "PNG" and image.size[0] > 400
+
+    # The best checkpoint, in the best trial's run on the store, loads into ConvNet, and the
+    # fit command trains its config again. It is the best epoch's: its own record says so.
+    assert best["best_checkpoint"].startswith(f"{exp}/runs/{best['best_trial']}/checkpoint_")
+    with experiment.local_copy(best["best_checkpoint"]) as local:
+        state = ckpt.load(local)
+        ckpt.load_model(local)
+    assert state["epoch"] == best["best_epoch"]
+    assert state["best_val_accuracy"] == best["best_val_accuracy"]
+    from raytrain_mnist.fit import parse_config
+
+    argv = shlex.split(best["fit_command"])
+    module = argv.index("-m") + 1
+    assert argv[module : module + 2] == ["raytrain_mnist", "fit"]
+    assert parse_config(argv[module + 2 :]).train.to_dict() == best["best_config"]
+
+    out = done.stdout
+    assert "rank" in out and "stopped early" in out and "reproduce with:" in out
+    assert f"best checkpoint: {best['best_checkpoint']}" in out
+
+    # 4. Once more, as a library call from a script: typed settings name the same experiment
+    # (the CLI's fixed --batch-size is a fixed parameter); every trial ended, so nothing
+    # trains and no Ray starts (its RAY_TMPDIR stays empty: a Ray keeps its session there).
+    # It prints nothing and returns what best.json holds, the same result as before.
+    script = f"""
+import json
+from raytrain_mnist.config import RunSettings, TrainConfig
+from raytrain_mnist.driver import search
+from raytrain_mnist.driver.searching.space import Param, SearchSpace, TuneSettings
+
+events = []
+result = search(
+    SearchSpace().with_params(
+        lr=Param("choice", values=(1e-6, 0.05)), batch_size=Param("fixed", values=(32,))
+    ),
+    TuneSettings(num_samples=3, max_concurrent_trials=1, search_seed=2, grace_period=1),
+    TrainConfig(epochs=2, batch_size=32),
+    RunSettings.from_flags(num_workers=1, cpus_per_worker=1, dataset="mnist", data_dir={str(mixed_mnist)!r},
+                storage_path={storage!r}, name="asha"),
+    on_event=lambda event: events.append(type(event).__name__ + ": " + event.text),
+)
+with open({str(tmp_path / "library.json")!r}, "w") as f:
+    json.dump({{"status": result.status, "record": result.to_dict(), "events": events}}, f)
+"""
+    ray_tmp = tmp_path / "library-ray"
+    ray_tmp.mkdir()
+    done = subprocess.run(
+        [sys.executable, "-c", script],
+        capture_output=True,
+        text=True,
+        cwd=REPO,
+        env={**env, "RAY_TMPDIR": str(ray_tmp)},
+        timeout=240,
+    )
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    assert done.stdout == "", done.stdout[-3000:]
+    assert not list(ray_tmp.iterdir()) and not os.path.exists(PLANTED_MARK)
+    library = json.loads((tmp_path / "library.json").read_text())
+    assert library["status"] == "finished"
+    assert library["events"][0].startswith("SearchStarting: resuming search 'asha'")
+    assert library["events"][1].startswith("Note: search space: lr choice(1e-06, 0.05)")
+    assert library["events"][2] == "Note: 3 of 3 trial(s) ended before; nothing to train"
+    assert not any(" started: " in event for event in library["events"]), library["events"]
+    record = library["record"]
+    assert record == json.loads(experiment.read_bytes("best.json"))
+    assert {k: v for k, v in record.items() if k != "wall_time_s"} == {
         k: v for k, v in best.items() if k != "wall_time_s"
     }
+    argv = shlex.split(record["fit_command"])
+    assert argv[argv.index("-m") + 1 : argv.index("-m") + 3] == ["raytrain_mnist", "fit"]
 
 
 def test_a_lost_experiment_claim_stops_every_trial():
