@@ -1,5 +1,7 @@
 """docs/iam/worker-policy.json, held by an IAM user, against an S3 server that enforces IAM:
-`fit --storage-path s3://...` checkpoints and resumes; nothing outside the runs prefix is
+an ``s3://`` run end to end through the CLI, every command holding only the policy (fit,
+"already finished", other settings refused, ``--fresh`` keeping the old run, a second command
+refused while it runs, Ctrl-C, resume, evaluate); nothing outside the runs prefix is
 reachable; a policy without an unconditioned ``s3:ListBucket`` on the bucket fails the run in
 one line.
 
@@ -24,10 +26,19 @@ and where it parts from AWS (moto 5.2):
   ``s3:prefix``), and a condition with no value to test passes. A prefix-conditioned
   ``s3:ListBucket`` therefore lists the whole bucket in moto (on AWS only the prefix), and
   only the rule above makes it fail HeadBucket, as on AWS.
+* **DeleteObjects differs.** AWS authorizes a multi-object delete (``POST ?delete``, how
+  pyarrow deletes a directory: ``--fresh`` moving a run aside) key by key, as
+  ``s3:DeleteObject`` on each object. moto first checks ``s3:DeleteObject`` on the *bucket*
+  (``arn:aws:s3:::BUCKET``), refusing every key when that is denied, then each key against
+  the bucket's policy only. The user therefore also holds ``s3:DeleteObject`` on each bucket
+  whose objects a statement lets it delete (:func:`as_moto_checks_it`): on AWS that grants
+  nothing (the action applies to objects only); in moto it lets the batch through, and then
+  no key of it is checked against the user's policy.
 
-So the prefix confinement of object reads and writes is enforced by moto itself; that the
-fixed policy lets HeadBucket through, and that the old prefix-conditioned one does not, rests
-on the HeadBucket rule above (AWS's documented rule for HeadBucket, apache/arrow#49949).
+So the prefix confinement of object reads, writes and single deletes is enforced by moto
+itself (of multi-object deletes, not: the rule above); that the fixed policy lets HeadBucket
+through, and that the old prefix-conditioned one does not, rests on the HeadBucket rule above
+(AWS's documented rule for HeadBucket, apache/arrow#49949).
 
 Where the planted policies fail: Ray Train makes the run directory and every checkpoint
 directory with pyarrow's ``create_dir`` (HeadBucket first). ``fit`` makes the storage
@@ -38,6 +49,7 @@ dies on the same HeadBucket and the line says only ``ActorDiedError``.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import json
 import os
@@ -49,10 +61,19 @@ import sys
 import time
 import urllib.request
 import uuid
+from pathlib import Path
 
 import pytest
 
-from tests.conftest import MARKER_VAR, REPO, aws_env, free_ports, kill_marked, tiny_run_flags
+from tests.conftest import (
+    MARKER_VAR,
+    REPO,
+    aws_env,
+    free_ports,
+    kill_marked,
+    marked,
+    tiny_run_flags,
+)
 from tests.test_signals import no_process_left
 
 POLICY = REPO / "docs" / "iam" / "worker-policy.json"
@@ -82,14 +103,25 @@ def the_policy(bucket: str) -> dict:
 
 def as_moto_checks_it(policy: dict) -> dict:
     """``policy`` plus moto's name for HeadBucket wherever AWS would allow HeadBucket: in
-    every Allow statement of ``s3:ListBucket`` on a bucket with no Condition (module
-    docstring)."""
+    every Allow statement of ``s3:ListBucket`` on a bucket with no Condition; and moto's
+    resource for DeleteObjects, the bucket, of every Allow of ``s3:DeleteObject`` on a
+    bucket's objects (module docstring)."""
     policy = copy.deepcopy(policy)
+    buckets = []
     for statement in policy["Statement"]:
         actions = _actions(statement)
         unconditioned = "Condition" not in statement
         if statement["Effect"] == "Allow" and "s3:ListBucket" in actions and unconditioned:
             statement["Action"] = [*actions, "s3:HeadBucket"]
+        if statement["Effect"] == "Allow" and "s3:DeleteObject" in actions and unconditioned:
+            resources = statement["Resource"]
+            for resource in [resources] if isinstance(resources, str) else resources:
+                if (bucket := resource.partition("/")[0]) != resource:
+                    buckets.append(bucket)
+    if buckets:
+        policy["Statement"].append(
+            {"Effect": "Allow", "Action": "s3:DeleteObject", "Resource": sorted(set(buckets))}
+        )
     return policy
 
 
@@ -249,59 +281,150 @@ def test_the_worker_policy_reaches_the_runs_prefix_and_nothing_else(iam_s3):
 # --------------------------------------------------------------------------- fit end to end
 
 
-def test_a_fit_with_the_worker_policy_checkpoints_and_resumes(iam_s3, tiny_mnist):
-    """One tiny fit, stopped with Ctrl-C after its first epoch, resumed by the command it
-    prints: every byte Ray Train and the run records write goes through the policy."""
+def _cli(env: dict[str, str], *args: str, timeout: float = 300) -> subprocess.CompletedProcess:
+    """``python -m raytrain_mnist ...`` in exactly ``env`` (conftest's ``run_cli`` would put
+    this process's environment under it)."""
+    return subprocess.run(
+        [sys.executable, "-m", "raytrain_mnist", *args],
+        capture_output=True,
+        text=True,
+        cwd=REPO,
+        timeout=timeout,
+        env=env,
+    )
+
+
+def _read_until(process: subprocess.Popen, start: str, seen: list[str]) -> None:
+    """Lines of ``process`` onto ``seen`` up to the first that starts with ``start``."""
+    for line in process.stdout:
+        seen.append(line)
+        if line.startswith(start):
+            return
+    raise AssertionError(f"no line {start!r}:\n{''.join(seen)}")
+
+
+def _train_workers(marker: str) -> list[int]:
+    """The Ray Train workers (by their process title) of the command carrying ``marker``."""
+    pids = []
+    for pid in marked(marker):
+        with contextlib.suppress(OSError):
+            if b"RayTrainWorker" in Path(f"/proc/{pid}/cmdline").read_bytes():
+                pids.append(pid)
+    return pids
+
+
+def _signal_all(pids: list[int], signum: int) -> None:
+    for pid in pids:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signum)
+
+
+@pytest.mark.timeout(1800)  # three fits, three refusals and an evaluation: loaded, long
+def test_an_s3_run_is_claimed_refused_kept_stopped_resumed_and_evaluated_under_the_policy(
+    iam_s3, tiny_mnist, tmp_path
+):
+    """Through the real CLI, every command holding only the worker policy: everything a
+    local run guarantees, and every byte Ray Train and the run records write and read goes
+    through the policy."""
     env = iam_s3.env(iam_s3.user(as_moto_checks_it(the_policy(iam_s3.bucket))))
+    admin = iam_s3.client("s3", iam_s3.admin)
+    prefix, storage = _prefix(json.loads(POLICY.read_text())), _storage(iam_s3)
+
+    def summary_of(name: str) -> dict:
+        key = f"{prefix}/{name}/summary.json"
+        return json.loads(admin.get_object(Bucket=iam_s3.bucket, Key=key)["Body"].read())
+
+    first = _cli(env, "fit", *_fit_args(iam_s3, tiny_mnist, "s3run", 2))
+    assert first.returncode == 0, first.stdout + first.stderr
+    summary = summary_of("s3run")
+    assert summary["status"] == "finished" and summary["epochs_completed"] == 2, summary
+    assert summary["best_checkpoint"].startswith(f"{storage}/s3run/checkpoint_"), summary
+
+    again = _cli(env, "fit", *_fit_args(iam_s3, tiny_mnist, "s3run", 2))
+    assert again.returncode == 0 and "already finished" in again.stdout, again
+    assert "starting run" not in again.stdout
+
+    other = _cli(env, "fit", *_fit_args(iam_s3, tiny_mnist, "s3run", 2), "--lr", "0.05")
+    assert other.returncode == 2 and "other settings" in other.stderr, other
+    assert summary_of("s3run") == summary
+
+    # --fresh keeps the old run and trains anew; after its first epoch its worker is held
+    # (SIGSTOP) so that the run is still running, however long what follows takes: a second
+    # command is refused, Ctrl-C stops it (the worker is let go once the command has taken
+    # the Ctrl-C), then the printed command resumes it. Four epochs: the worker is at most
+    # a controller poll past the first epoch's line when it is held.
     marker = uuid.uuid4().hex
-    first = subprocess.Popen(
-        [sys.executable, "-m", "raytrain_mnist", "fit", *_fit_args(iam_s3, tiny_mnist, "iam", 6)],
+    epochs = 4
+    fresh = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "raytrain_mnist",
+            "fit",
+            "--fresh",
+            *_fit_args(iam_s3, tiny_mnist, "s3run", epochs),
+        ],
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
         text=True,
         cwd=REPO,
         env={**env, "PYTHONUNBUFFERED": "1", MARKER_VAR: marker},
     )
+    workers: list[int] = []
     try:
-        seen = []
-        for line in first.stdout:
-            seen.append(line)
-            if line.startswith("epoch   1/6"):
-                break
-        else:
-            raise AssertionError("".join(seen))
-        first.send_signal(signal.SIGINT)
-        out, _ = first.communicate(timeout=300)
+        seen: list[str] = []
+        _read_until(fresh, f"epoch   1/{epochs}", seen)
+        workers = _train_workers(marker)
+        assert len(workers) == 1, workers
+        _signal_all(workers, signal.SIGSTOP)
+        clash = _cli(env, "fit", *_fit_args(iam_s3, tiny_mnist, "s3run", epochs), timeout=120)
+        assert clash.returncode == 1 and "'s3run' is already running" in clash.stderr, clash
+        fresh.send_signal(signal.SIGINT)
+        _read_until(fresh, "Ctrl-C: stopping the workers", seen)
+        _signal_all(workers, signal.SIGCONT)
+        out, _ = fresh.communicate(timeout=600)  # generous: a loaded machine stops slowly
         out = "".join(seen) + out
-        assert first.returncode == 130, out
+        assert fresh.returncode == 130, out
         no_process_left(marker)  # the Ray the command started went with it
+        assert summary_of("s3run.previous-1") == summary
         resume = out.split("resume with: ")[1].splitlines()[0]
         resumed = subprocess.run(
             shlex.split(resume),
             capture_output=True,
             text=True,
             cwd=REPO,
-            timeout=600,
+            timeout=900,
             env={**env, MARKER_VAR: marker},
         )
     finally:
+        _signal_all(workers, signal.SIGCONT)
         kill_marked(marker)
     assert resumed.returncode == 0, resumed.stdout + resumed.stderr
+    final = summary_of("s3run")
+    assert final["status"] == "finished" and final["resumed_from_epoch"] >= 1, final
+    assert [h["epoch"] for h in final["history"]] == list(range(1, epochs + 1))
+    assert final["best_checkpoint"].startswith(f"{storage}/s3run/checkpoint_"), final
 
-    admin = iam_s3.client("s3", iam_s3.admin)
-    prefix = _prefix(json.loads(POLICY.read_text()))
-    summary = json.loads(
-        admin.get_object(Bucket=iam_s3.bucket, Key=f"{prefix}/iam/summary.json")["Body"].read()
+    report = _cli(
+        env,
+        "evaluate",
+        f"{storage}/s3run",
+        "--data-dir",
+        str(tiny_mnist),
+        "--out",
+        str(tmp_path / "eval"),
     )
-    assert summary["status"] == "finished" and summary["resumed_from_epoch"] >= 1, summary
-    assert [h["epoch"] for h in summary["history"]] == list(range(1, 7))
-    assert summary["best_checkpoint"].startswith(f"{_storage(iam_s3)}/iam/checkpoint_")
+    assert report.returncode == 0, report.stderr
+    evaluation = json.loads((tmp_path / "eval" / "evaluation.json").read_text())
+    assert evaluation["accuracy"] == final["best_val_accuracy"]
+    assert evaluation["checkpoint"] == final["best_checkpoint"]
+
     keys = {
         o["Key"]
         for page in admin.get_paginator("list_objects_v2").paginate(Bucket=iam_s3.bucket)
         for o in page.get("Contents", [])
     }
-    assert any(k.startswith(f"{prefix}/iam/checkpoint_") for k in keys), keys
+    assert any(k.startswith(f"{prefix}/s3run/checkpoint_") for k in keys), keys
     assert all(k.startswith(f"{prefix}/") or k.startswith("elsewhere/") for k in keys), keys
 
 

@@ -1,16 +1,16 @@
 """The run's one home (driver/runs/): names, identity, claims, and ``s3://`` with the guarantees
-of a local path, against a real S3-compatible server (moto, conftest's ``s3``) on 127.0.0.1."""
+of a local path, against a real S3-compatible server (moto, conftest's ``s3``) on 127.0.0.1.
+The s3 run end to end through the CLI (claimed, refused, kept, stopped, resumed, evaluated)
+is tests/test_iam.py's, under the worker policy."""
 
 from __future__ import annotations
 
 import json
 import os
 import shlex
-import signal
 import subprocess
 import sys
 import time
-import uuid
 
 import pytest
 
@@ -18,8 +18,7 @@ from raytrain_mnist.config import FitConfig, RunSettings, TrainConfig
 from raytrain_mnist.driver import runs
 from raytrain_mnist.driver.runs import Run, claim
 from raytrain_mnist.errors import UserError
-from tests.conftest import MARKER_VAR, REPO, kill_marked, run_cli, tiny_run_flags
-from tests.test_signals import no_process_left
+from tests.conftest import REPO, run_cli
 
 # --------------------------------------------------------------------------- names, identity
 
@@ -157,80 +156,6 @@ def test_resume_commands_rebuild_the_same_config_from_every_entry_point(monkeypa
         assert again.run == RunSettings.from_flags(
             **{**cfg.run.to_dict(), "fresh": False, "name": "the-run"}
         )
-
-
-# --------------------------------------------------------------------------- s3 end to end
-
-
-@pytest.mark.timeout(1800)  # four fits and an evaluation: a loaded machine takes long
-def test_an_s3_run_is_claimed_reported_refused_kept_resumed_and_evaluated(s3, tiny_mnist, tmp_path):
-    """Through the real CLI and Ray's own storage: everything a local run guarantees."""
-    storage = s3()
-    common = tiny_run_flags(tiny_mnist, storage, "s3run")
-    first = run_cli("fit", "--epochs", "2", *common)
-    assert first.returncode == 0, first.stdout + first.stderr
-    summary = Run(storage, "s3run").summary()
-    assert summary["status"] == "finished" and summary["epochs_completed"] == 2
-    assert summary["best_checkpoint"].startswith(f"{storage}/s3run/checkpoint_")
-
-    again = run_cli("fit", "--epochs", "2", *common)
-    assert again.returncode == 0 and "already finished" in again.stdout, again
-    assert "starting run" not in again.stdout
-
-    other = run_cli("fit", "--epochs", "2", "--lr", "0.05", *common)
-    assert other.returncode == 2 and "other settings" in other.stderr, other
-    assert Run(storage, "s3run").summary() == summary
-
-    # --fresh keeps the old run and trains anew; a second command meanwhile is refused;
-    # Ctrl-C after the first epoch, then the printed command resumes it.
-    marker = uuid.uuid4().hex
-    fresh = subprocess.Popen(
-        [sys.executable, "-m", "raytrain_mnist", "fit", "--epochs", "12", "--fresh", *common],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-        cwd=REPO,
-        env={**os.environ, "PYTHONUNBUFFERED": "1", MARKER_VAR: marker},
-    )
-    try:
-        seen = []
-        for line in fresh.stdout:
-            seen.append(line)
-            if line.startswith("epoch   1/12"):
-                break
-        else:
-            raise AssertionError("".join(seen))
-        clash = run_cli("fit", "--epochs", "12", *common, timeout=120)
-        assert clash.returncode == 1 and "'s3run' is already running" in clash.stderr, clash
-        fresh.send_signal(signal.SIGINT)
-        out, _ = fresh.communicate(timeout=600)  # generous: a loaded machine stops slowly
-        out = "".join(seen) + out
-        assert fresh.returncode == 130, out
-        no_process_left(marker)  # the Ray the command started went with it
-    finally:
-        kill_marked(marker)
-    assert Run(storage, "s3run.previous-1").summary() == summary
-    resume = out.split("resume with: ")[1].splitlines()[0]
-    resumed = subprocess.run(
-        shlex.split(resume), capture_output=True, text=True, cwd=REPO, timeout=900
-    )
-    assert resumed.returncode == 0, resumed.stdout + resumed.stderr
-    final = Run(storage, "s3run").summary()
-    assert final["status"] == "finished" and final["resumed_from_epoch"] >= 1
-    assert [h["epoch"] for h in final["history"]] == list(range(1, 13))
-
-    report = run_cli(
-        "evaluate",
-        f"{storage}/s3run",
-        "--data-dir",
-        str(tiny_mnist),
-        "--out",
-        str(tmp_path / "eval"),
-    )
-    assert report.returncode == 0, report.stderr
-    evaluation = json.loads((tmp_path / "eval" / "evaluation.json").read_text())
-    assert evaluation["accuracy"] == final["best_val_accuracy"]
-    assert evaluation["checkpoint"] == final["best_checkpoint"]
 
 
 def test_a_sample_run_is_not_resumed_on_full_mnist(tmp_path, tiny_mnist):
