@@ -262,9 +262,9 @@ def test_evaluate_on_the_gpu_reproduces_fits_accuracy(one_worker_nccl, tmp_path)
 
 
 def test_the_gpu_benchmark_runs_its_seeds_and_steps_on_cpu(tmp_path):
-    """benchmarks/gpu.py's code path, on CPU with the sample (--cpu-dry-run): the plain loop
-    over two seeds, their spread and the step table land in gpu.json and gpu.md (the
-    figures mean nothing here; a lent GPU machine runs it for real: docs/gpu.md)."""
+    """benchmarks/gpu.py's code path, on CPU with 1,024 digits of the sample (--cpu-dry-run):
+    the plain loop over two seeds, their spread and the step table land in gpu.json and
+    gpu.md (the figures mean nothing here; a lent GPU machine runs it for real: docs/gpu.md)."""
     import json
     import subprocess
 
@@ -293,7 +293,8 @@ def test_the_gpu_benchmark_runs_its_seeds_and_steps_on_cpu(tmp_path):
     assert [r["seed"] for r in report["seed_runs"]] == [0, 1]
     assert report["seeds"]["seeds"] == 2 and report["settings"]["epochs"] == 1
     accuracy = report["seeds"]["final_accuracy"]
-    assert 0.5 < accuracy["min"] <= accuracy["mean"] <= accuracy["max"] <= 1
+    # Eight steps on 1,024 digits reach about 40-55 %: above 30 % (chance: 10 %), it learned.
+    assert 0.3 < accuracy["min"] <= accuracy["mean"] <= accuracy["max"] <= 1
     steps = report["variants"]["plain"]["steps"]
     assert {"Python, imports, flags", "training and evaluation"} <= set(steps)
     assert abs(steps["unaccounted"]) < 0.01, steps
