@@ -346,15 +346,17 @@ _SHARED_GROUP = "shared-rays"
 _LONGEST = (
     "test_ray_up.py",
     "test_tune.py",
-    "test_runs.py",
     "test_signals.py",
+    "test_iam.py",
     "test_submit.py",
     "test_connect.py",
-    "test_claim.py",
-    "test_iam.py",
-    "test_notebook.py",
+    "test_resilience.py",
     "test_netns.py",
     "test_elastic.py",
+    "test_notebook.py",
+    "test_startup.py",
+    "test_claim.py",
+    "test_full_data.py",
 )
 
 
