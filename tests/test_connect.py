@@ -258,3 +258,26 @@ def test_fit_by_loopback_on_a_plain_head_runs_and_tears_down_in_seconds(
     # Ray Train's PlacementGroupCleaner held this for 12 s (its State API call without a
     # dashboard); the GCS answers in milliseconds.
     assert teardown["worker_group_shut_down"] - teardown["workers_finished"] < 6, teardown
+
+
+def test_a_server_side_traceback_is_said_as_what_it_raised():
+    """Ray Client's proxy answers a failed start with its whole traceback: the line says what
+    was raised (its last line), not where."""
+    from raytrain_mnist.driver.cluster import _RAY_CLIENT_SERVER_DIED, _why
+
+    answer = ConnectionError(
+        "Initialization failure from server:\nTraceback (most recent call last):\n"
+        '  File "ray/util/client/server/proxier.py", line 765, in Datapath\n'
+        "    if not self.proxy_manager.start_specific_server(\n"
+        '  File "ray/util/client/server/proxier.py", line 365, in start_specific_server\n'
+        "    serialized_runtime_env_context = self._create_runtime_env(\n"
+        "TimeoutError: GetOrCreateRuntimeEnv request failed after 5 attempts. Last "
+        "exception: <urlopen error [Errno 111] Connection refused>\n"
+    )
+    assert _why(answer) == (
+        "Initialization failure from server: TimeoutError: GetOrCreateRuntimeEnv request "
+        "failed after 5 attempts. Last exception: <urlopen error [Errno 111] Connection "
+        "refused>"
+    )
+    assert any(sign in str(answer) for sign in _RAY_CLIENT_SERVER_DIED)  # tried once more
+    assert _why(ValueError("plain words\nover lines")) == "plain words over lines"

@@ -150,18 +150,21 @@ def _connect_to(address: str) -> None:
                 )
             return
         except (ConnectionError, RuntimeError, ValueError) as exc:
-            if attempt == 0 and _RAY_CLIENT_SERVER_DIED in str(exc):
-                # The head's Ray Client proxy starts one server per client; that process
-                # now and then exits as it starts, saying nothing. A new client gets a new
-                # one.
-                logger.warning("Ray Client's server for this driver did not start; again")
+            if attempt == 0 and any(sign in str(exc) for sign in _RAY_CLIENT_SERVER_DIED):
+                # The head's Ray Client proxy starts one server per client; now and then
+                # that server exits as it starts, saying nothing, or its runtime env is not
+                # made. A new client gets a new one.
+                logger.warning(
+                    "Ray Client's server for this driver did not start (%s); again", _why(exc)
+                )
                 continue
             why = _why(exc)
             raise UserError(f"cannot connect to the Ray cluster at {address}: {why}") from exc
 
 
-#: What Ray Client's proxy answers when the server it started for a client exited at once.
-_RAY_CLIENT_SERVER_DIED = "Starting Ray client server failed"
+#: What Ray Client's proxy answers when the server it started for a client exited at once,
+#: or when starting it failed (the traceback of its ``start_specific_server``).
+_RAY_CLIENT_SERVER_DIED = ("Starting Ray client server failed", "in start_specific_server")
 
 
 def _check_a_node_here(head: _Head, address: str) -> None:
@@ -233,6 +236,11 @@ def _why(exc: Exception) -> str:
             "it requires token authentication; set RAY_AUTH_MODE=token and its token "
             "(RAY_AUTH_TOKEN, RAY_AUTH_TOKEN_PATH or ~/.ray/auth_token)"
         )
+    if "Traceback (most recent call last)" in text:
+        # A server's traceback (Ray Client's proxy sends its own): what was raised is last.
+        lines = [line.strip() for line in str(exc).splitlines() if line.strip()]
+        prefix = text.partition("Traceback")[0].strip()
+        text = f"{prefix} {lines[-1]}".strip() if lines else text
     return text[:300]
 
 
