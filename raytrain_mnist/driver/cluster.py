@@ -152,8 +152,8 @@ def _connect_to(address: str) -> None:
         except (ConnectionError, RuntimeError, ValueError) as exc:
             if attempt == 0 and any(sign in str(exc) for sign in _RAY_CLIENT_SERVER_DIED):
                 # The head's Ray Client proxy starts one server per client; now and then
-                # that server exits as it starts, saying nothing, or its runtime env is not
-                # made. A new client gets a new one.
+                # that server exits as it starts, saying nothing, or starting it fails
+                # inside the proxy. A new client gets a new one.
                 logger.warning(
                     "Ray Client's server for this driver did not start (%s); again", _why(exc)
                 )
