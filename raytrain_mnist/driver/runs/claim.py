@@ -259,11 +259,10 @@ class Lease:
         filesystem=None,
     ) -> None:
         self.files = files
-        self.fs = filesystem if filesystem is not None else files.filesystem
         self.path = f"{files.base.rpartition('/')[0]}/.{files.name}.lease"
         #: The lease object: written conditionally where the store can (versioned.py).
         self.store = (
-            FileObject(self.fs, self.path)
+            FileObject(filesystem, self.path)
             if filesystem is not None
             else open_object(files, self.path)
         )
@@ -306,10 +305,6 @@ class Lease:
             }
         ).encode()
 
-    def _read_once(self) -> tuple[bytes, str | None] | None:
-        """The lease's bytes and version; None only when the store says there is none."""
-        return self.store.read()
-
     def _put(self, expect: str | None) -> None:
         """Write this command's record over the version ``expect`` (:data:`ABSENT`: over no
         lease) where the store checks it, over whatever is there where it cannot.
@@ -349,7 +344,7 @@ class Lease:
     # ----------------------------------------------------------------- taking it
 
     def acquire(self, what: str) -> None:
-        found = self._retried(self._read_once, "read the lease")
+        found = self._retried(self.store.read, "read the lease")
         expect = ABSENT  # where the store checks it: no lease, or the stale one we watched
         if found is not None:
             held, expect = found
@@ -393,7 +388,7 @@ class Lease:
         """On a store without conditional writes: :class:`_Taken` when a rival who wrote
         at the same moment is seen."""
         time.sleep(_LEASE_SETTLE_S)
-        back = self._retried(self._read_once, "read the lease")
+        back = self._retried(self.store.read, "read the lease")
         lease = _parse(back[0]) if back is not None else {}
         if lease.get("token") != self.token:
             raise _Taken(lease)
@@ -424,7 +419,7 @@ class Lease:
         since = time.monotonic()
         while (waited := time.monotonic() - since) < self.ttl_s:
             time.sleep(min(self.beat_s / 3, self.ttl_s - waited))
-            now = self._retried(self._read_once, "read the lease")
+            now = self._retried(self.store.read, "read the lease")
             if now is None:
                 return ABSENT  # released meanwhile
             if now[0] != held:
@@ -486,7 +481,7 @@ class Lease:
         store, never overwritten. Elsewhere read first (a rival who writes between that
         read and this write is overwritten, and seen at the next renewal)."""
         if not self.store.conditional:
-            found = self._read_once()
+            found = self.store.read()
             if found is not None and (lease := _parse(found[0])).get("token") != self.token:
                 raise _Taken(lease)
             if found is None:
@@ -513,7 +508,7 @@ class Lease:
         self._thread.join(timeout=self.beat_s + _RETRY_S)
         self._thread = None
         try:
-            held = self._retried(self._read_once, "read the lease")
+            held = self._retried(self.store.read, "read the lease")
             if held is not None and _parse(held[0]).get("token") == self.token:
                 # Conditional where the store can: a lease taken since the read stays.
                 with contextlib.suppress(FileNotFoundError, Conflict):
