@@ -9,8 +9,10 @@ its output lines, never on time.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import signal
 import subprocess
 import sys
 import threading
@@ -18,7 +20,7 @@ import threading
 import pytest
 
 from raytrain_mnist._cli import EXIT_USAGE
-from tests.conftest import REPO, run_cli_here
+from tests.conftest import REPO, run_cli_here, wait_for
 
 
 @pytest.fixture(scope="module")
@@ -106,16 +108,25 @@ def _args(cluster, tiny_mnist, storage, name: str, epochs: int) -> list[str]:
 def test_elastic_run_grows_when_a_node_joins_and_matches_a_fixed_run(
     one_node, tiny_mnist, tmp_path, fitted
 ):
-    # 30 epochs: the run is still training when the node has joined and Ray Train has seen
-    # it: its resource reservations refresh every 20 s (Ray Data's AutoscalingCoordinator
-    # ticks), then a resize check (every 2 s); epochs slow down alike on a busier machine.
+    # Once the first epoch is committed, the one worker is held (SIGSTOP) until Ray Train has
+    # resized: Ray Train sees the joined node only when its resource reservations refresh
+    # (every 20 s, Ray Data's AutoscalingCoordinator ticks) and then at a resize check (every
+    # 2 s), and a held worker's run cannot end before that, however slow the machine. The
+    # resize kills the held worker (Ray's raylet SIGKILLs one that does not stop) and the run
+    # goes on on two from the last committed epoch.
     run = _Fit(*_args(one_node, tiny_mnist, tmp_path, "grow", epochs=EPOCHS))
     assert run.first_epoch.wait(400)
+    held = _committed_pids(tmp_path / "grow")
+    assert len(held) == 1, held
     from raytrain_mnist.driver.cluster import loopback_node
 
-    with loopback_node():
-        one_node.add_node(num_cpus=1)
-    out = run.wait()
+    try:
+        _signal_all(held, signal.SIGSTOP)
+        with loopback_node():
+            one_node.add_node(num_cpus=1)
+        out = run.wait()
+    finally:
+        _signal_all(held, signal.SIGCONT)
     assert run.proc.returncode == 0, out
     summary = json.loads((tmp_path / "grow" / "summary.json").read_text())
     sizes = [h["world_size"] for h in summary["history"]]
@@ -126,14 +137,33 @@ def test_elastic_run_grows_when_a_node_joins_and_matches_a_fixed_run(
     assert sizes[resize["at_epoch"] - 1] == 2 and sizes[resize["at_epoch"] - 2] == 1
     assert summary["num_workers"] == [1, 2] and summary["elastic"] is True
     assert summary["status"] == "finished" and summary["epochs_completed"] == EPOCHS
+    assert not held & {w["pid"] for w in summary["workers"]}  # the held one was let go
     # The global batch and the schedule do not depend on the world size: every epoch's
     # learning rate is the one-cycle schedule's at that step, across the resize.
     assert [h["lr"] for h in summary["history"]] == pytest.approx(_schedule(EPOCHS), rel=1e-9)
-    # And it learns at least as well as the fixed 2-worker run of 8 epochs.
+    # And it learns at least as well as the fixed 2-worker run of as many epochs.
     assert summary["val_accuracy"] >= fitted["summary"]["val_accuracy"] - 0.03
 
 
-EPOCHS = 30
+def _committed_pids(run_dir, timeout: float = 60) -> set[int]:
+    """The worker processes behind the run's latest committed checkpoint (the snapshot file
+    can lag the printed epoch)."""
+
+    def pids():
+        with contextlib.suppress(OSError, ValueError, KeyError, TypeError):  # not yet written
+            snapshot = json.loads((run_dir / "checkpoint_manager_snapshot.json").read_text())
+            return {w["pid"] for w in snapshot["latest_checkpoint_result"]["metrics"]["workers"]}
+
+    return wait_for(pids, f"a committed checkpoint in {run_dir}", timeout)
+
+
+def _signal_all(pids, signum: int) -> None:
+    for pid in pids:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signum)
+
+
+EPOCHS = 8  # the shared fixed run's (conftest `fitted`)
 
 
 def _schedule(epochs: int) -> list[float]:
