@@ -116,8 +116,15 @@ class Head:
             stdin=subprocess.DEVNULL,
         )
         lines = [line for line in done.stdout.splitlines() if line.startswith("{")]
-        assert lines, done.stdout[-2000:] + done.stderr[-3000:]
+        assert lines, done.stdout[-2000:] + done.stderr[-3000:] + self.client_server_logs()
         return done, json.loads(lines[-1])
+
+    def client_server_logs(self) -> str:
+        """The tails of this head's Ray Client logs: why a ``ray://`` start failed."""
+        return "".join(
+            f"\n--- {log.name}:\n" + log.read_text(errors="replace")[-2000:]
+            for log in sorted(self.tmp.glob("ray/session_*/logs/ray_client_server*"))
+        )
 
 
 @pytest.fixture(scope="module")
@@ -147,7 +154,11 @@ def heads():
 
 def _connects(head: Head, address: str, **env: str) -> dict:
     done, seen = head.driver(address, **env)
-    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]
+    assert done.returncode == 0, (
+        done.stdout[-2000:]
+        + done.stderr[-3000:]
+        + (head.client_server_logs() if address.startswith("ray://") else "")
+    )
     assert seen["heads"] == [f"head_{head.name}"] and seen["task"] == "ran", seen
     assert seen["ours"] is False  # joined, not started: nothing of theirs is stopped
     # How fast a connection succeeds is a figure (benchmarks/results/connect.md): ray://
