@@ -273,6 +273,59 @@ def test_a_tune_trial_on_a_preempted_node_resumes_from_its_just_in_time_checkpoi
         assert torch.equal(hurt_state["model"][key], value), key
 
 
+def test_an_elastic_run_preempted_goes_on_on_the_workers_left_and_says_so(
+    two_nodes, fitted, tiny_mnist, tmp_path
+):
+    """A 1-2 worker run on two nodes: rank 1's node is preempted and not replaced. The run
+    checkpoints just in time, resumes at that step on the one worker left, says the run is
+    no longer the uninterrupted one's, and ends about as accurate."""
+    from raytrain_mnist.driver.cluster import loopback_node
+
+    cluster, nodes = two_nodes
+    train, calm = fitted["cfg"].train, fitted["summary"]
+    flags = _args(cluster, tiny_mnist, tmp_path, "spot-elastic", train, "--resize-check-s", "2")
+    flags[flags.index("--num-workers") + 1] = "1-2"
+    run = _Fit(flags, NOTICE_ENV)
+    run_dir = tmp_path / "spot-elastic"
+    run.until("epoch   1/8")
+    began = time.monotonic()
+    run.until("epoch   2/8")
+    notice_s = max(3.0, 3 * (time.monotonic() - began))
+    node = _ranks_by_node(run_dir)[1]
+    try:
+        accepted, rejection = _drain(cluster, node, "DRAIN_NODE_REASON_PREEMPTION", notice_s)
+        assert accepted, rejection
+
+        def final_checkpoint():
+            m = _latest(run_dir)
+            return m if m and m.get("progress") == "checkpoint" and m["final"] else None
+
+        final = wait_for(final_checkpoint, "the final just-in-time checkpoint")
+        gone = next(n for n in nodes if n.node_id == node)
+        cluster.remove_node(gone)
+        nodes.remove(gone)
+        resumed = run.until("resumed after the preemption from ")
+        out = run.wait()
+    finally:
+        run.proc.kill()
+        with loopback_node():
+            while len(nodes) < 2:  # two_nodes' two again
+                nodes.append(cluster.add_node(num_cpus=1))
+        cluster.wait_for_nodes()
+    assert run.proc.returncode == 0, out
+    assert "(written by 2 worker(s), resumed on 1: not bit-identical)" in resumed, resumed
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["status"] == "finished" and summary["epochs_completed"] == 8, out
+    [event] = summary["preemptions"]
+    assert event["node"] == node and event["lost_steps"] <= 1, event
+    assert (event["epoch"], event["step"]) == (final["epoch"] + 1, final["step"])
+    assert event["resumed_from"] == {"epoch": event["epoch"], "step": event["step"]}
+    sizes = [h["world_size"] for h in summary["history"]]
+    assert sizes[0] == 2 and sizes[-1] == 1, (sizes, out)
+    assert [(r["from"], r["to"]) for r in summary["resizes"]] == [(2, 1)], summary["resizes"]
+    assert summary["val_accuracy"] >= calm["val_accuracy"] - 0.03, (summary, calm)
+
+
 class _Tune(_Fit):
     """``python -m raytrain_mnist.tune ARGS``, read as :class:`_Fit` reads a fit."""
 
@@ -416,6 +469,12 @@ def test_the_driver_records_one_entry_per_preemption_and_its_lost_steps():
     log.handle({"progress": "preempt_step", "epoch": 6, "step": 3})
     log.resumed({"progress": "ready", "resumed_from_epoch": 4, "resumed_from_step": 60})
     assert log.entries[-1]["lost_steps"] == 7
+    # An elastic run that resumes on the workers left says it is no longer the same run.
+    log.handle({"progress": "preemption", "nodes": {"n3": [1]}, "deadline_s": 9,
+                "epoch": 6, "step": 8, "steps_per_epoch": 64})  # fmt: skip
+    line = log.resumed({"progress": "ready", "resumed_from_epoch": 5, "resumed_from_step": 8,
+                        "resumed_world_size": 2, "world_size": 1})  # fmt: skip
+    assert line.endswith("(written by 2 worker(s), resumed on 1: not bit-identical)"), line
     assert resume_text({"resumed_from_epoch": 2, "resumed_from_step": 0}) == (
         "resumed from the checkpoint of epoch 2"
     )

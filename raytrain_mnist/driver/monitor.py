@@ -419,12 +419,15 @@ class RunMonitor:
             return
         self.restarts += 1
         after_preemption = self.preemptions.resumed(m) if m.get("progress") == "ready" else None
-        if size is not None and previous[1] is not None and size != previous[1]:
+        resized = size is not None and previous[1] is not None and size != previous[1]
+        if resized:
             self.resizes.append({"from": previous[1], "to": size, "at_epoch": resumed + 1})
             step = f", step {m['resumed_from_step']}" if m.get("resumed_from_step") else ""
             self.on_event(Note(f"workers {previous[1]} → {size} at epoch {resumed + 1}{step}"))
-        elif after_preemption is not None:
+        if after_preemption is not None:  # an elastic run's too: it says the size differs
             self.on_event(Preempted(after_preemption))
+        elif resized:
+            return
         elif m.get("resumed_from_step"):
             self.on_event(Note(f"workers restarted from the checkpoint at step "
                                f"{m['resumed_from_step']} of epoch {resumed + 1}"))  # fmt: skip

@@ -94,7 +94,7 @@ class PreemptionLog:
         entry["lost_steps"] = max(self._last - self._global(epoch, step), 0)
         return (
             f"resumed after the preemption from {_at(epoch, step)}: "
-            f"{entry['lost_steps']} step(s) trained again"
+            f"{entry['lost_steps']} step(s) trained again" + _size_note(m)
         )
 
 
