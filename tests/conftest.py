@@ -401,6 +401,12 @@ class _XdistGroupSuffix:
 
 def pytest_configure(config):
     config.pluginmanager.register(_XdistGroupSuffix(), "raytrain-xdist-group-suffix")
+    # A suite started in the background by a shell without job control (`make test &`,
+    # some CI runners) inherits SIGINT ignored, and so would every command it starts: the
+    # Ctrl-C tests would then test nothing but that. A handler of ours is reset to the
+    # default across exec, so the commands get Python's own again.
+    if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
+        signal.signal(signal.SIGINT, signal.default_int_handler)
 
 
 def pytest_runtest_logreport(report):
