@@ -143,6 +143,12 @@ def _latest(run_dir: Path) -> dict | None:
         return None
 
 
+def _final_checkpoint(run_dir: Path) -> dict | None:
+    """The metrics of the final just-in-time checkpoint, once committed (None before)."""
+    m = _latest(run_dir)
+    return m if m and m.get("progress") == "checkpoint" and m["final"] else None
+
+
 def _replace(cluster, nodes, node_id: str) -> None:
     """Remove the node ``node_id`` (its raylet and workers), add a fresh 1-CPU one."""
     from raytrain_mnist.driver.cluster import loopback_node
@@ -186,11 +192,7 @@ def test_a_preempted_node_costs_at_most_a_step_and_the_run_ends_as_a_calm_one(
     seen = run.until("preemption: node ")
     assert node[:12] in seen and "rank(s) 1" in seen
 
-    def final_checkpoint():
-        m = _latest(run_dir)
-        return m if m and m.get("progress") == "checkpoint" and m["final"] else None
-
-    final = wait_for(final_checkpoint, "the final just-in-time checkpoint")
+    final = wait_for(lambda: _final_checkpoint(run_dir), "the final just-in-time checkpoint")
     _replace(cluster, nodes, node)
     resumed = run.until("resumed after the preemption from ")
     out = run.wait()
@@ -250,11 +252,9 @@ def test_a_tune_trial_on_a_preempted_node_resumes_from_its_just_in_time_checkpoi
         accepted, rejection = _drain(cluster, node, "DRAIN_NODE_REASON_PREEMPTION", notice_s)
         assert accepted, rejection
 
-        def final_checkpoint():
-            m = _latest(run_dir)
-            return m if m and m.get("progress") == "checkpoint" and m["final"] else None
-
-        final = wait_for(final_checkpoint, "the trial's final just-in-time checkpoint")
+        final = wait_for(
+            lambda: _final_checkpoint(run_dir), "the trial's final just-in-time checkpoint"
+        )
         _replace(cluster, nodes, node)
         out = search.wait()
     finally:
@@ -296,11 +296,7 @@ def test_an_elastic_run_preempted_goes_on_on_the_workers_left_and_says_so(
         accepted, rejection = _drain(cluster, node, "DRAIN_NODE_REASON_PREEMPTION", notice_s)
         assert accepted, rejection
 
-        def final_checkpoint():
-            m = _latest(run_dir)
-            return m if m and m.get("progress") == "checkpoint" and m["final"] else None
-
-        final = wait_for(final_checkpoint, "the final just-in-time checkpoint")
+        final = wait_for(lambda: _final_checkpoint(run_dir), "the final just-in-time checkpoint")
         gone = next(n for n in nodes if n.node_id == node)
         cluster.remove_node(gone)
         nodes.remove(gone)
