@@ -260,6 +260,10 @@ def _auth_error(url: str, status: int) -> UserError:
     )
 
 
+#: How our commands start their one error line (``_cli``).
+_OURS = "raytrain-mnist: error: "
+
+
 def last_line(text: str) -> str:
     """A job's message ends with the line that names the cause (the exception, the exit code)."""
     lines = [line.strip() for line in text.splitlines() if line.strip()]
@@ -467,8 +471,12 @@ def outcome(client, url: str, job_id: str, status, resume: str) -> None:
     if name == "FAILED":
         with one_line_errors(url, job_id):
             message = client.get_job_info(job_id).message or "no message"
+            # The message quotes the end of the job's logs as Ray had read them when the
+            # job ended: on a loaded head that can stop short of the command's own error
+            # line, which the log file (read now) holds.
+            ours = [line for line in client.get_job_logs(job_id).splitlines() if _OURS in line]
         code = re.search(r"exit code (-?\d+)", message)
-        cause = last_line(message).removeprefix("raytrain-mnist: error: ")
+        cause = (ours[-1] if ours else last_line(message)).split(_OURS, 1)[-1].strip()
         raise UserError(f"job {job_id} failed{f' (exit code {code[1]})' if code else ''}: {cause}")
     if name == "STOPPED":
         raise UserError(f"job {job_id} was stopped")
