@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import inspect
+import json
 import os
 import re
 import signal
@@ -126,6 +127,36 @@ def kill_marked(marker: str) -> list[int]:
             os.kill(pid, signal.SIGKILL)
             killed.append(pid)
     return killed
+
+
+def signal_all(pids, signum: int) -> None:
+    """Send ``signum`` to each of ``pids`` that still runs."""
+    for pid in pids:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signum)
+
+
+def committed_workers(run_dir: Path, after: set[int] = frozenset(), timeout: float = 60):
+    """The workers (rank order) behind the run's latest committed checkpoint, waiting until
+    they are none of the processes in ``after``: the snapshot file can lag the printed
+    epoch."""
+
+    def workers():
+        with contextlib.suppress(OSError, ValueError, KeyError, TypeError):  # not yet written
+            snapshot = json.loads((run_dir / "checkpoint_manager_snapshot.json").read_text())
+            found = snapshot["latest_checkpoint_result"]["metrics"]["workers"]
+            return None if after & {w["pid"] for w in found} else found
+
+    return wait_for(workers, f"a committed checkpoint from new workers in {run_dir}", timeout)
+
+
+def client_server_logs(ray_tmp: Path) -> str:
+    """The tails of the Ray Client servers' logs of the Ray under ``ray_tmp`` (its
+    RAY_TMPDIR): why a ``ray://`` server did not start."""
+    return "".join(
+        f"\n--- {log.name}:\n" + log.read_text(errors="replace")[-2000:]
+        for log in sorted(ray_tmp.glob("ray/session_*/logs/ray_client_server*"))
+    )
 
 
 def full_data_dir() -> Path | None:

@@ -30,7 +30,15 @@ from pathlib import Path
 
 import pytest
 
-from .conftest import MARKER_VAR, REPO, free_ports, kill_marked, run_cli_here, tiny_run_flags
+from .conftest import (
+    MARKER_VAR,
+    REPO,
+    client_server_logs,
+    free_ports,
+    kill_marked,
+    run_cli_here,
+    tiny_run_flags,
+)
 
 RAY = str(Path(sys.executable).with_name("ray"))
 #: What a user sees within 15 s: a connection, or one line.
@@ -116,15 +124,8 @@ class Head:
             stdin=subprocess.DEVNULL,
         )
         lines = [line for line in done.stdout.splitlines() if line.startswith("{")]
-        assert lines, done.stdout[-2000:] + done.stderr[-3000:] + self.client_server_logs()
+        assert lines, done.stdout[-2000:] + done.stderr[-3000:] + client_server_logs(self.tmp)
         return done, json.loads(lines[-1])
-
-    def client_server_logs(self) -> str:
-        """The tails of this head's Ray Client logs: why a ``ray://`` start failed."""
-        return "".join(
-            f"\n--- {log.name}:\n" + log.read_text(errors="replace")[-2000:]
-            for log in sorted(self.tmp.glob("ray/session_*/logs/ray_client_server*"))
-        )
 
 
 @pytest.fixture(scope="module")
@@ -157,7 +158,7 @@ def _connects(head: Head, address: str, **env: str) -> dict:
     assert done.returncode == 0, (
         done.stdout[-2000:]
         + done.stderr[-3000:]
-        + (head.client_server_logs() if address.startswith("ray://") else "")
+        + (client_server_logs(head.tmp) if address.startswith("ray://") else "")
     )
     assert seen["heads"] == [f"head_{head.name}"] and seen["task"] == "ran", seen
     assert seen["ours"] is False  # joined, not started: nothing of theirs is stopped

@@ -9,7 +9,6 @@ its output lines, never on time.
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import signal
@@ -20,7 +19,7 @@ import threading
 import pytest
 
 from raytrain_mnist._cli import EXIT_USAGE
-from tests.conftest import REPO, run_cli_here, wait_for
+from tests.conftest import REPO, committed_workers, run_cli_here, signal_all
 
 
 @pytest.fixture(scope="module")
@@ -116,17 +115,17 @@ def test_elastic_run_grows_when_a_node_joins_and_matches_a_fixed_run(
     # goes on on two from the last committed epoch.
     run = _Fit(*_args(one_node, tiny_mnist, tmp_path, "grow", epochs=EPOCHS))
     assert run.first_epoch.wait(400)
-    held = _committed_pids(tmp_path / "grow")
+    held = {w["pid"] for w in committed_workers(tmp_path / "grow")}
     assert len(held) == 1, held
     from raytrain_mnist.driver.cluster import loopback_node
 
     try:
-        _signal_all(held, signal.SIGSTOP)
+        signal_all(held, signal.SIGSTOP)
         with loopback_node():
             one_node.add_node(num_cpus=1)
         out = run.wait()
     finally:
-        _signal_all(held, signal.SIGCONT)
+        signal_all(held, signal.SIGCONT)
     assert run.proc.returncode == 0, out
     summary = json.loads((tmp_path / "grow" / "summary.json").read_text())
     sizes = [h["world_size"] for h in summary["history"]]
@@ -143,24 +142,6 @@ def test_elastic_run_grows_when_a_node_joins_and_matches_a_fixed_run(
     assert [h["lr"] for h in summary["history"]] == pytest.approx(_schedule(EPOCHS), rel=1e-9)
     # And it learns at least as well as the fixed 2-worker run of as many epochs.
     assert summary["val_accuracy"] >= fitted["summary"]["val_accuracy"] - 0.03
-
-
-def _committed_pids(run_dir, timeout: float = 60) -> set[int]:
-    """The worker processes behind the run's latest committed checkpoint (the snapshot file
-    can lag the printed epoch)."""
-
-    def pids():
-        with contextlib.suppress(OSError, ValueError, KeyError, TypeError):  # not yet written
-            snapshot = json.loads((run_dir / "checkpoint_manager_snapshot.json").read_text())
-            return {w["pid"] for w in snapshot["latest_checkpoint_result"]["metrics"]["workers"]}
-
-    return wait_for(pids, f"a committed checkpoint in {run_dir}", timeout)
-
-
-def _signal_all(pids, signum: int) -> None:
-    for pid in pids:
-        with contextlib.suppress(ProcessLookupError):
-            os.kill(pid, signum)
 
 
 EPOCHS = 8  # the shared fixed run's (conftest `fitted`)

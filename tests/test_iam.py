@@ -72,6 +72,7 @@ from tests.conftest import (
     free_ports,
     kill_marked,
     marked,
+    signal_all,
     tiny_run_flags,
 )
 from tests.test_signals import no_process_left
@@ -313,12 +314,6 @@ def _train_workers(marker: str) -> list[int]:
     return pids
 
 
-def _signal_all(pids: list[int], signum: int) -> None:
-    for pid in pids:
-        with contextlib.suppress(ProcessLookupError):
-            os.kill(pid, signum)
-
-
 @pytest.mark.timeout(1800)  # three fits, three refusals and an evaluation: loaded, long
 def test_an_s3_run_is_claimed_refused_kept_stopped_resumed_and_evaluated_under_the_policy(
     iam_s3, tiny_mnist, tmp_path
@@ -376,12 +371,12 @@ def test_an_s3_run_is_claimed_refused_kept_stopped_resumed_and_evaluated_under_t
         _read_until(fresh, f"epoch   1/{epochs}", seen)
         workers = _train_workers(marker)
         assert len(workers) == 1, workers
-        _signal_all(workers, signal.SIGSTOP)
+        signal_all(workers, signal.SIGSTOP)
         clash = _cli(env, "fit", *_fit_args(iam_s3, tiny_mnist, "s3run", epochs), timeout=120)
         assert clash.returncode == 1 and "'s3run' is already running" in clash.stderr, clash
         fresh.send_signal(signal.SIGINT)
         _read_until(fresh, "Ctrl-C: stopping the workers", seen)
-        _signal_all(workers, signal.SIGCONT)
+        signal_all(workers, signal.SIGCONT)
         out, _ = fresh.communicate(timeout=600)  # generous: a loaded machine stops slowly
         out = "".join(seen) + out
         assert fresh.returncode == 130, out
@@ -397,7 +392,7 @@ def test_an_s3_run_is_claimed_refused_kept_stopped_resumed_and_evaluated_under_t
             env={**env, MARKER_VAR: marker},
         )
     finally:
-        _signal_all(workers, signal.SIGCONT)
+        signal_all(workers, signal.SIGCONT)
         kill_marked(marker)
     assert resumed.returncode == 0, resumed.stdout + resumed.stderr
     final = summary_of("s3run")

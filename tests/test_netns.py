@@ -28,7 +28,7 @@ from pathlib import Path
 
 import pytest
 
-from .conftest import MARKER_VAR, REPO, kill_marked, write_tiny_mnist
+from .conftest import MARKER_VAR, REPO, client_server_logs, kill_marked, write_tiny_mnist
 
 RAY = str(Path(sys.executable).with_name("ray"))
 IFNAME = "rt0"
@@ -178,15 +178,6 @@ def test_two_workers_across_two_namespaces_over_the_named_interface(two_hosts, s
     assert len({w["node_id"] for w in summary["workers"]}) == 2
 
 
-def _client_server_logs(root: Path) -> str:
-    """The tails of the Ray Client servers' logs under ``root`` (why one did not start)."""
-    tails = [
-        f"\n--- {log.name}:\n" + log.read_text(errors="replace")[-2000:]
-        for log in sorted(root.glob("ray/session_*/logs/ray_client_server*"))
-    ]
-    return "".join(tails)
-
-
 @pytest.mark.skipif(_SKIP is not None, reason=_SKIP or "")
 def test_a_head_off_loopback_is_reached_by_its_address_loopback_and_ray_client(two_hosts):
     """A head that registered an address of its host's network (not loopback, not the
@@ -238,11 +229,9 @@ def test_a_head_off_loopback_is_reached_by_its_address_loopback_and_ray_client(t
             done = run(ns, sys.executable, "-c", _DRIVER, address)
             lines = [line for line in done.stdout.splitlines() if line.startswith("{")]
             assert done.returncode == 0 and lines, (
-                done.stdout[-2000:] + done.stderr[-3000:] + _client_server_logs(root)
+                done.stdout[-2000:] + done.stderr[-3000:] + client_server_logs(root)
             )
             seen[address] = json.loads(lines[-1])
-            if seen[address]["connect_s"] >= WITHIN_S:  # slow: what the servers said
-                seen[address]["logs"] = _client_server_logs(root)
         # By address from the host with no node: Ray would wait a minute for a raylet there.
         began = time.monotonic()
         refused = run(node_ns, sys.executable, "-m", "raytrain_mnist", "fit", "--address",

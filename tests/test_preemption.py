@@ -109,6 +109,15 @@ def _args(cluster, tiny_mnist, storage, name: str, train, *extra: str) -> list[s
     ]  # fmt: skip
 
 
+def _short_notice(run: _Fit) -> float:
+    """Once the run printed its second epoch: three of its epochs' time (at least 3 s), a
+    notice whose final checkpoint comes while the tiny run still trains."""
+    run.until("epoch   1/8")
+    began = time.monotonic()
+    run.until("epoch   2/8")
+    return max(3.0, 3 * (time.monotonic() - began))
+
+
 def _drain(cluster, node_id: str, reason: str, deadline_s: float | None = None) -> tuple[bool, str]:
     """Drain ``node_id`` through the GCS drain API, as ``ray drain-node`` does (in this
     process: the CLI's own start-up would take seconds of a run that lasts few)."""
@@ -177,10 +186,7 @@ def test_a_preempted_node_costs_at_most_a_step_and_the_run_ends_as_a_calm_one(
     train, calm = fitted["cfg"].train, fitted["summary"]
     run = _Fit(_args(cluster, tiny_mnist, tmp_path, "spot", train), NOTICE_ENV)
     run_dir = tmp_path / "spot"
-    run.until("epoch   1/8")
-    began = time.monotonic()
-    run.until("epoch   2/8")
-    notice_s = max(3.0, 3 * (time.monotonic() - began))
+    notice_s = _short_notice(run)
     node = _ranks_by_node(run_dir)[1]
 
     # Ray refuses the idle drain of a node running a rank; the summary's one preemption
@@ -287,10 +293,7 @@ def test_an_elastic_run_preempted_goes_on_on_the_workers_left_and_says_so(
     flags[flags.index("--num-workers") + 1] = "1-2"
     run = _Fit(flags, NOTICE_ENV)
     run_dir = tmp_path / "spot-elastic"
-    run.until("epoch   1/8")
-    began = time.monotonic()
-    run.until("epoch   2/8")
-    notice_s = max(3.0, 3 * (time.monotonic() - began))
+    notice_s = _short_notice(run)
     node = _ranks_by_node(run_dir)[1]
     try:
         accepted, rejection = _drain(cluster, node, "DRAIN_NODE_REASON_PREEMPTION", notice_s)

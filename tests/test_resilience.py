@@ -10,13 +10,19 @@ import subprocess
 import sys
 import time
 import uuid
-from pathlib import Path
 
 import pytest
 import torch
 
 from raytrain_mnist.nn import checkpoint as ckpt
-from tests.conftest import MARKER_VAR, REPO, kill_marked, marked, tiny_run_flags
+from tests.conftest import (
+    MARKER_VAR,
+    REPO,
+    committed_workers,
+    kill_marked,
+    marked,
+    tiny_run_flags,
+)
 
 ENV = {**os.environ, "PYTHONUNBUFFERED": "1"}
 
@@ -33,25 +39,6 @@ def _read_until(process: subprocess.Popen, prefix: str, seen: list[str]) -> None
         if line.startswith(prefix):
             return
     raise AssertionError(f"never printed {prefix!r}:\n" + "".join(seen))
-
-
-def _committed_workers(
-    run_dir: Path, after: set[int] = frozenset(), timeout: float = 60
-) -> list[dict]:
-    """The workers (rank order) behind the latest committed checkpoint, waiting until they
-    are none of the processes in ``after``: the snapshot file can lag the printed epoch."""
-    deadline = time.monotonic() + timeout
-    while True:
-        try:
-            snapshot = json.loads((run_dir / "checkpoint_manager_snapshot.json").read_text())
-            workers = snapshot["latest_checkpoint_result"]["metrics"]["workers"]
-            if not after & {w["pid"] for w in workers}:
-                return workers
-        except (OSError, ValueError, KeyError, TypeError):
-            pass  # not written yet, or caught mid-write
-        if time.monotonic() > deadline:
-            raise AssertionError(f"no committed checkpoint from new workers in {run_dir}")
-        time.sleep(0.2)
 
 
 def _wait_gone(pids: set[int], timeout: float = 120) -> None:
@@ -124,13 +111,13 @@ def test_a_worker_dies_a_node_goes_the_driver_is_killed_and_the_run_ends_as_on_o
 
     # 1. SIGKILL a worker once epoch 1's checkpoint is committed: failure 1, a restart.
     _read_until(run, "epoch   1/8", seen)
-    first = _committed_workers(run_dir)
+    first = committed_workers(run_dir)
     os.kill(first[1]["pid"], signal.SIGKILL)
     _read_until(run, "workers restarted from the checkpoint of epoch", seen)
 
     # 2. Remove the node that hosts rank 1 of the restarted group (and add a fresh one):
     #    failure 2, one more than --max-failures allows. The run ends in one line.
-    second = _committed_workers(run_dir, after={w["pid"] for w in first})
+    second = committed_workers(run_dir, after={w["pid"] for w in first})
     node = next(n for n in nodes if n.node_id == second[1]["node_id"])
     cluster.remove_node(node)
     nodes.remove(node)
@@ -152,7 +139,7 @@ def test_a_worker_dies_a_node_goes_the_driver_is_killed_and_the_run_ends_as_on_o
     seen = []
     _read_until(rerun, f"resumed from the checkpoint of epoch {failed['epochs_completed']}", seen)
     _read_until(rerun, "epoch ", seen)
-    doomed = _committed_workers(run_dir)
+    doomed = committed_workers(run_dir)
     rerun.kill()
     rerun.communicate(timeout=60)
     # Ray ends a dead driver's workers (and their controller) on its own time: rerunning

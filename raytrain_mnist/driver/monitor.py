@@ -427,7 +427,7 @@ class RunMonitor:
         if after_preemption is not None:  # an elastic run's too: it says the size differs
             self.on_event(Preempted(after_preemption))
         elif resized:
-            return
+            return  # the resize's line said it
         elif m.get("resumed_from_step"):
             self.on_event(Note(f"workers restarted from the checkpoint at step "
                                f"{m['resumed_from_step']} of epoch {resumed + 1}"))  # fmt: skip
