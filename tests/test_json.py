@@ -42,7 +42,9 @@ def test_a_usage_error_prints_no_json_and_keeps_its_status(tmp_path):
 
 def test_the_first_hour_on_s3(s3, tiny_mnist, sample_digits, tmp_path, ray_env):
     """fit --json into s3://, then runs, runs show, predict on PNG files of test digits and
-    export, each through the real CLI, reading the run from the bucket."""
+    export, each through the real CLI, reading the run from the bucket. fit runs in a
+    process of its own (it starts its Ray); the rest start none, so they run in this one
+    (``run_cli_here``: the same entry point, stdout and stderr apart)."""
     from PIL import Image
 
     storage = s3()
@@ -53,11 +55,11 @@ def test_the_first_hour_on_s3(s3, tiny_mnist, sample_digits, tmp_path, ray_env):
     assert summary["run_dir"] == f"{storage}/first"
     assert "epoch   1/1" in fit.stderr  # the run's lines went to stderr
 
-    runs = json.loads(_run(["runs", "--storage-path", storage, "--json"], ray_env).stdout)
+    runs = json.loads(run_cli_here("runs", "--storage-path", storage, "--json").stdout)
     (entry,) = runs["runs"]
     assert (entry["name"], entry["status"], entry["epochs_done"]) == ("first", "finished", 1)
     assert entry["best_val_accuracy"] == summary["best_val_accuracy"]
-    show = _run(["runs", "show", "first", "--storage-path", storage], ray_env)
+    show = run_cli_here("runs", "show", "first", "--storage-path", storage)
     assert show.returncode == 0, show.stderr
     assert f"best checkpoint: {summary['best_checkpoint']}" in show.stdout
     assert "fit" in show.stdout.split("train again with:")[1]
@@ -68,16 +70,15 @@ def test_the_first_hour_on_s3(s3, tiny_mnist, sample_digits, tmp_path, ray_env):
         path = tmp_path / f"digit{i}.png"
         Image.fromarray(255 - images[2048 + i]).resize((112, 112)).save(path)
         pngs.append(str(path))
-    predict = _run(["predict", f"{storage}/first", *pngs, "--json"], ray_env)
+    predict = run_cli_here("predict", f"{storage}/first", *pngs, "--json")
     assert predict.returncode == 0, predict.stderr
     predicted = json.loads(predict.stdout)["predictions"]
     assert [p["source"] for p in predicted] == pngs
     assert all(0 <= p["label"] <= 9 for p in predicted)
 
     output = tmp_path / "first.pt2"
-    export = _run(
-        ["export", f"{storage}/first", "--format", "pt2", "--output", str(output), "--json"],
-        ray_env,
+    export = run_cli_here(
+        "export", f"{storage}/first", "--format", "pt2", "--output", str(output), "--json"
     )
     assert export.returncode == 0, export.stderr
     assert json.loads(export.stdout)["output"] == str(output)
