@@ -467,6 +467,8 @@ def test_the_ingress_follows_the_figures_and_takes_the_port_itself():
     bounded = {
         "RAY_SERVE_HTTP_PROXY_CALLBACK_IMPORT_PATH": "raytrain_mnist.serving.http:proxy_callback",
         "RAYTRAIN_MNIST_SERVE_BODY_TIMEOUT_S": "30",
+        # A proxy slow to start on a busy machine is waited for, not killed at 5 s.
+        "RAY_SERVE_PROXY_READY_CHECK_TIMEOUT_S": "30",
     }
     assert ingress_env("proxy", ServeConfig()) == bounded
     env = ingress_env("direct", ServeConfig(port=8123))

@@ -170,6 +170,11 @@ def choose_ingress(cfg: ServeConfig, address: str | None) -> str:
     return "direct" if address is None and cfg.replicas == 1 else "proxy"
 
 
+#: How long Serve's controller waits for a starting proxy's first ready check (Ray's
+#: default is 5 s, and the wait grows by that much with each restart).
+PROXY_READY_ENV, PROXY_READY_S = "RAY_SERVE_PROXY_READY_CHECK_TIMEOUT_S", "30"
+
+
 def ingress_env(ingress: str, cfg: ServeConfig, scratch: str | None = None) -> dict:
     """The Ray Serve settings (environment variables of Serve's controller and replicas)
     that ``ingress`` takes. ``scratch``: a private directory for HAProxy's files.
@@ -180,6 +185,10 @@ def ingress_env(ingress: str, cfg: ServeConfig, scratch: str | None = None) -> d
     bounded = {
         "RAY_SERVE_HTTP_PROXY_CALLBACK_IMPORT_PATH": http.PROXY_CALLBACK,
         http.BODY_TIMEOUT_ENV: str(cfg.request_timeout_s),
+        # Serve kills a starting proxy that is not ready within 5 s three times running,
+        # and serve.start then fails on its death; on a busy 2-core machine the proxy's
+        # imports alone took longer. A value the user set wins.
+        PROXY_READY_ENV: os.environ.get(PROXY_READY_ENV, PROXY_READY_S),
     }
     if ingress == "proxy":
         return bounded
