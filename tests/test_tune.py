@@ -371,6 +371,8 @@ def test_ctrl_c_stops_the_search_prints_its_table_and_resume_command_and_exits_1
 # --------------------------------------------------------------------------- s3
 
 
+# Two searches and a library call: 225 s on a quiet 2-core machine (2026-12-02 14:27).
+@pytest.mark.timeout(1200)
 def test_asha_stops_a_bad_trial_and_a_killed_s3_search_resumes_never_running_what_storage_holds(
     s3, mixed_mnist, tmp_path, ray_env
 ):
