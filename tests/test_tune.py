@@ -422,7 +422,10 @@ def test_asha_stops_a_bad_trial_and_a_killed_s3_search_resumes_never_running_wha
         except client.exceptions.NoSuchKey:
             return None
 
-    # 1. Run until the third trial committed an epoch, then kill the driver and its Ray.
+    # 1. Run until the third trial committed an epoch, then kill the driver and its Ray. Once
+    # the third trial's Train run has written its first object, the driver is held (SIGSTOP):
+    # ASHA can then never act on that trial's first result (on a loaded machine it stopped
+    # the trial before the kill came), and the trial trains on without it to its commit.
     driver = subprocess.Popen(
         command,
         stdout=subprocess.PIPE,
@@ -444,6 +447,11 @@ def test_asha_stops_a_bad_trial_and_a_killed_s3_search_resumes_never_running_wha
         assert len(started) == 3, "".join(seen)
         third = Run(f"{exp}/runs", started[2])
         deadline = time.monotonic() + 240
+        third_keys = {"Bucket": bucket, "Prefix": f"{prefix}/asha/runs/{started[2]}/"}
+        while not client.list_objects_v2(**third_keys).get("KeyCount"):  # its run began
+            assert time.monotonic() < deadline and driver.poll() is None, "".join(seen)
+            time.sleep(0.1)
+        os.kill(driver.pid, signal.SIGSTOP)  # the driver alone, not its Ray (same group)
         while third.latest_checkpoint() is None:  # Ray Train's record of the commit
             assert time.monotonic() < deadline and driver.poll() is None, "".join(seen)
             time.sleep(0.1)
@@ -462,8 +470,8 @@ def test_asha_stops_a_bad_trial_and_a_killed_s3_search_resumes_never_running_wha
     assert checkpoints_before[started[0]], checkpoints_before
     # Tune syncs its result.json of a trial to the store now and then: as it is, or absent.
     results_before = {t: tune_result(t) for t in started[:2]}
-    # Its epochs take a second here: its last one may have committed before the kill took,
-    # but the trial had not ended.
+    # Its last epoch may have committed before the kill took (held, the driver could not take
+    # its first result), but the trial had not ended.
     third_before = [p for p, _ in third.checkpoints()]
     assert len(third_before) in (1, 2) and third.read_bytes("trial.json") is None, third_before
 
