@@ -447,14 +447,16 @@ def test_asha_stops_a_bad_trial_and_a_killed_s3_search_resumes_never_running_wha
         assert len(started) == 3, "".join(seen)
         third = Run(f"{exp}/runs", started[2])
         deadline = time.monotonic() + 240
+
+        def until(done) -> None:  # the driver still there, within the deadline
+            while not done():
+                assert time.monotonic() < deadline and driver.poll() is None, "".join(seen)
+                time.sleep(0.1)
+
         third_keys = {"Bucket": bucket, "Prefix": f"{prefix}/asha/runs/{started[2]}/"}
-        while not client.list_objects_v2(**third_keys).get("KeyCount"):  # its run began
-            assert time.monotonic() < deadline and driver.poll() is None, "".join(seen)
-            time.sleep(0.1)
+        until(lambda: client.list_objects_v2(**third_keys).get("KeyCount"))  # its run began
         os.kill(driver.pid, signal.SIGSTOP)  # the driver alone, not its Ray (same group)
-        while third.latest_checkpoint() is None:  # Ray Train's record of the commit
-            assert time.monotonic() < deadline and driver.poll() is None, "".join(seen)
-            time.sleep(0.1)
+        until(lambda: third.latest_checkpoint() is not None)  # Ray Train's record of the commit
     finally:
         os.killpg(driver.pid, signal.SIGKILL)
         driver.wait(timeout=30)
