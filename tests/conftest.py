@@ -572,10 +572,10 @@ def ray_local():
 
 
 @pytest.fixture(scope="session")
-def two_nodes():
+def _two_nodes_cluster():
     """A Ray cluster on this machine, reached by address like a real one: a head that hosts
-    no training (0 CPUs) and two 1-CPU nodes (a test that removes one adds another).
-    Started by the first test that needs it, stopped after the last."""
+    no training (0 CPUs) and two 1-CPU nodes. Started by the first test that needs it,
+    stopped after the last."""
     from ray.cluster_utils import Cluster
 
     from raytrain_mnist.driver.cluster import loopback_node
@@ -589,6 +589,27 @@ def two_nodes():
     stop = _stopping("two_nodes", cluster.shutdown)
     yield cluster, nodes
     stop()
+
+
+@pytest.fixture
+def two_nodes(_two_nodes_cluster):
+    """``_two_nodes_cluster`` with two live 1-CPU nodes, none of them draining, whatever the
+    test before did to them (drained, removed, one added): each test starts on the same
+    cluster, and a test that fails half-way fails alone."""
+    from raytrain_mnist.driver.cluster import loopback_node
+
+    cluster, nodes = _two_nodes_cluster
+    state = cluster.global_state
+    live, draining = state._live_node_ids(), state.get_draining_nodes()
+    gone = [n for n in nodes if n.node_id not in live or n.node_id in draining]
+    for node in gone + [n for n in nodes if n not in gone][2:]:
+        cluster.remove_node(node)
+        nodes.remove(node)
+    if len(nodes) < 2:
+        with loopback_node():
+            nodes.extend(cluster.add_node(num_cpus=1) for _ in range(2 - len(nodes)))
+        cluster.wait_for_nodes()
+    return cluster, nodes
 
 
 @pytest.fixture(scope="session")
