@@ -11,6 +11,12 @@ Variants (same ConvNet, data, global batch size, optimizer, CPU threads):
     fit-warm      fit-N with --address 127.0.0.1:PORT of a Ray already running: a
                   `ray start --head` this benchmark starts before the repeats and stops
                   after them (its own temp folder, port and marker; nobody else's Ray)
+    fit-preload   fit-warm against a second such head whose worker processes import
+                  torch, Ray Train and the worker loop before they take work, and are
+                  prestarted when it starts (PRELOAD_HEAD_ENV)
+    NAME=VAR=VALUE,...   (--env-variant) fit-N with these variables set in its
+                  environment: Ray's knobs side by side, e.g. the controller's poll
+                  ``poll-2s=RAY_TRAIN_HEALTH_CHECK_INTERVAL_S=2``
     ray-example   Ray's documented pattern: torchvision dataset, per-sample ToTensor,
                   plain DataLoader, prepare_data_loader (1 worker, all cores as threads)
 
@@ -329,14 +335,24 @@ def loop_row(data: dict, wall: float, peak: float) -> dict:
     }
 
 
+#: fit-preload's head: every worker process its raylet starts imports these before it takes
+#: work (Ray's ``preload_python_modules``), and it prestarts one per CPU when it starts
+#: (``enable_worker_prestart``), so a run's controller and workers could begin with torch and
+#: Ray Train loaded. Measured, not adopted: benchmarks/README.md says why.
+PRELOAD_HEAD_ENV = {
+    "RAY_preload_python_modules": "torch,ray.train.torch,raytrain_mnist.worker.loop",
+    "RAY_enable_worker_prestart": "1",
+}
+
 #: Marks every process of fit-warm's Ray head, so that it alone is stopped.
 HEAD_MARKER = "RAYTRAIN_BENCH_WARM_HEAD"
 
 
 @contextlib.contextmanager
-def warm_head(args, env: dict):
+def warm_head(args, env: dict, preload: bool = False):
     """A ``ray start --head`` as a user starts one (no dashboard: fit needs none), sized
-    like fit's own Ray; yields ``127.0.0.1:PORT``. Stopped by its marker afterwards (never
+    like fit's own Ray (with ``preload``: :data:`PRELOAD_HEAD_ENV`); yields
+    ``127.0.0.1:PORT``. Stopped by its marker afterwards (never
     ``ray stop``: that stops every Ray on the machine)."""
     import shutil
     import signal
@@ -344,6 +360,8 @@ def warm_head(args, env: dict):
 
     marker, tmp = uuid.uuid4().hex, Path(tempfile.mkdtemp(prefix="rtbw", dir="/tmp"))
     head_env = {**env, HEAD_MARKER: marker, "RAY_TMPDIR": str(tmp)}
+    if preload:
+        head_env.update(PRELOAD_HEAD_ENV)
     ray = str(Path(sys.executable).with_name("ray"))
 
     def stop() -> None:
@@ -390,12 +408,14 @@ def measure_variant(name: str, args, env: dict, storage: Path) -> dict:
         args.dataset,
     ]
     cores, n = args.cores, args.workers
-    if name.startswith("fit"):
+    if name in args.env_variants:
+        env = {**env, **args.env_variants[name]}
+    if name.startswith("fit") or name in args.env_variants:
         workers = 1 if name == "fit-1" else n
         run_name = f"{name}-{time.time_ns()}"
         extra = ["--cpus-per-worker", str(max(1, cores // workers))]
-        if name == "fit-warm":
-            extra += ["--address", args.warm_address]
+        if name in WARM_VARIANTS:
+            extra += ["--address", args.warm_addresses[name]]
         command = fit_command(args, workers, storage, run_name, extra)
         _, start, wall, peak, _ = run_measured(command, env)
         summary = json.loads((storage / run_name / "summary.json").read_text())
@@ -455,7 +475,9 @@ def memory_breakdown(args, env: dict, storage: Path) -> dict:
     }
 
 
-VARIANTS = ["plain", "torchrun", "fit-1", "fit-N", "fit-warm", "ray-example"]
+VARIANTS = ["plain", "torchrun", "fit-1", "fit-N", "fit-warm", "fit-preload", "ray-example"]
+#: The variants that run against a head of their own, and whether it preloads.
+WARM_VARIANTS = {"fit-warm": False, "fit-preload": True}
 #: Paired ratios: (name, numerator variant, denominator variant, metric).
 RATIOS = [
     ("fit1_vs_plain", "fit-1", "plain", "images_per_s"),
@@ -468,6 +490,8 @@ RATIOS = [
     ("fit_vs_plain_wall", "fit-N", "plain", "wall_s"),
     ("fit_warm_vs_plain_wall", "fit-warm", "plain", "wall_s"),
     ("fit_warm_vs_plain_time_to_99", "fit-warm", "plain", "time_to_99_s"),
+    ("fit_preload_vs_plain_wall", "fit-preload", "plain", "wall_s"),
+    ("fit_preload_vs_fit_warm_startup", "fit-preload", "fit-warm", "startup_s"),
 ]
 
 
@@ -523,8 +547,22 @@ def main(argv=None) -> int:
         default=True,
         help="one more fit-1, untimed, for the memory breakdown by process kind",
     )
+    parser.add_argument(
+        "--env-variant",
+        action="append",
+        default=[],
+        metavar="NAME=VAR=VALUE[,VAR=VALUE]",
+        help="one more variant: fit-N with these environment variables (repeatable)",
+    )
     args = parser.parse_args(argv)
-    variants = [v for v in args.variants.split(",") if v]
+    args.env_variants = {}
+    for spec in args.env_variant:
+        name, _, assignments = spec.partition("=")
+        pairs = [a.partition("=") for a in assignments.split(",") if a]
+        if not name or not pairs or any(not var or not eq for var, eq, _ in pairs):
+            parser.error(f"--env-variant {spec!r}: expected NAME=VAR=VALUE[,VAR=VALUE]")
+        args.env_variants[name] = {var: value for var, _, value in pairs}
+    variants = [v for v in args.variants.split(",") if v] + list(args.env_variants)
     env = {
         **os.environ,
         "RAY_AUTH_MODE": os.environ.get("RAY_AUTH_MODE", "disabled"),
@@ -535,9 +573,13 @@ def main(argv=None) -> int:
     memory = None
     with (
         tempfile.TemporaryDirectory(prefix="raytrain_bench_") as storage,
-        warm_head(args, env) if "fit-warm" in variants else contextlib.nullcontext() as warm,
+        contextlib.ExitStack() as heads,
     ):
-        args.warm_address = warm
+        args.warm_addresses = {
+            name: heads.enter_context(warm_head(args, env, preload))
+            for name, preload in WARM_VARIANTS.items()
+            if name in variants
+        }
         for repeat in range(args.repeats):
             for variant in variants:  # interleaved, so drift hits every variant alike
                 load = os.getloadavg()[0]  # the machine's state: shared machines drift
@@ -638,6 +680,8 @@ def render_markdown(result: dict) -> str:
         "fit_vs_plain_wall": "≤ 2.0",
         "fit_warm_vs_plain_wall": "≤ 1.4",
         "fit_warm_vs_plain_time_to_99": "",
+        "fit_preload_vs_plain_wall": "",
+        "fit_preload_vs_fit_warm_startup": "",
     }
     lines += [
         "",
@@ -680,9 +724,12 @@ def render_markdown(result: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
-def render_steps(t: dict, variants=("plain", "fit-1", "fit-N", "fit-warm")) -> list[str]:
+def render_steps(t: dict, variants=None) -> list[str]:
     """Where each command's seconds go, step by step (median of each step over the repeats;
-    the medians need not add up to the median wall exactly)."""
+    the medians need not add up to the median wall exactly): ``variants``, by default the
+    plain loop and every fit."""
+    if variants is None:
+        variants = [v for v in t if v not in ("torchrun", "ray-example")]
     shown = [v for v in variants if t.get(v, {}).get("steps")]
     if not shown:
         return []
