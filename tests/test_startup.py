@@ -28,6 +28,9 @@ from tests.conftest import MARKER_VAR, REPO, is_loopback, kill_marked, listening
 
 _PHASE = re.compile(r"^ +(\d+\.\d) s  (.+)$", re.M)
 
+#: Ray Train's default seconds between the controller's polls of the workers.
+RAY_POLL_S = 2.0
+
 #: Ray's own servers, whose environment says which auth mode the cluster was started with.
 _RAY_SERVERS = ("gcs_server", "raylet")
 
@@ -68,6 +71,8 @@ def timed_fit(tmp_path_factory) -> dict:
     unset = ("RAY_AUTH_MODE", "RAY_ADDRESS", "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER")
     env = {k: v for k, v in os.environ.items() if k not in (*unset, "GLOO_SOCKET_IFNAME")}
     env.update({"HOME": str(home), MARKER_VAR: marker})
+    # Ray Train's own poll, not the suite's faster one: how a run's end is seen is asserted.
+    env["RAY_TRAIN_HEALTH_CHECK_INTERVAL_S"] = str(RAY_POLL_S)
     command = [sys.executable, "-m", "raytrain_mnist", "fit", "--dataset", "sample"]
     command += ["--epochs", "2", "--num-workers", "2", "--cpus-per-worker", "1"]
     command += ["--progress", "lines", "--storage-path", str(storage), "--name", "timed"]
@@ -123,6 +128,10 @@ def test_every_startup_and_teardown_moment_is_recorded_in_order(timed_fit):
     # API call); asking the GCS takes milliseconds (compat.lighter_run_callbacks).
     teardown = timeline["teardown_s"]
     assert teardown["worker_group_shut_down"] - teardown["workers_finished"] < 6, teardown
+    # The controller saw the end at a poll soon after the last checkpoint's commit, not at its
+    # next regular one, a whole interval on (monitor.END_POLL_S).
+    end_seen = teardown["workers_finished"] - teardown["checkpoint_committed"]
+    assert end_seen < RAY_POLL_S, teardown
     # The curves were drawn and written before Ray shut down.
     assert timed_fit["png"].startswith(b"\x89PNG")
 

@@ -310,7 +310,7 @@ def _build(ctx: _Fit) -> None:
         ctx.cpus_per_worker,
         run.storage,
         run.name,
-        callbacks=controller_callbacks(ctx.channel),
+        callbacks=controller_callbacks(ctx.channel, cfg.train.epochs),
     )
 
 
