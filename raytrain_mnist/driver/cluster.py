@@ -30,8 +30,8 @@ _CONNECT_TIMEOUT_S = 5.0
 #: actor is pure start-up cost. The raylet prestarts one idle worker per CPU for jobs without
 #: a runtime environment; every job of ours has one (``local_runtime_env``), so those
 #: processes only compete with the start-up for the CPUs. (Polling workers every 0.5 s
-#: instead of Ray's 2 s ends a run sooner but costs training throughput
-#: (benchmarks/README.md): the tests use it, `fit` does not.)
+#: instead of Ray's 2 s all along costs training throughput (benchmarks/README.md): the
+#: tests use it; a run of ours polls fast only once its last epoch is in, monitor.end_poll.)
 LOCAL_TRAIN_ENV = {
     "RAY_TRAIN_ENABLE_PREEMPTION_WATCHER": "0",
     "RAY_prestart_worker_first_driver": "0",
