@@ -22,7 +22,7 @@ them: the worker, the driver and Serve replicas may all import it.
 | :func:`autoscaler_ceiling` | ``ray._private.state.state.get_max_resources_from_cluster_config`` | placement checks cannot count nodes an autoscaler would add |
 | :func:`controller_callback_base` | ``ray.train.v2._internal.execution.callback.ControllerCallback`` | Ctrl-C cannot abort a run's controller: the run stops only with the Ray that runs it |
 | :func:`worker_group_callback_base` | ``ray.train.v2._internal.execution.callback.WorkerGroupCallback`` | ``summary.json``'s timeline has no "worker group started" moment |
-| :func:`lighter_run_callbacks` | ``ray.train.v2._internal.callbacks.placement_group_callback``, ``...callbacks.datasets.DatasetsCallback``, ``...controller.placement_group_cleaner.is_actor_alive``, ``ray._private.state`` | every run's teardown waits 12 s for Ray Train's PlacementGroupCleaner (its State API call blocks for 40 s without a dashboard), and every run starts a DatasetManager actor it never uses |
+| :func:`lighter_run_callbacks`, :func:`without_cleaner` | ``ray.train.v2._internal.callbacks.placement_group_callback``, ``...callbacks.datasets.DatasetsCallback``, ``...controller.placement_group_cleaner.is_actor_alive``, ``ray._private.state`` | every run's teardown waits 12 s for Ray Train's PlacementGroupCleaner (its State API call blocks for 40 s without a dashboard), every run starts a DatasetManager actor it never uses, and a run on a Ray of its own a cleaner that guards nothing |
 | :func:`poll_workers_every` | ``ray._private.worker.global_worker.actors``, ``TrainController._health_check_interval_s`` | a run's end is seen at the controller's next 2 s poll after its last checkpoint: every run's teardown is about 2 s longer |
 | :func:`quiet_train_report_log` | ``ray.train.v2._internal.execution.context`` | every report logs an INFO line |
 | :func:`serve_http_config` | ``ray.serve.context._get_global_client`` | a second ``serve`` with other HTTP settings is not refused up front |
@@ -233,10 +233,26 @@ def lighter_run_callbacks() -> None:
 
     def create_default_callbacks(self):
         kept = [c for c in default(self) if self.datasets or type(c) is not DatasetsCallback]
+        if getattr(self, _NO_CLEANER, False):
+            return [c for c in kept if type(c) is not module.PlacementGroupCleanerCallback]
         return [ours() if type(c) is module.PlacementGroupCleanerCallback else c for c in kept]
 
     create_default_callbacks._asks_gcs = True
     DataParallelTrainer._create_default_callbacks = create_default_callbacks
+
+
+#: Set on a trainer by :func:`without_cleaner`; read by :func:`lighter_run_callbacks`' patch.
+_NO_CLEANER = "_raytrain_mnist_no_cleaner"
+
+
+def without_cleaner(trainer) -> None:
+    """A trainer whose run has no PlacementGroupCleaner at all (with
+    :func:`lighter_run_callbacks` in place): for a run on a Ray its own command started and
+    stops. The cleaner removes the worker group's placement group of a controller that died
+    without doing so, on a cluster that outlives the run; when the run's Ray goes with it,
+    the cleaner is one more process (Ray Train imported: CPU seconds of a CPU-bound start-up)
+    that guards nothing."""
+    setattr(trainer, _NO_CLEANER, True)
 
 
 def _actor_alive_in_gcs(actor_id: str, timeout: float) -> bool:

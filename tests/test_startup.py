@@ -37,8 +37,9 @@ _RAY_SERVERS = ("gcs_server", "raylet")
 
 def _watch(fit: subprocess.Popen, marker: str, done: threading.Event, seen: dict) -> None:
     """Until ``fit`` exits: every socket that its process tree (and what carries ``marker``)
-    listens on into ``seen["sockets"]``, ``(ip, port) -> process name``, and the
-    ``RAY_AUTH_MODE`` of Ray's servers into ``seen["auth_mode"]``, ``name -> value``."""
+    listens on into ``seen["sockets"]``, ``(ip, port) -> process name``, the
+    ``RAY_AUTH_MODE`` of Ray's servers into ``seen["auth_mode"]``, ``name -> value``, and
+    each process's command line (a Ray actor's names its class) into ``seen["titles"]``."""
     try:
         root = psutil.Process(fit.pid)
     except psutil.Error:  # already gone: nothing to watch
@@ -56,6 +57,7 @@ def _watch(fit: subprocess.Popen, marker: str, done: threading.Event, seen: dict
         for pid in pids:
             try:
                 process = psutil.Process(pid)
+                seen["titles"].add(" ".join(process.cmdline())[:200])
                 if process.name() in _RAY_SERVERS and process.name() not in seen["auth_mode"]:
                     seen["auth_mode"][process.name()] = process.environ().get("RAY_AUTH_MODE")
             except psutil.Error:  # gone between the listing and the look
@@ -76,7 +78,7 @@ def timed_fit(tmp_path_factory) -> dict:
     command = [sys.executable, "-m", "raytrain_mnist", "fit", "--dataset", "sample"]
     command += ["--epochs", "2", "--num-workers", "2", "--cpus-per-worker", "1"]
     command += ["--progress", "lines", "--storage-path", str(storage), "--name", "timed"]
-    seen: dict = {"sockets": {}, "auth_mode": {}}
+    seen: dict = {"sockets": {}, "auth_mode": {}, "titles": set()}
     done = threading.Event()
     before = time.time()
     fit = subprocess.Popen(
@@ -167,6 +169,14 @@ def test_phase_lines_show_the_moments_as_recorded(timed_fit):
         assert abs(lines[text] - startup[key]) <= 0.06, (text, lines[text], startup[key])
     shown = [float(seconds) for seconds, _ in _PHASE.findall(out)]
     assert shown == sorted(shown), out
+
+
+def test_a_run_on_its_own_ray_starts_no_actor_that_guards_nothing(timed_fit):
+    # The Ray goes with the run: no placement-group cleaner (it guards a cluster that outlives
+    # a dead controller) and no DatasetManager (the run passes no Ray Datasets).
+    actors = sorted(t for t in timed_fit["titles"] if t.startswith("ray::"))
+    assert any("TrainController" in t for t in actors), actors  # the watcher saw the run's
+    assert not any("PlacementGroupCleaner" in t or "DatasetManager" in t for t in actors), actors
 
 
 def test_the_ray_that_fit_starts_listens_on_loopback_only(timed_fit):

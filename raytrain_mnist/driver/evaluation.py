@@ -281,7 +281,7 @@ def _score_on_ray(weights: dict, data, amp: str, run: RunSettings) -> dict[str, 
     )
     storage = tempfile.mkdtemp(prefix="raytrain_mnist-evaluate-")
     try:
-        with cluster.connect(address, cluster.Request.for_run(run, cpus_per_worker)):
+        with cluster.connect(address, cluster.Request.for_run(run, cpus_per_worker)) as own:
             config = {
                 "weights": ray.put(weights),
                 "amp": amp,
@@ -289,7 +289,7 @@ def _score_on_ray(weights: dict, data, amp: str, run: RunSettings) -> dict[str, 
                 "data": ray.put((data.test_images, data.test_labels)),
             }
             trainer = build_trainer(
-                run, score_per_worker, config, cpus_per_worker, storage, "evaluate"
+                run, score_per_worker, config, cpus_per_worker, storage, "evaluate", own_ray=own
             )
             try:
                 with cluster.keeping_sigint_handler():

@@ -311,6 +311,7 @@ def _build(ctx: _Fit) -> None:
         run.storage,
         run.name,
         callbacks=controller_callbacks(ctx.channel, cfg.train.epochs),
+        own_ray=ctx.local,
     )
 
 

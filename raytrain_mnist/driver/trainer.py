@@ -40,10 +40,12 @@ def build_trainer(
     callbacks: list | None = None,
     storage_filesystem=None,
     forwarded: dict[str, str] | None = None,
+    own_ray: bool = False,
 ):
     """A ``TorchTrainer`` running ``train_func(loop_config)`` on ``run.scaling.num_workers``
     workers (a count, or an elastic range) of ``cpus_per_worker`` CPUs (and
-    ``run.scaling.gpus`` GPUs) each, its run directory ``<storage>/<name>``."""
+    ``run.scaling.gpus`` GPUs) each, its run directory ``<storage>/<name>``. ``own_ray``: the
+    run's Ray was started by its command and stops with it (no placement-group cleaner)."""
     import ray
     from ray.train import CheckpointConfig, FailureConfig, RunConfig
     from ray.train.torch import TorchConfig, TorchTrainer
@@ -52,7 +54,7 @@ def build_trainer(
     # for 12 s, and its DatasetManager serves datasets we never pass (compat says more).
     compat.lighter_run_callbacks()
     env_vars = worker_env(run, forwarded)
-    return TorchTrainer(
+    trainer = TorchTrainer(
         train_func,
         train_loop_config=loop_config,
         # Workers sharing a GPU get Gloo (on CUDA tensors): NCCL refuses two ranks on one device.
@@ -79,6 +81,9 @@ def build_trainer(
             worker_runtime_env={"env_vars": env_vars} if env_vars else None,
         ),
     )
+    if own_ray:
+        compat.without_cleaner(trainer)
+    return trainer
 
 
 def _scaling_config(run: RunSettings, cpus_per_worker: int):
