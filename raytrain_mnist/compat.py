@@ -23,7 +23,7 @@ them: the worker, the driver and Serve replicas may all import it.
 | :func:`controller_callback_base` | ``ray.train.v2._internal.execution.callback.ControllerCallback`` | Ctrl-C cannot abort a run's controller: the run stops only with the Ray that runs it |
 | :func:`worker_group_callback_base` | ``ray.train.v2._internal.execution.callback.WorkerGroupCallback`` | ``summary.json``'s timeline has no "worker group started" moment |
 | :func:`lighter_run_callbacks`, :func:`without_cleaner` | ``ray.train.v2._internal.callbacks.placement_group_callback``, ``...callbacks.datasets.DatasetsCallback``, ``...controller.placement_group_cleaner.is_actor_alive``, ``ray._private.state`` | every run's teardown waits 12 s for Ray Train's PlacementGroupCleaner (its State API call blocks for 40 s without a dashboard), every run starts a DatasetManager actor it never uses, and a run on a Ray of its own a cleaner that guards nothing |
-| :func:`poll_workers_every` | ``ray._private.worker.global_worker.actors``, ``TrainController._health_check_interval_s`` | a run's end is seen at the controller's next 2 s poll after its last checkpoint: every run's teardown is about 2 s longer |
+| :func:`poll_workers_every` | ``ray.train.v2._internal.execution.context.get_train_context``, ``TrainController._health_check_interval_s`` | a run's last checkpoint is committed at the controller's next 2 s poll and its end seen one poll later: every run's teardown is 1-4 s longer |
 | :func:`quiet_train_report_log` | ``ray.train.v2._internal.execution.context`` | every report logs an INFO line |
 | :func:`serve_http_config` | ``ray.serve.context._get_global_client`` | a second ``serve`` with other HTTP settings is not refused up front |
 | :func:`serve_http_reuses_address` | ``ray.serve._private.http_util.socket`` | a direct replica that replaces a dead one cannot bind the port for a minute (its connections' TIME_WAIT) |
@@ -442,23 +442,28 @@ def serve_http_bounded(protocol: type, keep_alive_s: int, replace: bool = True) 
 
 
 def poll_workers_every(seconds: float) -> bool:
-    """In Ray Train's controller process (a controller callback): the controller polls its
-    workers every ``seconds`` from its next poll on. Ray 2.60's ``TrainController`` reads
-    ``RAY_TRAIN_HEALTH_CHECK_INTERVAL_S`` once, into ``_health_check_interval_s``, and a
-    worker whose poll carries a report counts as running even when its train function has
-    returned, so a run's end is seen one whole interval after its last report. The
-    controller is the actor instance this process runs (Ray keeps it in
-    ``global_worker.actors``). Returns whether it was found; nothing changes otherwise."""
+    """In a Ray Train worker: the run's controller polls its workers every ``seconds`` once
+    its current wait is over (fire and forget). Ray 2.60's ``TrainController`` reads
+    ``RAY_TRAIN_HEALTH_CHECK_INTERVAL_S`` once, into ``_health_check_interval_s``; a report is
+    committed at the poll after it, and a worker whose poll carries a report counts as running
+    even when its train function has returned, so a run's end is seen one more whole interval
+    later. The worker's train context holds the controller's handle (``controller_actor``),
+    and Ray's ``__ray_call__`` (a DeveloperAPI) runs a function on the actor instance. Returns
+    whether the call was sent; nothing changes otherwise."""
     try:
-        from ray._private.worker import global_worker
+        from ray.train.v2._internal.execution.context import get_train_context
 
-        controller = global_worker.actors.get(global_worker.actor_id)
-    except (ImportError, AttributeError):
+        controller = get_train_context().controller_actor
+        controller.__ray_call__.remote(_set_poll_interval, seconds)
+    except Exception:  # another Ray Train: the controller keeps its own poll
         return False
-    if not isinstance(getattr(controller, "_health_check_interval_s", None), float):
-        return False
-    controller._health_check_interval_s = min(controller._health_check_interval_s, seconds)
     return True
+
+
+def _set_poll_interval(controller, seconds: float) -> None:
+    """In the controller's process (:func:`poll_workers_every`)."""
+    if isinstance(getattr(controller, "_health_check_interval_s", None), float):
+        controller._health_check_interval_s = min(controller._health_check_interval_s, seconds)
 
 
 def quiet_train_report_log() -> None:

@@ -131,7 +131,7 @@ def test_every_startup_and_teardown_moment_is_recorded_in_order(timed_fit):
     teardown = timeline["teardown_s"]
     assert teardown["worker_group_shut_down"] - teardown["workers_finished"] < 6, teardown
     # The controller saw the end at a poll soon after the last checkpoint's commit, not at its
-    # next regular one, a whole interval on (monitor.END_POLL_S).
+    # next regular one, a whole interval on (worker/loop.py's END_POLL_S).
     end_seen = teardown["workers_finished"] - teardown["checkpoint_committed"]
     assert end_seen < RAY_POLL_S, teardown
     # The curves were drawn and written before Ray shut down.

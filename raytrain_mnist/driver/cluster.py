@@ -31,7 +31,7 @@ _CONNECT_TIMEOUT_S = 5.0
 #: a runtime environment; every job of ours has one (``local_runtime_env``), so those
 #: processes only compete with the start-up for the CPUs. (Polling workers every 0.5 s
 #: instead of Ray's 2 s all along costs training throughput (benchmarks/README.md): the
-#: tests use it; a run of ours polls fast only once its last epoch is in, monitor.end_poll.)
+#: tests use it; a run of ours polls fast only for its last evaluation, worker/loop.py.)
 LOCAL_TRAIN_ENV = {
     "RAY_TRAIN_ENABLE_PREEMPTION_WATCHER": "0",
     "RAY_prestart_worker_first_driver": "0",

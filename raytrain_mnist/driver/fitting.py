@@ -310,7 +310,7 @@ def _build(ctx: _Fit) -> None:
         ctx.cpus_per_worker,
         run.storage,
         run.name,
-        callbacks=controller_callbacks(ctx.channel, cfg.train.epochs),
+        callbacks=controller_callbacks(ctx.channel),
         own_ray=ctx.local,
     )
 

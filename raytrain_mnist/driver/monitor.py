@@ -100,29 +100,9 @@ def start_channel():
     )
 
 
-#: How often the controller polls the workers once a run's last epoch is reported: all that
-#: is left is to see that their train functions returned (Ray's 2 s between polls costs every
-#: run its end; polling that often all along costs training throughput, benchmarks/README.md).
-END_POLL_S = 0.1
-
-
-def end_poll(epochs: int):
-    """A Ray Train callback: once epoch ``epochs`` (the run's last) is reported, the
-    controller polls every :data:`END_POLL_S`. Fit's runs and every Tune trial's have it."""
-    from ray.train import UserCallback
-
-    class EndPoll(UserCallback):
-        def after_report(self, run_context, metrics, checkpoint):
-            last = metrics[0]  # an epoch's report; a mid-epoch checkpoint's says "progress"
-            if last.get("epoch") == epochs and "progress" not in last:
-                compat.poll_workers_every(END_POLL_S)
-
-    return EndPoll()
-
-
-def controller_callbacks(channel, epochs: int) -> list:
+def controller_callbacks(channel) -> list:
     """Controller-side callbacks feeding ``channel``: they fire and forget, the controller
-    never waits on the driver. ``epochs``: the run's last epoch (:func:`end_poll`)."""
+    never waits on the driver."""
     import ray
     from ray.train import UserCallback
 
@@ -141,7 +121,7 @@ def controller_callbacks(channel, epochs: int) -> list:
                 }
             )
 
-    callbacks: list = [EpochFeed(), end_poll(epochs)]
+    callbacks: list = [EpochFeed()]
     # The controller's handle: a public hook for it does not exist in Ray 2.60.
     ControllerCallback = compat.controller_callback_base()
     if ControllerCallback is not None:

@@ -65,7 +65,6 @@ def _trial(config: dict, setup: TrialSetup, data: list) -> None:
     the trial (a trial run again resumes that run from its last checkpoint)."""
     from ray.tune.integration.ray_train import TuneReportCallback
 
-    from raytrain_mnist.driver.monitor import end_poll
     from raytrain_mnist.driver.trainer import build_trainer
     from raytrain_mnist.worker.loop import train_func_per_worker
 
@@ -85,7 +84,7 @@ def _trial(config: dict, setup: TrialSetup, data: list) -> None:
         setup.cpus_per_worker,
         setup.runs_root,
         name,
-        callbacks=[TuneReportCallback(), end_poll(train.epochs)],
+        callbacks=[TuneReportCallback()],
         forwarded=setup.forwarded,
     )
     trainer.fit()  # raises when the run fails: Tune records the error and may retry
