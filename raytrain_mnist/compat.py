@@ -4,7 +4,7 @@ Each entry says what it reaches, the versions it was checked against, what break
 and what it falls back to, and the upstream issue where one exists. Nothing else in the
 package imports ``ray._private``, a ``*._internal`` module or a torch private name (the
 import contracts in ``pyproject.toml`` hold that). Checked against **ray 2.60.0** and
-**torch 2.14.1**; the ``ray<2.61`` pin in ``pyproject.toml`` is for this file: every entry
+**torch 2.14.1**; the ``ray==2.60.0`` pin in ``pyproject.toml`` is for this file: every entry
 below was read in 2.60's source, and :func:`controller_callback_base` and
 :func:`single_node_ray` are the ones a Ray release is most likely to move.
 

@@ -156,6 +156,29 @@ def test_checkpoints_go_to_shared_storage_and_the_package_is_installed(config):
         assert excluded in config["rsync_exclude"]
 
 
+def test_every_install_gets_the_pinned_versions(config):
+    """pyproject.toml admits each pinned version and nothing newer, so make's install, the
+    README's by hand and a node's resolve the same versions, whatever is released upstream
+    (a new filelock once failed the test below on a fresh clone)."""
+    import tomllib
+    from packaging.requirements import Requirement
+    from packaging.version import Version
+
+    listed = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["dependencies"]
+    specifiers = {Requirement(r).name: Requirement(r).specifier for r in listed}
+    for name, pinned in _pins(config).items():
+        if name not in specifiers:
+            continue  # a pin pyproject.toml does not list (none today)
+        version = Version(pinned)
+        newer = (
+            f"{version.major}.{version.minor}.{version.micro + 1}",
+            f"{version.major}.{version.minor + 1}.0",
+            f"{version.major + 1}.0.0",
+        )
+        assert specifiers[name].contains(version), (name, pinned, str(specifiers[name]))
+        assert not any(specifiers[name].contains(v) for v in newer), (name, str(specifiers[name]))
+
+
 def test_pins_match_the_tested_versions(config):
     """The cluster runs what this checkout is tested with (ray's client and server must
     match), and what tests/test_ray_up.py finds installed: it runs the same pip offline."""
