@@ -240,9 +240,9 @@ STEPS = [
     ("controller finishes", "Ray", "worker_group_shut_down", "controller_finished"),
     ("trainer.fit() returns", "Ray", "controller_finished", "fit_returned"),
     ("progress drained, summary", "ours", "fit_returned", "summary_built"),
-    ("curves, tracking", "ours", "summary_built", "files_written"),
-    ("ray.shutdown", "Ray", "files_written", "ray_shut_down"),
-    ("summary.json, print, exit", "ours", "ray_shut_down", "exit"),
+    ("ray.shutdown (curves, tracking meanwhile)", "Ray", "summary_built", "ray_shut_down"),
+    ("curves, tracking: the rest", "ours", "ray_shut_down", "files_written"),
+    ("summary.json, print, exit", "ours", "files_written", "exit"),
 ]
 #: The plain loop's steps: the moments its RESULT line gives (benchmarks/variants.py).
 PLAIN_STEPS = {

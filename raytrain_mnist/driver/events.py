@@ -58,8 +58,9 @@ TEARDOWN = {
     "controller_finished": "controller finished",
     "fit_returned": "trainer.fit() returned (driver)",
     "summary_built": "progress drained, summary built",
-    "files_written": "curves drawn, summary.json and training_curves.png written, tracking closed",
-    "ray_shut_down": "Ray shut down (a Ray fit started; nothing of the fit runs then)",
+    "ray_shut_down": "Ray shut down (a Ray fit started) or left (a cluster it connected to)",
+    "files_written": "curves drawn, summary.json and training_curves.png written, tracking "
+    "closed (on a thread, while Ray shut down)",
 }
 
 

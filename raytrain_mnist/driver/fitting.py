@@ -4,7 +4,7 @@
 ``<storage-path>/<name>``, connects to (or starts) Ray, then builds and fits a
 ``TorchTrainer`` and writes ``summary.json`` and ``training_curves.png``. It never touches
 a tensor itself. It is a row of named stages over one :class:`_Fit`: *prepare*, *open*,
-*connect*, *build*, *monitor*, *summarize*, *write*, then Ray shuts down (:func:`_train`
+*connect*, *build*, *monitor*, *summarize*, then *write* while Ray shuts down (:func:`_train`
 alone orders the stop, whatever stopped the run). What happens on the way reaches the caller as
 :mod:`~raytrain_mnist.driver.events` (the CLI renders them; a notebook passes its own sink
 or reads the log), and the outcome as a :class:`FitResult`::
@@ -50,7 +50,7 @@ from raytrain_mnist.driver.monitor import (
     controller_callbacks,
     start_channel,
 )
-from raytrain_mnist.driver.relay import INTERRUPTED, relay
+from raytrain_mnist.driver.relay import INTERRUPTED, on_a_thread, relay
 from raytrain_mnist.driver.runs import CURVES_FILE, RUN_FILE, SUMMARY_FILE, Run
 from raytrain_mnist.errors import UserError, cause_line
 from raytrain_mnist.shell import command_line, python_command
@@ -165,6 +165,7 @@ class _Fit:
     prior: list[dict] = field(default_factory=list)  # _open: the history a resume continues
     address: str | None = None  # _size
     local: bool = False  # _size: this fit starts its own Ray
+    disconnects: bool = False  # _size: this fit connects to a cluster (and so disconnects)
     cpus_per_worker: int = 0  # _size
     tracker: Any = None  # _build: TensorBoard, MLflow
     channel: Any = None  # _build: the progress channel's actor
@@ -173,6 +174,7 @@ class _Fit:
     monitor: RunMonitor = field(init=False)  # _monitor
     result: Any = None  # _monitor: Ray Train's Result (a run that was not stopped)
     error: BaseException | None = None  # _monitor: the failure; dropped once summarized
+    trainer_ended: bool = False  # _monitor: trainer.fit() returned (no thread of it in Ray)
     logs: str | None = None  # _monitor: the worker logs of a failed run
     summary: dict = field(default_factory=dict)  # _summarize
     lost: str | None = None  # _write: why the claim was lost (nothing more is written)
@@ -223,26 +225,42 @@ def _open(ctx: _Fit) -> FitResult | None:
 
 
 def _train(ctx: _Fit) -> None:
-    """Connect, build, monitor, summarize, write; then Ray shuts down. The one owner of the
-    order in which a fit stops, whatever stopped it (the end, Ctrl-C, SIGTERM, a lost
-    claim, a failure): the trainer has ended and the progress is drained (:func:`_monitor`),
-    the monitor, drawing and tracking are stopped and the files written (:func:`_write`),
-    nothing of this fit holds Ray (:func:`_let_go_of_ray`); only then does
-    :func:`cluster.connect` shut down a Ray this fit started. Nothing touches Ray after:
-    what follows (:func:`_record`, the claim's release) is files only."""
+    """Connect, build, monitor, summarize; then the files are written while Ray shuts down.
+    The one owner of the order in which a fit stops, whatever stopped it (the end, Ctrl-C,
+    SIGTERM, a lost claim, a failure): the trainer has ended and the progress is drained
+    (:func:`_monitor`); the files are written on a thread of their own (:func:`_write`:
+    curves, summary.json, tracking, none of which touches Ray); nothing of this fit holds
+    Ray any more (:func:`_let_go_of_ray`) and no thread collects garbage (``gc.disable``);
+    then :func:`cluster.connect` shuts down a Ray this fit started (or this fit disconnects
+    from the cluster it connected to), and the files are waited for. Nothing touches Ray
+    after: what follows (:func:`_record`, the claim's release) is files only."""
     request = _size(ctx)
-    # A single run needs no dashboard: without it its own Ray starts seconds sooner.
-    with cluster.connect(ctx.address, request, dashboard=False) as started:
-        try:
-            ctx.phase("Ray ready", "ray_ready")
-            _build(ctx)
-            _monitor(ctx)
-            _summarize(ctx)
-            _write(ctx)
-        finally:
-            _let_go_of_ray(ctx)
-    if started:
-        ctx.timeline.mark("ray_shut_down")
+    collecting = gc.isenabled()
+    try:
+        # A single run needs no dashboard: without it its own Ray starts seconds sooner.
+        with cluster.connect(ctx.address, request, dashboard=False) as started:
+            try:
+                ctx.phase("Ray ready", "ray_ready")
+                _build(ctx)
+                _monitor(ctx)
+                _summarize(ctx)
+                files = on_a_thread(lambda: _write(ctx), name="files")
+            finally:
+                _let_go_of_ray(ctx)
+                # No thread collects while Ray shuts down: none frees a Ray object then.
+                gc.disable()
+            if ctx.disconnects and ctx.trainer_ended:
+                import ray
+
+                ray.shutdown()  # the cluster lives on; this driver's part in it ends here
+    finally:
+        if collecting:
+            gc.enable()
+    shut_down = time.time()
+    files()
+    if started or (ctx.disconnects and ctx.trainer_ended):
+        ctx.timeline.mark("ray_shut_down", shut_down)
+    ctx.timeline.mark("files_written")
 
 
 def _size(ctx: _Fit) -> cluster.Request:
@@ -251,6 +269,7 @@ def _size(ctx: _Fit) -> cluster.Request:
 
     ctx.address = cluster.resolve_address(ctx.cfg.run.address)
     ctx.local = ctx.address is None and not ray.is_initialized()
+    ctx.disconnects = ctx.address is not None and not ray.is_initialized()
     scaling = ctx.cfg.run.scaling
     # Sized for the most workers the run may have; placed once the fewest fit.
     ctx.cpus_per_worker = scaling.cpus_per_worker or cluster.default_cpus_per_worker(
@@ -348,12 +367,14 @@ def _monitor(ctx: _Fit) -> None:
                 stop_wait_s=_STOP_WAIT_S,
             )
             ctx.result = outcome.value if outcome.stopped is None else None
+            ctx.trainer_ended = outcome.finished
             if not outcome.finished:
                 logger.warning(
                     "trainer.fit() had not returned %.0f s after the run was stopped",
                     _STOP_WAIT_S,
                 )
         except ray.train.TrainingFailedError as exc:
+            ctx.trainer_ended = True
             ctx.error, ctx.logs = exc, cluster.worker_logs_dir()
             logger.debug("training failed: %s (worker logs: %s)", cause_line(exc), ctx.logs)
         finally:
@@ -388,9 +409,11 @@ def _summarize(ctx: _Fit) -> None:
 
 
 def _write(ctx: _Fit) -> None:
-    """Still claimed, Ray still up: draw the curves, close tracking, write summary.json and
-    the curves (a second command never sees a half-written or stale summary). A claim lost
-    meanwhile: another command may hold the run, nothing more is written into it."""
+    """Still claimed: draw the curves, close tracking, write summary.json and the curves (a
+    second command never sees a half-written or stale summary). A claim lost meanwhile:
+    another command may hold the run, nothing more is written into it. Runs on a thread of
+    its own while Ray shuts down (:func:`_train`): it touches nothing of Ray, and marks no
+    moment."""
     run, summary = ctx.run, ctx.summary
     held = run.held
     ctx.lost = held.reason if held is not None and held.lost.is_set() else None
@@ -404,7 +427,6 @@ def _write(ctx: _Fit) -> None:
         if png is not None:
             run.write_bytes(CURVES_FILE, png)
     ctx.tracker.close(summary)
-    ctx.timeline.mark("files_written")
 
 
 def _let_go_of_ray(ctx: _Fit) -> None:
@@ -445,9 +467,8 @@ def _result(ctx: _Fit, invocation: Sequence[str] | None) -> FitResult:
 
 class _Plotting:
     """The training curves' PNG. matplotlib's import (a second or more) runs on a thread
-    from the first committed epoch, while the run trains; the curves are drawn on the
-    caller's thread once the run has ended, before Ray shuts down (no thread of ours runs
-    while it does)."""
+    from the first committed epoch, while the run trains; the curves are drawn once the run
+    has ended, on the files' thread, while Ray shuts down (:func:`_write`)."""
 
     def __init__(self) -> None:
         self._thread: threading.Thread | None = None

@@ -112,3 +112,30 @@ def relay(
         finished=done.is_set(),
         error=outcome.get("error"),  # type: ignore[arg-type]
     )
+
+
+def on_a_thread(call: Callable[[], T], *, name: str) -> Callable[[], T]:
+    """``call()`` started now on a daemon thread named ``name`` (in a copy of the caller's
+    context); returns the function that waits for it to end, then returns what it returned
+    or raises what it raised. The wait is on an event, as in :func:`relay`."""
+    outcome: dict[str, object] = {}
+    context = contextvars.copy_context()
+    done = threading.Event()
+
+    def target() -> None:
+        try:
+            outcome["value"] = context.run(call)
+        except BaseException as exc:  # raised again by the waiter
+            outcome["error"] = exc
+        finally:
+            done.set()
+
+    threading.Thread(target=target, name=name, daemon=True).start()
+
+    def wait() -> T:
+        done.wait()
+        if "error" in outcome:
+            raise outcome["error"]  # type: ignore[misc]
+        return outcome.get("value")  # type: ignore[return-value]
+
+    return wait
