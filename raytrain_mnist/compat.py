@@ -15,6 +15,7 @@ them: the worker, the driver and Serve replicas may all import it.
 |---|---|---|
 | :func:`single_node_ray` | ``ray._private.ray_constants.ENABLE_RAY_CLUSTER`` | a local Ray's servers listen on every interface |
 | :func:`store_on_master_addr` | ``torch.distributed.rendezvous._create_c10d_store`` | rank 0's TCPStore listens on every interface |
+| :func:`without_log_monitor` | ``ray._private.parameter.RayParams`` | every local Ray we start runs a log monitor that publishes worker output nobody reads (2.5 CPU-seconds a start) |
 | :func:`token_auth_chosen` | ``ray._raylet.Config.initialize`` | every local Ray we start prints Ray's WARNING that it chose token authentication |
 | :func:`session_logs_dir` | ``ray._private.worker.global_worker.node`` | a failed run points at Ray's default log folder |
 | :func:`auto_address` | ``ray._private.services.get_ray_address_from_environment`` | ``--address auto`` cannot be checked before ``ray.init``, which waits minutes on a stopped cluster |
@@ -22,7 +23,7 @@ them: the worker, the driver and Serve replicas may all import it.
 | :func:`autoscaler_ceiling` | ``ray._private.state.state.get_max_resources_from_cluster_config`` | placement checks cannot count nodes an autoscaler would add |
 | :func:`controller_callback_base` | ``ray.train.v2._internal.execution.callback.ControllerCallback`` | Ctrl-C cannot abort a run's controller: the run stops only with the Ray that runs it |
 | :func:`worker_group_callback_base` | ``ray.train.v2._internal.execution.callback.WorkerGroupCallback`` | ``summary.json``'s timeline has no "worker group started" moment |
-| :func:`lighter_run_callbacks`, :func:`without_cleaner` | ``ray.train.v2._internal.callbacks.placement_group_callback``, ``...callbacks.datasets.DatasetsCallback``, ``...controller.placement_group_cleaner.is_actor_alive``, ``ray._private.state`` | every run's teardown waits 12 s for Ray Train's PlacementGroupCleaner (its State API call blocks for 40 s without a dashboard), every run starts a DatasetManager actor it never uses, and a run on a Ray of its own a cleaner that guards nothing |
+| :func:`lighter_run_callbacks`, :func:`on_its_own_ray` | ``ray.train.v2._internal.callbacks.placement_group_callback``, ``...callbacks.datasets.DatasetsCallback``, ``...controller.placement_group_cleaner.is_actor_alive``, ``ray._private.state``, ``...execution.scaling_policy.FixedScalingPolicy`` | every run's teardown waits 12 s for Ray Train's PlacementGroupCleaner (its State API call blocks for 40 s without a dashboard), every run starts a DatasetManager actor it never uses, and a run on a Ray of its own a cleaner that guards nothing and an AutoscalingCoordinator no autoscaler reads |
 | :func:`poll_workers_every` | ``ray.train.v2._internal.execution.context.get_train_context``, ``TrainController._health_check_interval_s`` | a run's last checkpoint is committed at the controller's next 2 s poll and its end seen one poll later: every run's teardown is 1-4 s longer |
 | :func:`quiet_train_report_log` | ``ray.train.v2._internal.execution.context`` | every report logs an INFO line |
 | :func:`serve_http_config` | ``ray.serve.context._get_global_client`` | a second ``serve`` with other HTTP settings is not refused up front |
@@ -35,6 +36,7 @@ them: the worker, the driver and Serve replicas may all import it.
 from __future__ import annotations
 
 import contextlib
+import functools
 import importlib.abc
 import importlib.util
 import logging
@@ -62,6 +64,21 @@ def single_node_ray() -> Iterator[None]:
     finally:
         if saved is not None:
             ray_constants.ENABLE_RAY_CLUSTER = saved
+
+
+@contextlib.contextmanager
+def without_log_monitor() -> Iterator[None]:
+    """While a local Ray starts in this process with ``log_to_driver=False``: no log monitor
+    (``RayParams.include_log_monitor``, which ``ray.init`` does not take). It only publishes
+    the workers' log lines to drivers that ask, and none does (2.5 CPU-seconds a start)."""
+    from ray._private.parameter import RayParams
+
+    original = RayParams.__init__
+    RayParams.__init__ = functools.partialmethod(original, include_log_monitor=False)
+    try:
+        yield
+    finally:
+        RayParams.__init__ = original
 
 
 def token_auth_chosen() -> None:
@@ -207,6 +224,8 @@ def worker_group_callback_base() -> type | None:
 # 12 s (stop's join) for that thread. The cleaner below asks its own GCS instead, in a
 # millisecond, with or without a dashboard. Version-checked: the names must be as read in 2.60.
 _CLEANER_NAMES = ("GcsPlacementGroupCleanerCallback", "GcsPlacementGroupCleaner")
+#: A fixed-size run's scaling policy that asks no autoscaler for anything: see on_its_own_ray.
+_POLICY_NAME = "RequestlessFixedScalingPolicy"
 
 
 def lighter_run_callbacks() -> None:
@@ -215,9 +234,8 @@ def lighter_run_callbacks() -> None:
     classes are built on first use here, so that the controller and the cleaner's processes
     unpickle them by name). And a trainer given no Ray Datasets (all of ours: each rank reads
     its shard through ``prepare_data_loader``) gets no DatasetsCallback: it starts a
-    DatasetManager actor for every worker group regardless, a process that imports Ray Data
-    (1.5 CPU s of every run's CPU-bound start-up, 2026-12-01) and serves nothing. Without the
-    names as read in 2.60 Ray's own callbacks are kept."""
+    DatasetManager actor (it imports Ray Data: 1.5 CPU s of every run's CPU-bound start-up,
+    2026-12-01) that serves nothing. Without the names as read in 2.60, Ray's own are kept."""
     try:
         from ray.train.v2._internal.callbacks import placement_group_callback as module
         from ray.train.v2._internal.callbacks.datasets import DatasetsCallback
@@ -233,26 +251,35 @@ def lighter_run_callbacks() -> None:
 
     def create_default_callbacks(self):
         kept = [c for c in default(self) if self.datasets or type(c) is not DatasetsCallback]
-        if getattr(self, _NO_CLEANER, False):
+        if getattr(self, _OWN_RAY, False):
             return [c for c in kept if type(c) is not module.PlacementGroupCleanerCallback]
         return [ours() if type(c) is module.PlacementGroupCleanerCallback else c for c in kept]
 
     create_default_callbacks._asks_gcs = True
     DataParallelTrainer._create_default_callbacks = create_default_callbacks
 
+    start = DataParallelTrainer._initialize_and_run_controller
 
-#: Set on a trainer by :func:`without_cleaner`; read by :func:`lighter_run_callbacks`' patch.
-_NO_CLEANER = "_raytrain_mnist_no_cleaner"
+    def initialize_and_run_controller(self, scaling_policy, **kwargs):
+        requestless = __getattr__(_POLICY_NAME) if getattr(self, _OWN_RAY, False) else None
+        if requestless is not None and type(scaling_policy) is requestless.__base__:
+            scaling_policy = requestless(scaling_policy.scaling_config)
+        return start(self, scaling_policy=scaling_policy, **kwargs)
+
+    DataParallelTrainer._initialize_and_run_controller = initialize_and_run_controller
 
 
-def without_cleaner(trainer) -> None:
-    """A trainer whose run has no PlacementGroupCleaner at all (with
-    :func:`lighter_run_callbacks` in place): for a run on a Ray its own command started and
-    stops. The cleaner removes the worker group's placement group of a controller that died
-    without doing so, on a cluster that outlives the run; when the run's Ray goes with it,
-    the cleaner is one more process (Ray Train imported: CPU seconds of a CPU-bound start-up)
-    that guards nothing."""
-    setattr(trainer, _NO_CLEANER, True)
+#: Set on a trainer by :func:`on_its_own_ray`; read by :func:`lighter_run_callbacks`' patch.
+_OWN_RAY = "_raytrain_mnist_own_ray"
+
+
+def on_its_own_ray(trainer) -> None:
+    """For a run on a Ray its own command started and stops (with
+    :func:`lighter_run_callbacks` in place): no PlacementGroupCleaner (it removes a dead
+    controller's placement group from a cluster that outlives the run: here one more process
+    that guards nothing), and a fixed size asks no autoscaler for resources (the requests
+    start Ray Data's AutoscalingCoordinator actor, which no autoscaler reads here)."""
+    setattr(trainer, _OWN_RAY, True)
 
 
 def _actor_alive_in_gcs(actor_id: str, timeout: float) -> bool:
@@ -299,11 +326,27 @@ def _cleaner_classes() -> dict[str, type] | None:
     return classes
 
 
+def _policy_classes() -> dict[str, type] | None:
+    try:
+        from ray.train.v2._internal.execution.scaling_policy import FixedScalingPolicy
+    except ImportError:
+        return None
+
+    class RequestlessFixedScalingPolicy(FixedScalingPolicy):  # the names as read in 2.60
+        _send_resource_request = _maybe_send_resource_request = _cancel_resource_request = (
+            lambda self: None
+        )
+
+    cls = RequestlessFixedScalingPolicy
+    cls.__module__, cls.__qualname__ = __name__, cls.__name__
+    return {cls.__name__: cls}
+
+
 def __getattr__(name: str) -> Any:
-    """The cleaner classes, built when first asked for (by name, by pickle too)."""
-    if name not in _CLEANER_NAMES:
+    """The cleaner and policy classes, built when first asked for (by name, by pickle too)."""
+    if name not in (*_CLEANER_NAMES, _POLICY_NAME):
         raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    classes = _cleaner_classes()
+    classes = _policy_classes() if name == _POLICY_NAME else _cleaner_classes()
     if classes is None:
         return None
     globals().update(classes)

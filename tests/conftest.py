@@ -553,9 +553,12 @@ def ray_local():
     """One local Ray in this process (3 CPUs: the most any in-process test asks for)."""
     import ray
 
+    from raytrain_mnist import compat
     from raytrain_mnist.driver.cluster import LOOPBACK, local_runtime_env, loopback_node
 
-    with loopback_node():  # on loopback, as fit starts its own
+    # On loopback and without a log monitor (no driver reads the workers' output), as fit
+    # starts its own.
+    with loopback_node(), compat.without_log_monitor():
         ray.init(
             address="local",
             num_cpus=3,
@@ -582,7 +585,13 @@ def _two_nodes_cluster():
 
     with loopback_node():  # every node on 127.0.0.1, listening on nothing else
         cluster = Cluster(
-            initialize_head=True, head_node_args={"num_cpus": 0, "include_dashboard": False}
+            initialize_head=True,
+            # No driver of it reads its workers' output: no log monitor either.
+            head_node_args={
+                "num_cpus": 0,
+                "include_dashboard": False,
+                "include_log_monitor": False,
+            },
         )
         nodes = [cluster.add_node(num_cpus=1) for _ in range(2)]
     cluster.wait_for_nodes()

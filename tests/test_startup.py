@@ -134,7 +134,7 @@ def test_every_startup_and_teardown_moment_is_recorded_in_order(timed_fit):
     # next regular one, a whole interval on (worker/loop.py's END_POLL_S).
     end_seen = teardown["workers_finished"] - teardown["checkpoint_committed"]
     assert end_seen < RAY_POLL_S, teardown
-    # The curves were drawn and written before Ray shut down.
+    # The curves were drawn and written (while Ray shut down).
     assert timed_fit["png"].startswith(b"\x89PNG")
 
 
@@ -171,12 +171,20 @@ def test_phase_lines_show_the_moments_as_recorded(timed_fit):
     assert shown == sorted(shown), out
 
 
-def test_a_run_on_its_own_ray_starts_no_actor_that_guards_nothing(timed_fit):
+def test_a_run_on_its_own_ray_starts_no_process_that_serves_nothing(timed_fit):
     # The Ray goes with the run: no placement-group cleaner (it guards a cluster that outlives
     # a dead controller) and no DatasetManager (the run passes no Ray Datasets).
     actors = sorted(t for t in timed_fit["titles"] if t.startswith("ray::"))
     assert any("TrainController" in t for t in actors), actors  # the watcher saw the run's
     assert not any("PlacementGroupCleaner" in t or "DatasetManager" in t for t in actors), actors
+    # Nor an AutoscalingCoordinator: a fixed-size run on a Ray without an autoscaler asks
+    # none for resources.
+    assert not any("AutoscalingCoordinator" in t for t in actors), actors
+    # Nor a log monitor: the workers' output stays in their files (no log_to_driver), which
+    # is all it would tail, to publish to no one. Ray's other servers did run.
+    titles = timed_fit["titles"]
+    assert any("gcs_server" in t for t in titles) and any("raylet" in t for t in titles), titles
+    assert not any("log_monitor.py" in t for t in titles), sorted(titles)
 
 
 def test_the_ray_that_fit_starts_listens_on_loopback_only(timed_fit):

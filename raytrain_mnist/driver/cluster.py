@@ -306,8 +306,15 @@ def start_local(
         os.environ.setdefault(key, value)
     if "RAY_AUTH_MODE" not in os.environ:  # a mode the user set wins
         compat.token_auth_chosen()  # Ray's default, made explicit: no warning that it chose
+    if log_to_driver is None:
+        log_to_driver = _worker_logs_to_driver()
     try:
-        with loopback_node(), keeping_sigterm_handler():
+        with (
+            loopback_node(),
+            keeping_sigterm_handler(),
+            # Without log_to_driver nobody reads what the log monitor would publish.
+            contextlib.nullcontext() if log_to_driver else compat.without_log_monitor(),
+        ):
             ray.init(
                 address="local",  # a new Ray, never one that `ray start` left running
                 num_cpus=num_cpus,
@@ -317,9 +324,7 @@ def start_local(
                 _node_ip_address=LOOPBACK,
                 runtime_env=local_runtime_env(),
                 logging_level=logging.WARNING,
-                log_to_driver=(
-                    _worker_logs_to_driver() if log_to_driver is None else log_to_driver
-                ),
+                log_to_driver=log_to_driver,
             )
     except Exception as exc:  # Ray raises bare Exception when its processes fail to start
         raise UserError(f"could not start a local Ray: {str(exc).strip()[:300]}") from exc

@@ -82,7 +82,7 @@ def build_trainer(
         ),
     )
     if own_ray:
-        compat.without_cleaner(trainer)
+        compat.on_its_own_ray(trainer)
     return trainer
 
 
