@@ -249,7 +249,8 @@ def _train(ctx: _Fit) -> None:
                 _let_go_of_ray(ctx)
                 # No thread collects while Ray shuts down: none frees a Ray object then.
                 gc.disable()
-            if ctx.disconnects and ctx.trainer_ended:
+            leaves = ctx.disconnects and ctx.trainer_ended
+            if leaves:
                 import ray
 
                 ray.shutdown()  # the cluster lives on; this driver's part in it ends here
@@ -258,7 +259,7 @@ def _train(ctx: _Fit) -> None:
             gc.enable()
     shut_down = time.time()
     files()
-    if started or (ctx.disconnects and ctx.trainer_ended):
+    if started or leaves:
         ctx.timeline.mark("ray_shut_down", shut_down)
     ctx.timeline.mark("files_written")
 

@@ -72,23 +72,12 @@ def relay(
     Ctrl-C then propagates as :class:`KeyboardInterrupt`). What the call raised is raised
     here when it was not stopped; when it was, it comes back as :attr:`Relayed.error`.
     """
-    outcome: dict[str, object] = {}
-    context = contextvars.copy_context()
-    began, done = threading.Event(), threading.Event()
-
-    def target() -> None:
-        began.set()
-        try:
-            outcome["value"] = context.run(call)
-        except BaseException as exc:  # handed to the waiting thread as is
-            outcome["error"] = exc
-        finally:
-            done.set()
-
+    run = _Call(call)
+    began, done = run.began, run.done
     reason = None
     try:
         # Started inside: a Ctrl-C while Thread.start() waits for the thread is one too.
-        threading.Thread(target=target, name=name, daemon=True).start()
+        threading.Thread(target=run, name=name, daemon=True).start()
         while not done.wait(poll_s):
             if watch is not None and (reason := watch()) is not None:
                 break
@@ -97,45 +86,49 @@ def relay(
             raise
         reason = INTERRUPTED
     if reason is None:
-        if "error" in outcome:
-            raise outcome["error"]  # type: ignore[misc]
-        return Relayed(outcome.get("value"))  # type: ignore[arg-type]
+        if run.error is not None:
+            raise run.error
+        return Relayed(run.value)
     stop(reason, lambda: not done.is_set())
     if stop_wait_s is None:
         while not done.wait(poll_s):
             pass
     else:
         done.wait(stop_wait_s)
-    return Relayed(
-        outcome.get("value"),  # type: ignore[arg-type]
-        stopped=reason,
-        finished=done.is_set(),
-        error=outcome.get("error"),  # type: ignore[arg-type]
-    )
+    return Relayed(run.value, stopped=reason, finished=done.is_set(), error=run.error)
 
 
 def on_a_thread(call: Callable[[], T], *, name: str) -> Callable[[], T]:
     """``call()`` started now on a daemon thread named ``name`` (in a copy of the caller's
     context); returns the function that waits for it to end, then returns what it returned
     or raises what it raised. The wait is on an event, as in :func:`relay`."""
-    outcome: dict[str, object] = {}
-    context = contextvars.copy_context()
-    done = threading.Event()
-
-    def target() -> None:
-        try:
-            outcome["value"] = context.run(call)
-        except BaseException as exc:  # raised again by the waiter
-            outcome["error"] = exc
-        finally:
-            done.set()
-
-    threading.Thread(target=target, name=name, daemon=True).start()
+    run = _Call(call)
+    threading.Thread(target=run, name=name, daemon=True).start()
 
     def wait() -> T:
-        done.wait()
-        if "error" in outcome:
-            raise outcome["error"]  # type: ignore[misc]
-        return outcome.get("value")  # type: ignore[return-value]
+        run.done.wait()
+        if run.error is not None:
+            raise run.error
+        return run.value  # type: ignore[return-value]
 
     return wait
+
+
+class _Call(Generic[T]):
+    """``call()`` as a thread runs it (the thread's target), in a copy of the context of the
+    thread that made this: when it began and ended, and what it returned or raised."""
+
+    def __init__(self, call: Callable[[], T]) -> None:
+        self._call, self._context = call, contextvars.copy_context()
+        self.began, self.done = threading.Event(), threading.Event()
+        self.value: T | None = None
+        self.error: BaseException | None = None
+
+    def __call__(self) -> None:
+        self.began.set()
+        try:
+            self.value = self._context.run(self._call)
+        except BaseException as exc:  # handed to the waiting thread as is
+            self.error = exc
+        finally:
+            self.done.set()
