@@ -1,0 +1,92 @@
+"""Every private Ray and torch name this project uses, in one package: the upgrade surface.
+
+Each entry says what it reaches, the versions it was checked against, what breaks without it
+and what it falls back to, and the upstream issue where one exists. Nothing else in the
+package imports ``ray._private``, a ``*._internal`` module or a torch private name (the
+import contracts in ``pyproject.toml`` hold that). Checked against **ray 2.60.0** and
+**torch 2.14.1**; the ``ray==2.60.0`` pin in ``pyproject.toml`` is for this package: every entry
+below was read in 2.60's source, and :func:`controller_callback_base` and
+:func:`single_node_ray` are the ones a Ray release is most likely to move.
+
+Its modules import nothing of ours, and Ray and torch only inside the functions that need
+them: the worker, the driver and Serve replicas may all import the package. One module per
+side of Ray: :mod:`.cluster` (starting, finding and checking a cluster), :mod:`.train` (Ray
+Train's controller and run callbacks), :mod:`.serve` (Serve's HTTP and gRPC servers) and
+:mod:`.rendezvous` (torch's rendezvous store); callers use the names below, from here.
+
+| entry | private name | without it |
+|---|---|---|
+| :func:`single_node_ray` | ``ray._private.ray_constants.ENABLE_RAY_CLUSTER`` | a local Ray's servers listen on every interface |
+| :func:`store_on_master_addr` | ``torch.distributed.rendezvous._create_c10d_store`` | rank 0's TCPStore listens on every interface |
+| :func:`without_log_monitor` | ``ray._private.parameter.RayParams`` | every local Ray we start runs a log monitor that publishes worker output nobody reads (2.5 CPU-seconds a start) |
+| :func:`token_auth_chosen` | ``ray._raylet.Config.initialize`` | every local Ray we start prints Ray's WARNING that it chose token authentication |
+| :func:`session_logs_dir` | ``ray._private.worker.global_worker.node`` | a failed run points at Ray's default log folder |
+| :func:`auto_address` | ``ray._private.services.get_ray_address_from_environment`` | ``--address auto`` cannot be checked before ``ray.init``, which waits minutes on a stopped cluster |
+| :func:`gcs_refuses_token` | ``ray.core.generated.gcs_service_pb2_grpc`` (the GCS's gRPC stubs) | a cluster that requires a token is found out by ``ray.init`` after 20 s of C++ warnings |
+| :func:`autoscaler_ceiling` | ``ray._private.state.state.get_max_resources_from_cluster_config`` | placement checks cannot count nodes an autoscaler would add |
+| :func:`controller_callback_base` | ``ray.train.v2._internal.execution.callback.ControllerCallback`` | Ctrl-C cannot abort a run's controller: the run stops only with the Ray that runs it |
+| :func:`worker_group_callback_base` | ``ray.train.v2._internal.execution.callback.WorkerGroupCallback`` | ``summary.json``'s timeline has no "worker group started" moment |
+| :func:`lighter_run_callbacks`, :func:`on_its_own_ray` | ``ray.train.v2._internal.callbacks.placement_group_callback``, ``...callbacks.datasets.DatasetsCallback``, ``...controller.placement_group_cleaner.is_actor_alive``, ``ray._private.state``, ``...execution.scaling_policy.FixedScalingPolicy`` | every run's teardown waits 12 s for Ray Train's PlacementGroupCleaner (its State API call blocks for 40 s without a dashboard), every run starts a DatasetManager actor it never uses, and a run on a Ray of its own a cleaner that guards nothing and an AutoscalingCoordinator no autoscaler reads |
+| :func:`poll_workers_every` | ``ray.train.v2._internal.execution.context.get_train_context``, ``TrainController._health_check_interval_s`` | a run's last checkpoint is committed at the controller's next 2 s poll and its end seen one poll later: every run's teardown is 1-4 s longer |
+| :func:`quiet_train_report_log` | ``ray.train.v2._internal.execution.context`` | every report logs an INFO line |
+| :func:`serve_http_config` | ``ray.serve.context._get_global_client`` | a second ``serve`` with other HTTP settings is not refused up front |
+| :func:`serve_http_reuses_address` | ``ray.serve._private.http_util.socket`` | a direct replica that replaces a dead one cannot bind the port for a minute (its connections' TIME_WAIT) |
+| :func:`serve_replica_grpc_on_loopback` | ``ray.serve._private.replica.add_port_to_grpc_server`` | a loopback serve's replica listens on every interface (its inter-deployment gRPC server) |
+| :func:`serve_http_bounded` | ``ray.serve._private.http_util.uvicorn`` | Serve's uvicorn (a direct replica's, Serve's proxy's) takes any request head, keeps silent connections forever and starts a request before its body is in |
+| :data:`JOB_SDK_LOGGERS` | logger names under ``ray._private.runtime_env`` | the Jobs SDK logs INFO lines per upload |
+"""
+
+from __future__ import annotations
+
+from raytrain_mnist.compat.cluster import (
+    JOB_SDK_LOGGERS,
+    alive_node_addresses,
+    auto_address,
+    autoscaler_ceiling,
+    gcs_refuses_token,
+    quiet_job_sdk,
+    session_logs_dir,
+    single_node_ray,
+    token_auth_chosen,
+    without_log_monitor,
+)
+from raytrain_mnist.compat.rendezvous import STORE_ON_MASTER_ADDR_HOOK, store_on_master_addr
+from raytrain_mnist.compat.serve import (
+    serve_http_bounded,
+    serve_http_config,
+    serve_http_reuses_address,
+    serve_replica_grpc_on_loopback,
+)
+from raytrain_mnist.compat.train import (
+    controller_callback_base,
+    lighter_run_callbacks,
+    on_its_own_ray,
+    poll_workers_every,
+    quiet_train_report_log,
+    worker_group_callback_base,
+)
+
+__all__ = [
+    "JOB_SDK_LOGGERS",
+    "STORE_ON_MASTER_ADDR_HOOK",
+    "alive_node_addresses",
+    "auto_address",
+    "autoscaler_ceiling",
+    "controller_callback_base",
+    "gcs_refuses_token",
+    "lighter_run_callbacks",
+    "on_its_own_ray",
+    "poll_workers_every",
+    "quiet_job_sdk",
+    "quiet_train_report_log",
+    "serve_http_bounded",
+    "serve_http_config",
+    "serve_http_reuses_address",
+    "serve_replica_grpc_on_loopback",
+    "session_logs_dir",
+    "single_node_ray",
+    "store_on_master_addr",
+    "token_auth_chosen",
+    "without_log_monitor",
+    "worker_group_callback_base",
+]

@@ -1,0 +1,205 @@
+"""Private Ray Train names: the controller's callbacks, the lighter run (no cleaner that
+blocks, no DatasetManager, no resource requests on a Ray of its own) and the controller's poll
+(see the package's table). The classes built here are pickled by name: they live in this
+module, built on first use by its ``__getattr__``."""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+
+def controller_callback_base() -> type | None:
+    """Ray Train V2's controller-side callback class, whose ``after_controller_start`` hands
+    us the controller's actor handle (to abort the run on Ctrl-C from a thread Ray installs no
+    signal handler on). Public ``ray.train.UserCallback`` has no such hook in 2.60. None when
+    the class moved."""
+    try:
+        from ray.train.v2._internal.execution.callback import ControllerCallback
+    except ImportError:
+        return None
+    return ControllerCallback
+
+
+def worker_group_callback_base() -> type | None:
+    """Ray Train V2's worker-group callback class, whose ``before_init_train_context`` runs
+    on the controller once the worker actors are up, before Ray forms their process group
+    (fit's start-up timeline). None when the class moved."""
+    try:
+        from ray.train.v2._internal.execution.callback import WorkerGroupCallback
+    except ImportError:
+        return None
+    return WorkerGroupCallback
+
+
+# Ray Train 2.60 adds a PlacementGroupCleaner actor to every run. Its monitor thread asks the
+# State API, once a second, whether the controller lives; that call finds "the" cluster by
+# auto-detection (RAY_ADDRESS, the last `ray start` here, any GCS process on the machine:
+# possibly another Ray) and reads the dashboard's address from its GCS, 20 tries 2 s apart
+# when there is no dashboard, ignoring its 10 s timeout. The controller's shutdown then waits
+# 12 s (stop's join) for that thread. The cleaner below asks its own GCS instead, in a
+# millisecond, with or without a dashboard. Version-checked: the names must be as read in 2.60.
+_CLEANER_NAMES = ("GcsPlacementGroupCleanerCallback", "GcsPlacementGroupCleaner")
+#: A fixed-size run's scaling policy that asks no autoscaler for anything: see on_its_own_ray.
+_POLICY_NAME = "RequestlessFixedScalingPolicy"
+
+
+def lighter_run_callbacks() -> None:
+    """In the driver, before a trainer's ``fit``: Ray Train's default PlacementGroupCleaner
+    callback is swapped for one whose cleaner asks the GCS whether the controller lives (the
+    classes are built on first use here, so that the controller and the cleaner's processes
+    unpickle them by name). And a trainer given no Ray Datasets (all of ours: each rank reads
+    its shard through ``prepare_data_loader``) gets no DatasetsCallback: it starts a
+    DatasetManager actor (it imports Ray Data: 1.5 CPU s of every run's CPU-bound start-up,
+    2026-12-01) that serves nothing. Without the names as read in 2.60, Ray's own are kept."""
+    try:
+        from ray.train.v2._internal.callbacks import placement_group_callback as module
+        from ray.train.v2._internal.callbacks.datasets import DatasetsCallback
+        from ray.train.v2.api.data_parallel_trainer import DataParallelTrainer
+    except ImportError:
+        return
+    default = getattr(DataParallelTrainer, "_create_default_callbacks", None)
+    if default is None or getattr(default, "_asks_gcs", False):
+        return
+    ours = __getattr__(_CLEANER_NAMES[0])
+    if ours is None:
+        return
+
+    def create_default_callbacks(self):
+        kept = [c for c in default(self) if self.datasets or type(c) is not DatasetsCallback]
+        if getattr(self, _OWN_RAY, False):
+            return [c for c in kept if type(c) is not module.PlacementGroupCleanerCallback]
+        return [ours() if type(c) is module.PlacementGroupCleanerCallback else c for c in kept]
+
+    create_default_callbacks._asks_gcs = True
+    DataParallelTrainer._create_default_callbacks = create_default_callbacks
+
+    start = DataParallelTrainer._initialize_and_run_controller
+
+    def initialize_and_run_controller(self, scaling_policy, **kwargs):
+        requestless = __getattr__(_POLICY_NAME) if getattr(self, _OWN_RAY, False) else None
+        if requestless is not None and type(scaling_policy) is requestless.__base__:
+            scaling_policy = requestless(scaling_policy.scaling_config)
+        return start(self, scaling_policy=scaling_policy, **kwargs)
+
+    DataParallelTrainer._initialize_and_run_controller = initialize_and_run_controller
+
+
+#: Set on a trainer by :func:`on_its_own_ray`; read by :func:`lighter_run_callbacks`' patch.
+_OWN_RAY = "_raytrain_mnist_own_ray"
+
+
+def on_its_own_ray(trainer) -> None:
+    """For a run on a Ray its own command started and stops (with
+    :func:`lighter_run_callbacks` in place): no PlacementGroupCleaner (it removes a dead
+    controller's placement group from a cluster that outlives the run: here one more process
+    that guards nothing), and a fixed size asks no autoscaler for resources (the requests
+    start Ray Data's AutoscalingCoordinator actor, which no autoscaler reads here)."""
+    setattr(trainer, _OWN_RAY, True)
+
+
+def _actor_alive_in_gcs(actor_id: str, timeout: float) -> bool:
+    """``is_actor_alive`` as Ray Train 2.60 calls it, answered by this worker's GCS."""
+    from ray._private.state import state
+    from ray.util.state.exception import RayStateApiException
+
+    try:
+        info = state.actor_table(actor_id)
+    except Exception as exc:  # the cleaner keeps watching on this one
+        raise RayStateApiException(f"actor table unavailable: {exc}") from exc
+    return bool(info) and info.get("State") != "DEAD"
+
+
+def _cleaner_classes() -> dict[str, type] | None:
+    try:
+        from ray.train.v2._internal.callbacks import placement_group_callback as callback
+        from ray.train.v2._internal.execution.controller import placement_group_cleaner as cleaner
+    except ImportError:
+        return None
+    if not hasattr(cleaner, "is_actor_alive") or not hasattr(callback, "PlacementGroupCleaner"):
+        return None
+
+    class GcsPlacementGroupCleaner(cleaner.PlacementGroupCleaner):
+        def start_monitoring(self):  # in the cleaner's own process
+            cleaner.is_actor_alive = _actor_alive_in_gcs
+            return super().start_monitoring()
+
+    class GcsPlacementGroupCleanerCallback(callback.PlacementGroupCleanerCallback):
+        def after_controller_start(self, train_run_context):  # in the controller
+            saved, callback.PlacementGroupCleaner = (
+                callback.PlacementGroupCleaner,
+                GcsPlacementGroupCleaner,
+            )
+            try:
+                super().after_controller_start(train_run_context)
+            finally:
+                callback.PlacementGroupCleaner = saved
+
+    classes = {}
+    for cls in (GcsPlacementGroupCleanerCallback, GcsPlacementGroupCleaner):
+        cls.__module__, cls.__qualname__ = __name__, cls.__name__
+        classes[cls.__name__] = cls
+    return classes
+
+
+def _policy_classes() -> dict[str, type] | None:
+    try:
+        from ray.train.v2._internal.execution.scaling_policy import FixedScalingPolicy
+    except ImportError:
+        return None
+
+    class RequestlessFixedScalingPolicy(FixedScalingPolicy):  # the names as read in 2.60
+        _send_resource_request = _maybe_send_resource_request = _cancel_resource_request = (
+            lambda self: None
+        )
+
+    cls = RequestlessFixedScalingPolicy
+    cls.__module__, cls.__qualname__ = __name__, cls.__name__
+    return {cls.__name__: cls}
+
+
+def __getattr__(name: str) -> Any:
+    """The cleaner and policy classes, built when first asked for (by name, by pickle too)."""
+    if name not in (*_CLEANER_NAMES, _POLICY_NAME):
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    classes = _policy_classes() if name == _POLICY_NAME else _cleaner_classes()
+    if classes is None:
+        return None
+    globals().update(classes)
+    return classes[name]
+
+
+def poll_workers_every(seconds: float) -> bool:
+    """In a Ray Train worker: the run's controller polls its workers every ``seconds`` once
+    its current wait is over (fire and forget). Ray 2.60's ``TrainController`` reads
+    ``RAY_TRAIN_HEALTH_CHECK_INTERVAL_S`` once, into ``_health_check_interval_s``; a report is
+    committed at the poll after it, and a worker whose poll carries a report counts as running
+    even when its train function has returned, so a run's end is seen one more whole interval
+    later. The worker's train context holds the controller's handle (``controller_actor``),
+    and Ray's ``__ray_call__`` (a DeveloperAPI) runs a function on the actor instance. Returns
+    whether the call was sent; nothing changes otherwise."""
+    try:
+        from ray.train.v2._internal.execution.context import get_train_context
+
+        controller = get_train_context().controller_actor
+        controller.__ray_call__.remote(_set_poll_interval, seconds)
+    except Exception:  # another Ray Train: the controller keeps its own poll
+        return False
+    return True
+
+
+def _set_poll_interval(controller, seconds: float) -> None:
+    """In the controller's process (:func:`poll_workers_every`)."""
+    if isinstance(getattr(controller, "_health_check_interval_s", None), float):
+        controller._health_check_interval_s = min(controller._health_check_interval_s, seconds)
+
+
+def quiet_train_report_log() -> None:
+    """Ray 2.60 logs every ``ray.train.report`` at INFO through
+    ``logging.getLogger(__file__)`` of its context module, a name outside ``ray.train`` that
+    RunConfig's logging level does not reach."""
+    try:
+        from ray.train.v2._internal.execution import context
+    except ImportError:
+        return
+    logging.getLogger(context.__file__).setLevel(logging.WARNING)
