@@ -556,9 +556,9 @@ def ray_local():
     from raytrain_mnist import compat
     from raytrain_mnist.driver.cluster import LOOPBACK, local_runtime_env, loopback_node
 
-    # On loopback and without a log monitor (no driver reads the workers' output), as fit
-    # starts its own.
-    with loopback_node(), compat.without_log_monitor():
+    # On loopback, without an autoscaler monitor and a log monitor (no driver reads the
+    # workers' output), as fit starts its own.
+    with loopback_node(), compat.without_monitors():
         ray.init(
             address="local",
             num_cpus=3,
@@ -586,10 +586,12 @@ def _two_nodes_cluster():
     with loopback_node():  # every node on 127.0.0.1, listening on nothing else
         cluster = Cluster(
             initialize_head=True,
-            # No driver of it reads its workers' output: no log monitor either.
+            # No autoscaler, and no driver of it reads its workers' output: no monitor
+            # and no log monitor either (compat.without_monitors says why).
             head_node_args={
                 "num_cpus": 0,
                 "include_dashboard": False,
+                "no_monitor": True,
                 "include_log_monitor": False,
             },
         )

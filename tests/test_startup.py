@@ -185,6 +185,8 @@ def test_a_run_on_its_own_ray_starts_no_process_that_serves_nothing(timed_fit):
     titles = timed_fit["titles"]
     assert any("gcs_server" in t for t in titles) and any("raylet" in t for t in titles), titles
     assert not any("log_monitor.py" in t for t in titles), sorted(titles)
+    # Nor an autoscaler monitor: nothing to scale, and Ray's shutdown waited 1 s for it.
+    assert not any("autoscaler/_private/monitor.py" in t for t in titles), sorted(titles)
 
 
 def test_the_ray_that_fit_starts_listens_on_loopback_only(timed_fit):

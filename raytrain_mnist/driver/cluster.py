@@ -312,8 +312,9 @@ def start_local(
         with (
             loopback_node(),
             keeping_sigterm_handler(),
-            # Without log_to_driver nobody reads what the log monitor would publish.
-            contextlib.nullcontext() if log_to_driver else compat.without_log_monitor(),
+            # Nothing to autoscale; without log_to_driver nobody reads what the log monitor
+            # would publish.
+            compat.without_monitors(log_monitor=log_to_driver),
         ):
             ray.init(
                 address="local",  # a new Ray, never one that `ray start` left running
