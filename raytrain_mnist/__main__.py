@@ -11,7 +11,7 @@ import importlib
 import sys
 from collections.abc import Sequence
 
-from raytrain_mnist._cli import Command
+from raytrain_mnist._cli import Command, exit_now
 
 #: name -> what it does (the module is ``raytrain_mnist.<name>``).
 COMMANDS = {
@@ -101,5 +101,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     return load_command(argv[0]).main(argv[1:])
 
 
+def console() -> None:
+    """The ``raytrain-mnist`` console script: :func:`main`, then the process ends with its
+    status (:func:`raytrain_mnist._cli.exit_now`)."""
+    exit_now(main())
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    console()

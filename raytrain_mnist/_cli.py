@@ -243,17 +243,47 @@ def _base_type(hint: Any) -> type:
     return args[0] if args else hint
 
 
+#: The status a command's process exits with, once :func:`exit_now` was given it.
+_EXIT_STATUS: list[int] = []
+
+
+def _last_at_exit() -> None:
+    """This process's last exit handler: it is registered when this module is first imported,
+    before any command runs, so every handler registered later (Ray's shutdown, MLflow's,
+    temporary folders') has run, and Python has joined every non-daemon thread. What is left
+    is CPython's own teardown: a garbage collection that walks every object torch, Ray and
+    pandas made, then each module's freeing, 0.4-0.8 s of a command's exit on these machines
+    even with that collection skipped (benchmarks/README.md). A command process
+    (:func:`exit_now`) skips it: streams flushed, logging shut down (its handler, registered
+    at its import, is the one before this), then ``os._exit``. Any other process (a library
+    import, the test suite's in-process commands) only freezes what exists, so that the last
+    collection skips it (frozen objects are still freed by reference counting)."""
+    gc.freeze()
+    if not _EXIT_STATUS:
+        return
+    for stream in (sys.stdout, sys.stderr):
+        with contextlib.suppress(Exception):  # a reader gone: nothing more to tell it
+            stream.flush()
+    logging.shutdown()
+    os._exit(_EXIT_STATUS[-1])
+
+
+atexit.register(_last_at_exit)
+
+
+def exit_now(status: int) -> typing.NoReturn:
+    """End a command's process with ``status`` (its ``__main__`` and console script call
+    this, never library code): exit handlers and threads as ``sys.exit`` runs them, without
+    CPython's teardown after them (:func:`_last_at_exit`)."""
+    _EXIT_STATUS.append(status)
+    sys.exit(status)
+
+
 def run_cli(main: Callable[[Sequence[str] | None], int], argv: Sequence[str] | None = None) -> int:
     """Run ``main`` and turn the errors a user can cause into one line and an exit status.
 
     While it runs, SIGTERM stops it as Ctrl-C does (:func:`sigterm_is_ctrl_c`); a command
     stopped either way exits 130 after Ctrl-C, 143 after SIGTERM (:func:`interrupted`)."""
-    # At exit, CPython's last garbage collection walks every object that torch, Ray and pandas
-    # made, seconds of each command's exit (benchmarks/README.md). It skips frozen objects,
-    # which are still freed by reference counting (and streams are flushed regardless).
-    # Registered before the command starts Ray (which registers its shutdown), so it runs
-    # after Ray's; only a command process does this, never a library import.
-    atexit.register(gc.freeze)
     prog = "raytrain-mnist"
     with sigterm_is_ctrl_c():
         try:

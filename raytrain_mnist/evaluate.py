@@ -10,7 +10,6 @@ written (``evaluation.json``, ``confusion_matrix.png``, ``misclassified.png``) i
 from __future__ import annotations
 
 import os
-import sys
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -22,6 +21,7 @@ from raytrain_mnist._cli import (
     add_target_argument,
     dataclass_from_args,
     emit_result,
+    exit_now,
     setup_logging,
 )
 from raytrain_mnist.config import DATASET_CHOICES, RunSettings
@@ -153,4 +153,4 @@ cli = COMMAND.main
 
 
 if __name__ == "__main__":
-    sys.exit(COMMAND.main())
+    exit_now(COMMAND.main())

@@ -8,7 +8,6 @@ prepared as the training data is, with that preparation in ``FILE.json`` beside 
 
 from __future__ import annotations
 
-import sys
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -18,6 +17,7 @@ from raytrain_mnist._cli import (
     add_json_arg,
     add_target_argument,
     emit_result,
+    exit_now,
     setup_logging,
 )
 
@@ -75,4 +75,4 @@ cli = COMMAND.main
 
 
 if __name__ == "__main__":
-    sys.exit(COMMAND.main())
+    exit_now(COMMAND.main())

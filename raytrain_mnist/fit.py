@@ -23,6 +23,7 @@ from raytrain_mnist._cli import (
     add_recipe_arg,
     dataclass_from_args,
     emit_result,
+    exit_now,
     interrupted,
     invocation,
     parse_with_recipe,
@@ -150,4 +151,4 @@ cli = COMMAND.main
 
 
 if __name__ == "__main__":
-    sys.exit(COMMAND.main())
+    exit_now(COMMAND.main())

@@ -19,6 +19,7 @@ from raytrain_mnist._cli import (
     add_json_arg,
     add_target_argument,
     emit_result,
+    exit_now,
     printable,
 )
 from raytrain_mnist.errors import EXIT_FAILURE
@@ -92,4 +93,4 @@ cli = COMMAND.main
 
 
 if __name__ == "__main__":
-    sys.exit(COMMAND.main())
+    exit_now(COMMAND.main())

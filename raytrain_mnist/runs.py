@@ -22,6 +22,7 @@ from raytrain_mnist._cli import (
     add_json_arg,
     command_line,
     emit_result,
+    exit_now,
     invocation,
     printable,
 )
@@ -259,4 +260,4 @@ cli = COMMAND.main
 
 
 if __name__ == "__main__":
-    sys.exit(COMMAND.main())
+    exit_now(COMMAND.main())

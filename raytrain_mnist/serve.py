@@ -18,7 +18,6 @@ import contextlib
 import logging
 import os
 import signal
-import sys
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 
@@ -28,6 +27,7 @@ from raytrain_mnist._cli import (
     add_dataclass_args,
     add_target_argument,
     dataclass_from_args,
+    exit_now,
     on_sigterm,
     setup_logging,
     terminated,
@@ -211,4 +211,4 @@ cli = COMMAND.main
 
 
 if __name__ == "__main__":
-    sys.exit(COMMAND.main())
+    exit_now(COMMAND.main())

@@ -15,7 +15,7 @@ import sys
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from raytrain_mnist._cli import ArgumentParser, Command, emit_result, printable
+from raytrain_mnist._cli import ArgumentParser, Command, emit_result, exit_now, printable
 from raytrain_mnist.driver import jobs
 from raytrain_mnist.errors import EXIT_FAILURE, EXIT_INTERRUPTED, EXIT_USAGE, UserError
 from raytrain_mnist.serving.settings import TOKEN_ENV
@@ -313,4 +313,4 @@ cli = COMMAND.main
 
 
 if __name__ == "__main__":
-    sys.exit(COMMAND.main())
+    exit_now(COMMAND.main())

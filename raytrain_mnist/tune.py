@@ -24,6 +24,7 @@ from raytrain_mnist._cli import (
     command_line,
     dataclass_from_args,
     emit_result,
+    exit_now,
     interrupted,
     invocation,
     parse_with_recipe,
@@ -212,4 +213,4 @@ cli = COMMAND.main
 
 
 if __name__ == "__main__":
-    sys.exit(COMMAND.main())
+    exit_now(COMMAND.main())

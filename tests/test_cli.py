@@ -175,6 +175,44 @@ def test_console_script_dispatches(tmp_path):
     assert result.returncode == 2 and "unknown command 'nonsense'" in result.stderr
 
 
+def test_a_command_process_ends_with_its_status_after_every_exit_handler(tmp_path):
+    """``exit_now`` (every command's ``__main__`` and the console script) skips CPython's
+    teardown (a speed: benchmarks/README.md), and nothing else: the status as given, every
+    exit handler registered after the import (Ray's shutdown, temporary folders'), piped
+    output whole, logging flushed."""
+    import subprocess
+    import sys
+    import textwrap
+    from pathlib import Path
+
+    script = textwrap.dedent(
+        f"""
+        import atexit, logging, sys, tempfile
+        from pathlib import Path
+        from raytrain_mnist._cli import exit_now
+
+        marks = Path({str(tmp_path)!r})
+        folder = tempfile.TemporaryDirectory(dir=marks)
+        (marks / "folder").write_text(folder.name)
+        atexit.register(lambda: (marks / "handler").write_text("ran"))
+        logging.basicConfig(filename=marks / "log", level=logging.INFO)
+        logging.getLogger("x").info("logged")
+        sys.stdout.write("x" * 1_000_000 + "\\n")
+        exit_now(int(sys.argv[1]))
+        """
+    )
+    for status in (0, 3, 130):
+        result = subprocess.run(
+            [sys.executable, "-c", script, str(status)], capture_output=True, text=True, timeout=120
+        )
+        assert result.returncode == status, result.stderr
+        assert result.stdout == "x" * 1_000_000 + "\n"
+        assert (tmp_path / "handler").read_text() == "ran"
+        assert not Path((tmp_path / "folder").read_text()).exists()
+        assert "logged" in (tmp_path / "log").read_text()
+        (tmp_path / "handler").unlink()
+
+
 def _tree(root) -> dict:
     """Every file under ``root`` with its bytes: to prove a refused command changed nothing."""
     from pathlib import Path
