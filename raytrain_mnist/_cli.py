@@ -93,6 +93,20 @@ class ArgumentParser(argparse.ArgumentParser):
         kwargs.setdefault("allow_abbrev", False)
         super().__init__(*args, **kwargs)
 
+    def parse_known_args(self, args=None, namespace=None):
+        """argparse's, but ``--flag=--`` is refused as the flag without its value. Python
+        3.11's argparse drops a ``--`` that is a flag's whole value and then stores an empty
+        list for a flag that takes one string (3.12 keeps the ``--``); no flag of ours takes
+        ``--``, so it is refused the same way on every Python."""
+        words = list(sys.argv[1:] if args is None else args)
+        for word in words:
+            if word == "--":  # the words after it are not flags
+                break
+            flag, equals, value = word.partition("=")
+            if equals and value == "--" and flag in self._option_string_actions:
+                self.error(f"argument {flag}: expected one argument")
+        return super().parse_known_args(words, namespace)
+
     def error(self, message: str) -> typing.NoReturn:
         # The message quotes the user's words: one line, whatever they hold.
         self.exit(

@@ -377,6 +377,11 @@ def test_corrupt_run_file(tmp_path):
         (["tune", "--range", "seed=0,18446744073709551616"], "--seed must be at most"),
         (["tune", "--range", "momentum=0.5:1"], "--momentum must be in [0, 1)"),
         (["evaluate", "nowhere", "--num-workers", "0"], "--num-workers must be a count >= 1"),
+        # Python 3.11's argparse made each of these a list (Hypothesis found them)
+        (["tune", "--range=--"], "argument --range: expected one argument"),
+        (["tune", "--address=--"], "argument --address: expected one argument"),
+        (["fit", "--recipe=--"], "argument --recipe: expected one argument"),
+        (["evaluate", "nowhere", "--set=--"], "unrecognized arguments: --set=--"),
     ],
 )
 def test_bad_flags_of_the_other_commands_before_ray_starts(tmp_path, args, fragment):
