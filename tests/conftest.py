@@ -49,6 +49,13 @@ REPO = Path(__file__).resolve().parents[1]
 MARKER_VAR = "RAYTRAIN_MNIST_TEST_CLUSTER"
 
 
+def imported(_actor, module: str) -> bool:
+    """Whether an actor's process has imported ``module``: ``actor.__ray_call__.remote(
+    imported, name)`` (a function here, so that the actor imports this module, not the
+    test's)."""
+    return module in sys.modules
+
+
 def wait_for(predicate, what: str, timeout: float = 120, interval: float = 0.2):
     """``predicate()``'s first answer that is not None, polled; AssertionError naming
     ``what`` after ``timeout`` seconds."""

@@ -159,3 +159,39 @@ def test_fit_on_a_terminal_redraws_a_bar_during_an_epoch(fitted, tmp_path, monke
     during = text[: text.index("epoch   1/2  train_loss")]
     assert re.search("\r[^\n]", during) and "img/s" in during, during[-2000:]
     assert "first step" in during
+
+
+class _Controller:
+    """Stands in for the Train controller: it announces itself as the controller's callback
+    does, and records the abort that stops the run."""
+
+    def __init__(self, channel) -> None:
+        from raytrain_mnist.driver.monitor import announce_controller
+
+        announce_controller(channel)
+        self.aborted = False
+
+    def abort(self) -> None:
+        self.aborted = True
+
+    def was_aborted(self) -> bool:
+        return self.aborted
+
+
+def test_a_stop_reaches_the_controller_through_a_channel_that_never_imports_its_class(
+    ray_local,
+):
+    """The channel keeps the controller's handle pickled: unpickling it would import the
+    class's module in the channel's process (for the real controller, Ray Train, pandas and
+    Ray Data: seconds of CPU in every run). The driver unpickles it and aborts the run."""
+    from raytrain_mnist.driver.monitor import abort_run, start_channel
+    from tests.conftest import imported
+
+    ray = ray_local
+    channel = start_channel()
+    controller = ray.remote(num_cpus=0)(_Controller).remote(channel)
+    abort_run(channel, is_running=lambda: True)
+    assert ray.get(controller.was_aborted.remote(), timeout=60)
+    assert not ray.get(channel.__ray_call__.remote(imported, __name__), timeout=60)
+    ray.kill(controller)
+    ray.kill(channel)

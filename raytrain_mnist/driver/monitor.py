@@ -31,6 +31,7 @@ them at most one message's transit (milliseconds on a LAN) late and never early.
 from __future__ import annotations
 
 import logging
+import pickle
 import threading
 import time
 from collections.abc import Callable
@@ -66,10 +67,13 @@ class RunChannel:
         item["received"] = time.time()  # the driver's node's clock: the timeline's offsets
         self.items.append(item)
 
-    def set_controller(self, handle: list) -> None:
-        self.controller = handle[0]
+    def set_controller(self, pickled: bytes) -> None:
+        # Kept pickled: unpickling an actor's handle imports its class's module, and the
+        # controller's is Ray Train's whole package (pandas and Ray Data included): seconds
+        # of CPU in this process, for a handle only the driver ever calls.
+        self.controller = pickled
 
-    def get_controller(self):
+    def get_controller(self) -> bytes | None:
         return self.controller
 
     def drain(self, acknowledged: int = 0) -> tuple[int, list[dict]]:
@@ -103,7 +107,6 @@ def start_channel():
 def controller_callbacks(channel) -> list:
     """Controller-side callbacks feeding ``channel``: they fire and forget, the controller
     never waits on the driver."""
-    import ray
     from ray.train import UserCallback
 
     def moment(name: str, **item) -> None:
@@ -129,8 +132,7 @@ def controller_callbacks(channel) -> list:
         class ControllerFeed(ControllerCallback):
             def after_controller_start(self, train_run_context):
                 moment("controller_started")
-                # In a list: a bare handle passed to a task is not the same as one sent as data.
-                channel.set_controller.remote([ray.get_runtime_context().current_actor])
+                announce_controller(channel)
 
             def after_controller_state_update(self, previous_state, current_state):
                 moment("state", to=type(current_state).__name__)
@@ -153,19 +155,28 @@ def controller_callbacks(channel) -> list:
     return callbacks
 
 
+def announce_controller(channel) -> None:
+    """Put the calling actor's handle (the Train controller's) in ``channel``, pickled: the
+    channel keeps it as bytes, which :func:`abort_run` unpickles on the driver."""
+    import ray
+
+    channel.set_controller.remote(pickle.dumps(ray.get_runtime_context().current_actor))
+
+
 def abort_run(channel, is_running: Callable[[], bool]) -> None:
     """Stop the run ``channel`` serves by aborting its controller, as Ray's own SIGINT
     handler would: its workers stop, the committed checkpoints stay. Interrupted while the
     controller was starting, wait for it to announce itself (while ``is_running()``)."""
     import ray
 
-    controller = None
+    pickled = None
     for _ in range(60):
-        controller = ray.get(channel.get_controller.remote(), timeout=30)
-        if controller is not None or not is_running():
+        pickled = ray.get(channel.get_controller.remote(), timeout=30)
+        if pickled is not None or not is_running():
             break
         time.sleep(0.5)
-    if controller is not None:
+    if pickled is not None:
+        controller = pickle.loads(pickled)  # a handle pickled out of band, as Ray allows
         try:
             ray.get(controller.abort.remote(), timeout=60)
         except ray.exceptions.RayActorError:
