@@ -116,16 +116,21 @@ def _args(cluster, tiny_mnist, storage, name: str, train, *extra: str) -> list[s
     ]  # fmt: skip
 
 
+def _notice(epoch_s: float) -> float:
+    """A notice given after the second of 8 epochs, which took ``epoch_s``: one and a half
+    epochs' time (at least 3 s), so that the final checkpoint comes while the tiny run still
+    trains. Its six epochs left would have to run four times faster to end first. Three
+    epochs' time once let a run whose first epochs a busy machine had slowed finish before
+    the deadline (a fit, and a Tune trial with one core kept busy): no final checkpoint."""
+    return max(3.0, 1.5 * epoch_s)
+
+
 def _short_notice(run: _Fit) -> float:
-    """Once the run printed its second epoch: one and a half of its epochs' time (at least
-    3 s), a notice whose final checkpoint comes while the tiny run still trains. Its six
-    epochs left would have to run four times faster to end first (three times the second
-    epoch's time once let a run whose first epochs a busy machine had slowed finish before
-    the deadline)."""
+    """:func:`_notice`, timed on the epochs the run prints."""
     run.until("epoch   1/8")
     began = time.monotonic()
     run.until("epoch   2/8")
-    return max(3.0, 1.5 * (time.monotonic() - began))
+    return _notice(time.monotonic() - began)
 
 
 def _drain(cluster, node_id: str, reason: str, deadline_s: float | None = None) -> tuple[bool, str]:
@@ -189,8 +194,8 @@ def test_a_preempted_node_costs_at_most_a_step_and_the_run_ends_as_a_calm_one(
     the weights of ``fitted``, bit for bit.
 
     The notice is short, so that the final checkpoint comes while the tiny run still
-    trains however fast this machine is: three epochs' time (at least 3 s; ranks check every
-    0.1 s of training here, Ray's watcher polls every 0.25 s). Once rank 0 holds at the final
+    trains however fast this machine is (:func:`_notice`; ranks check every 0.1 s of
+    training here, Ray's watcher polls every 0.25 s). Once rank 0 holds at the final
     checkpoint, nothing more happens until the node goes: the rest waits on events."""
     cluster, nodes = two_nodes
     train, calm = fitted["cfg"].train, fitted["summary"]
@@ -263,7 +268,7 @@ def test_a_tune_trial_on_a_preempted_node_resumes_from_its_just_in_time_checkpoi
         search.wait_for(lambda: _reached(run_dir, 1), "the trial's first epoch", timeout=300)
         began = time.monotonic()
         search.wait_for(lambda: _reached(run_dir, 2), "the trial's second epoch")
-        notice_s = max(3.0, 3 * (time.monotonic() - began))
+        notice_s = _notice(time.monotonic() - began)
         node = _ranks_by_node(run_dir)[1]
         accepted, rejection = _drain(cluster, node, "DRAIN_NODE_REASON_PREEMPTION", notice_s)
         assert accepted, rejection
