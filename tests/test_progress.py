@@ -2,7 +2,8 @@
 
 The renderer is tested on its own (no Ray), fed the library's events; one in-process fit,
 shown as the command shows it, writes to a pseudo-terminal on the shared local Ray, and the
-piped case is the shared ``fitted`` run.
+piped case is the shared ``fitted`` run. The channel that carries the stream is tested for
+the one thing the driver asks of it besides progress: the controller's handle, for Ctrl-C.
 """
 
 from __future__ import annotations
@@ -190,8 +191,10 @@ def test_a_stop_reaches_the_controller_through_a_channel_that_never_imports_its_
     ray = ray_local
     channel = start_channel()
     controller = ray.remote(num_cpus=0)(_Controller).remote(channel)
-    abort_run(channel, is_running=lambda: True)
-    assert ray.get(controller.was_aborted.remote(), timeout=60)
-    assert not ray.get(channel.__ray_call__.remote(imported, __name__), timeout=60)
-    ray.kill(controller)
-    ray.kill(channel)
+    try:
+        abort_run(channel, is_running=lambda: True)
+        assert ray.get(controller.was_aborted.remote(), timeout=60)
+        assert not ray.get(channel.__ray_call__.remote(imported, __name__), timeout=60)
+    finally:  # the shared Ray outlives this test
+        ray.kill(controller)
+        ray.kill(channel)

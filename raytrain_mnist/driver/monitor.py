@@ -5,8 +5,8 @@ Three pieces, one per process that takes part:
 * :class:`RunChannel`, a small actor on the driver's node. Rank 0's
   :class:`~raytrain_mnist.worker.feed.ProgressFeed` puts its stream there (``ready``,
   ``first_step``, ``step``), the Train controller puts each committed epoch and its own
-  handle, pickled (to abort the run on Ctrl-C). Nothing waits on the driver: every put is fire and
-  forget.
+  handle, pickled (to abort the run on Ctrl-C). Nothing waits on the driver: every put is
+  fire and forget.
 * :func:`controller_callbacks`, the callbacks that run on the Train controller and feed it.
 * :class:`RunMonitor`, a thread in the driver that drains the channel a few times a second
   and turns what arrives into :mod:`~raytrain_mnist.driver.events` for a sink. It also
