@@ -84,6 +84,18 @@ def test_token_authentication_reaches_every_node(config):
         assert starts and all("RAY_AUTH_MODE=token" in c for c in starts), key
 
 
+def test_the_head_serves_ray_client_with_grpc_fork_handlers_off(config):
+    """Ray Client's proxy forks each driver's server while its gRPC threads run; with gRPC's
+    fork handlers on, that server now and then dies as it starts (ray-project/ray#63202)."""
+    from raytrain_mnist.driver.cluster import CLIENT_HEAD_ENV
+
+    (head_start,) = [c for c in config["head_start_ray_commands"] if "ray start" in c]
+    exported = head_start.split(";")[0]
+    assert exported.startswith("export ")
+    for key, value in CLIENT_HEAD_ENV.items():
+        assert f" {key}={value}" in exported, head_start
+
+
 def test_no_port_open_to_the_world(config):
     # Ray's default security group opens SSH to 0.0.0.0/0; ours are given explicitly.
     for name, node_type in config["available_node_types"].items():

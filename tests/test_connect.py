@@ -30,6 +30,8 @@ from pathlib import Path
 
 import pytest
 
+from raytrain_mnist.driver.cluster import CLIENT_HEAD_ENV
+
 from .conftest import (
     MARKER_VAR,
     REPO,
@@ -79,7 +81,7 @@ class Head:
         self.port, self.client_port = free_ports(2)
         #: A process of this machine's user: this head's temp folder and marker, no token.
         self.user_env = _clean_env(**{MARKER_VAR: marker, "RAY_TMPDIR": str(self.tmp)})
-        self.env = {**self.user_env, **env}
+        self.env = {**self.user_env, **CLIENT_HEAD_ENV, **env}  # as docs/cluster.md says
         self.args = [
             f"--port={self.port}",
             f"--ray-client-server-port={self.client_port}",
@@ -128,6 +130,15 @@ class Head:
         return done, json.loads(lines[-1])
 
 
+#: sitecustomize.py for the single-node head's processes: every Ray Client server (a
+#: driver's own, which the proxy starts) exits as it starts.
+_DYING_SERVER = """\
+import os, sys
+if "--mode=specific-server" in sys.argv:
+    os._exit(1)
+"""
+
+
 @pytest.fixture(scope="module")
 def heads():
     """The three heads, one after the other (each takes seconds of CPU), each with its own
@@ -137,7 +148,18 @@ def heads():
     # A token on this machine (~/.ray/auth_token, written by any local ray.init) turns a
     # plain `ray start --head` into a token head: the plain ones opt out, as a user can.
     off = {"RAY_AUTH_MODE": "disabled"}
-    single = {**off, "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0"}
+    # The single-node head serves no ray:// driver but the one whose server dies as it starts,
+    # as the gRPC fork bug kills them now and then (test_a_ray_client_server_that_dies_...):
+    # every one of its servers dies, and its proxy waits 1 s, not 30, for one to answer.
+    site = root / "site"
+    site.mkdir()
+    (site / "sitecustomize.py").write_text(_DYING_SERVER)
+    single = {
+        **off,
+        "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0",
+        "RAY_CLIENT_SERVER_CHECK_CHANNEL_TIMEOUT_S": "1",
+        "PYTHONPATH": os.pathsep.join(filter(None, [str(site), os.environ.get("PYTHONPATH")])),
+    }
     token = {"RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": TOKEN}
     try:
         yield {
@@ -179,6 +201,22 @@ def test_a_plain_head_is_reached_by_every_name(heads, form):
         "ray://": f"ray://127.0.0.1:{head.client_port}",
     }[form]
     _connects(head, address)
+
+
+def test_a_ray_client_server_that_dies_twice_is_one_line_naming_the_fix(heads):
+    """Ray Client's proxy starts a server per driver, which a gRPC fork bug of Ray's kills
+    now and then as it starts (ray-project/ray#63202): a driver tries once more, and when
+    that one dies too, says so and how to start the head, in one line."""
+    head = heads["single"]
+    # After a failed start the proxy keeps the driver's stream open for the driver's reconnect
+    # grace period (30 s by default), each try: 1 s here.
+    done, seen = head.driver(
+        f"ray://127.0.0.1:{head.client_port}", RAY_CLIENT_RECONNECT_GRACE_PERIOD="1"
+    )
+    assert done.returncode == 1 and "error" in seen, (done.stdout, done.stderr[-3000:])
+    assert "ray-project/ray#63202" in seen["error"], seen
+    assert "GRPC_ENABLE_FORK_SUPPORT=0" in seen["error"], seen
+    assert "did not start" in done.stderr and "again" in done.stderr  # the second try
 
 
 def test_ray_address_names_the_cluster_when_no_flag_does(heads):

@@ -226,6 +226,18 @@ def test_token_auth_is_the_operators_with_one_secret(kind):
 
 
 @pytest.mark.parametrize("kind", MANIFESTS)
+def test_a_head_that_serves_ray_client_has_grpc_fork_handlers_off(kind):
+    """Its Ray Client proxy forks each driver's server while its gRPC threads run; with
+    gRPC's fork handlers on, that server now and then dies as it starts (ray-project/ray#63202)."""
+    from raytrain_mnist.driver.cluster import CLIENT_HEAD_ENV
+
+    [head] = pod_specs(cluster_spec(kind))["head"]["containers"]
+    assert 10001 in {port["containerPort"] for port in head["ports"]}
+    env = {e["name"]: e.get("value") for e in head.get("env") or []}
+    assert CLIENT_HEAD_ENV.items() <= env.items(), env
+
+
+@pytest.mark.parametrize("kind", MANIFESTS)
 def test_head_hosts_no_training_worker_nor_replica_and_is_not_exposed(kind):
     spec = cluster_spec(kind)
     head = spec["headGroupSpec"]

@@ -28,6 +28,8 @@ from pathlib import Path
 
 import pytest
 
+from raytrain_mnist.driver.cluster import CLIENT_HEAD_ENV
+
 from .conftest import MARKER_VAR, REPO, client_server_logs, kill_marked, write_tiny_mnist
 
 RAY = str(Path(sys.executable).with_name("ray"))
@@ -218,6 +220,7 @@ def test_a_head_off_loopback_is_reached_by_its_address_loopback_and_ray_client(t
             "--disable-usage-stats",
             '--resources={"head_netns": 1}',
             RAY_AUTH_MODE="disabled",
+            **CLIENT_HEAD_ENV,  # as docs/cluster.md says
         )
         assert started.returncode == 0, started.stdout[-3000:] + started.stderr[-3000:]
         seen = {}

@@ -150,21 +150,39 @@ def _connect_to(address: str) -> None:
                 )
             return
         except (ConnectionError, RuntimeError, ValueError) as exc:
-            if attempt == 0 and any(sign in str(exc) for sign in _RAY_CLIENT_SERVER_DIED):
+            server_died = any(sign in str(exc) for sign in _RAY_CLIENT_SERVER_DIED)
+            if attempt == 0 and server_died:
                 # The head's Ray Client proxy starts one server per client; now and then
-                # that server exits as it starts, saying nothing, or starting it fails
-                # inside the proxy. A new client gets a new one.
+                # that server dies as it starts, saying nothing (below), or starting it
+                # fails inside the proxy. A new client gets a new one.
                 logger.warning(
                     "Ray Client's server for this driver did not start (%s); again", _why(exc)
                 )
                 continue
-            why = _why(exc)
+            why = _why(exc) + (_CLIENT_SERVER_FIX if server_died else "")
             raise UserError(f"cannot connect to the Ray cluster at {address}: {why}") from exc
 
 
 #: What Ray Client's proxy answers when the server it started for a client exited at once,
-#: or when starting it failed (the traceback of its ``start_specific_server``).
-_RAY_CLIENT_SERVER_DIED = ("Starting Ray client server failed", "in start_specific_server")
+#: when starting it failed (the traceback of its ``start_specific_server``), or when the
+#: server never answered (it died after its start was seen: the proxy waits 30 s for it).
+_RAY_CLIENT_SERVER_DIED = (
+    "Starting Ray client server failed",
+    "in start_specific_server",
+    "Proxy failed to Connect to backend",
+)
+#: Why it dies: the proxy forks the server from a process whose gRPC threads are running,
+#: and gRPC's fork handlers crash the child (ray-project/ray#63202). A head started with
+#: them off (cluster.yaml's, the Kubernetes manifests', the suite's) does not meet it
+#: (benchmarks/results/connect.md).
+CLIENT_HEAD_ENV = {"GRPC_ENABLE_FORK_SUPPORT": "0"}
+_CLIENT_SERVER_FIX = (
+    "; Ray Client's server for this driver failed to start, twice (where the head runs "
+    "gRPC's fork handlers, a Ray bug kills it as it starts: ray-project/ray#63202): start "
+    "the head with "
+    + " ".join(f"{key}={value}" for key, value in CLIENT_HEAD_ENV.items())
+    + " in its environment, or use `raytrain-mnist submit`"
+)
 
 
 def _check_a_node_here(head: _Head, address: str) -> None:
