@@ -349,9 +349,10 @@ HEAD_MARKER = "RAYTRAIN_BENCH_WARM_HEAD"
 
 
 @contextlib.contextmanager
-def warm_head(args, env: dict, preload: bool = False):
+def warm_head(args, env: dict, preload: bool = False, gpus: int = 0):
     """A ``ray start --head`` as a user starts one (no dashboard: fit needs none), sized
-    like fit's own Ray (with ``preload``: :data:`PRELOAD_HEAD_ENV`); yields
+    like fit's own Ray (``args.cores`` CPUs, ``gpus`` GPUs; with ``preload``:
+    :data:`PRELOAD_HEAD_ENV`); yields
     ``127.0.0.1:PORT``. Stopped by its marker afterwards (never
     ``ray stop``: that stops every Ray on the machine)."""
     import shutil
@@ -362,7 +363,8 @@ def warm_head(args, env: dict, preload: bool = False):
     head_env = {**env, HEAD_MARKER: marker, "RAY_TMPDIR": str(tmp)}
     if preload:
         head_env.update(PRELOAD_HEAD_ENV)
-    ray = str(Path(sys.executable).with_name("ray"))
+    # Ray's CLI through this Python: a bundle installed with pip --target has no `ray` script.
+    ray = [sys.executable, "-m", "ray.scripts.scripts"]
 
     def stop() -> None:
         needle = f"{HEAD_MARKER}={marker}".encode()
@@ -377,8 +379,8 @@ def warm_head(args, env: dict, preload: bool = False):
                 probe.bind(("127.0.0.1", 0))
                 port = probe.getsockname()[1]
             started = subprocess.run(
-                [ray, "start", "--head", f"--port={port}", f"--num-cpus={args.cores}"]
-                + ["--num-gpus=0", "--include-dashboard=false", "--disable-usage-stats"],
+                [*ray, "start", "--head", f"--port={port}", f"--num-cpus={args.cores}"]
+                + [f"--num-gpus={gpus}", "--include-dashboard=false", "--disable-usage-stats"],
                 env=head_env,
                 capture_output=True,
                 text=True,

@@ -501,10 +501,28 @@ def _no_ray_left(item) -> None:
     ray = sys.modules.get("ray")
     if _AUTO_INITS:
         raise AssertionError("a Ray call without a Ray, refused: " + _AUTO_INITS.pop())
-    if ray is None or "ray_local" in _STOP_AFTER_LAST_USER or not ray.is_initialized():
+    if ray is None or "ray_local" in _STOP_AFTER_LAST_USER or _KEPT_RAYS:
+        return
+    if not ray.is_initialized():
         return
     ray.shutdown()
     raise AssertionError(f"{item.nodeid} left this process connected to a Ray")
+
+
+#: In-process Rays that a module's fixture keeps between its tests (:func:`kept_ray`).
+_KEPT_RAYS: set[str] = set()
+
+
+@contextlib.contextmanager
+def kept_ray(name: str):
+    """Marks the Ray a module-scoped fixture connects (e.g. tests/test_gpu.py's, with the
+    GPU that ``ray_local`` does not offer) as kept on purpose between the module's tests:
+    the teardown check above lets it be until the fixture ends."""
+    _KEPT_RAYS.add(name)
+    try:
+        yield
+    finally:
+        _KEPT_RAYS.discard(name)
 
 
 #: What called Ray in this process while no Ray was connected (Ray would start one).

@@ -150,9 +150,14 @@ def gpu_ray():
     """One local Ray for every fit below (each would otherwise start its own)."""
     import ray
 
-    ray.init(address="local", include_dashboard=False, logging_level="WARNING", log_to_driver=False)
-    yield ray
-    ray.shutdown()
+    from tests.conftest import kept_ray
+
+    with kept_ray("gpu_ray"):
+        ray.init(
+            address="local", include_dashboard=False, logging_level="WARNING", log_to_driver=False
+        )
+        yield ray
+        ray.shutdown()
 
 
 def _fit(tmp_path_factory, name: str, epochs: int = 2, **settings) -> dict:
