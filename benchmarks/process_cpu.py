@@ -8,6 +8,12 @@ process that carries the marker is sampled from /proc four times a second; a pro
 is its last sample (user + system), summed by kind (the actor's name, as Ray sets the
 process title, or the program). Processes that live less than a sample are missed, so the
 total is a floor. Linux only.
+
+``--threads KIND`` also splits that kind's CPU by thread name (``/proc/PID/task``, digits
+as N): whether the seconds of Ray Train's workers are the training loop's own (the main
+thread) or Ray's threads beside it (gRPC, the core worker's io threads) or Gloo's.
+
+    python -m benchmarks.process_cpu --threads ray::RayTrainWorker -- raytrain-mnist fit
 """
 
 from __future__ import annotations
@@ -16,6 +22,7 @@ import argparse
 import collections
 import json
 import os
+import re
 import subprocess
 import sys
 import time
@@ -37,35 +44,56 @@ def _kind(cmdline: list[bytes]) -> str:
     return os.path.basename(scripts[0] if scripts else words[0])
 
 
-def _sample(marker: bytes, seen: dict[int, tuple[str, float]]) -> None:
+def _cpu(stat: str) -> float:
+    fields = stat.rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / _TICK
+
+
+def _read(path: str, mode: str = "r"):
+    with open(path, mode) as f:
+        return f.read()
+
+
+def _sample(marker: bytes, seen: dict, threads_of: frozenset = frozenset(), by_thread=None):
     for entry in os.listdir("/proc"):
         if not entry.isdigit():
             continue
         try:
-            with open(f"/proc/{entry}/environ", "rb") as f:
-                if marker not in f.read():
-                    continue
-            with open(f"/proc/{entry}/stat") as f:
-                fields = f.read().rsplit(")", 1)[1].split()
-            with open(f"/proc/{entry}/cmdline", "rb") as f:
-                cmdline = f.read().split(b"\0")
+            if marker not in _read(f"/proc/{entry}/environ", "rb"):
+                continue
+            cpu = _cpu(_read(f"/proc/{entry}/stat"))
+            kind = _kind(_read(f"/proc/{entry}/cmdline", "rb").split(b"\0"))
         except OSError:
             continue
-        cpu = (int(fields[11]) + int(fields[12])) / _TICK
         pid = int(entry)
-        seen[pid] = (_kind(cmdline), max(cpu, seen.get(pid, ("", 0.0))[1]))
+        seen[pid] = (kind, max(cpu, seen.get(pid, ("", 0.0))[1]))
+        if kind not in threads_of:
+            continue
+        try:
+            tasks = os.listdir(f"/proc/{entry}/task")
+        except OSError:
+            continue
+        for tid in tasks:
+            try:
+                name = _read(f"/proc/{entry}/task/{tid}/comm").strip()
+                cpu = _cpu(_read(f"/proc/{entry}/task/{tid}/stat"))
+            except OSError:
+                continue
+            by_thread[(pid, int(tid))] = (kind, re.sub(r"[0-9]+", "N", name), cpu)
 
 
-def measure(command: list[str]) -> dict:
-    """Run ``command``; its wall, exit status and CPU seconds by process kind."""
+def measure(command: list[str], threads_of: tuple[str, ...] = ()) -> dict:
+    """Run ``command``; its wall, exit status and CPU seconds by process kind (and, for the
+    kinds in ``threads_of``, by thread name)."""
     marker = uuid.uuid4().hex
     env = {**os.environ, _MARKER_VAR: marker}
     seen: dict[int, tuple[str, float]] = {}
+    by_thread: dict[tuple[int, int], tuple[str, str, float]] = {}
     started = time.monotonic()
     proc = subprocess.Popen(command, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
     needle = f"{_MARKER_VAR}={marker}".encode()
     while proc.poll() is None:
-        _sample(needle, seen)
+        _sample(needle, seen, frozenset(threads_of), by_thread)
         time.sleep(0.25)
     wall = time.monotonic() - started
     by_kind: dict[str, float] = collections.defaultdict(float)
@@ -73,6 +101,9 @@ def measure(command: list[str]) -> dict:
     for kind, cpu in seen.values():
         by_kind[kind] += cpu
         count[kind] += 1
+    threads: dict[str, dict[str, float]] = {k: collections.defaultdict(float) for k in threads_of}
+    for kind, name, cpu in by_thread.values():
+        threads[kind][name] += cpu
     kinds = sorted(by_kind, key=lambda k: -by_kind[k])
     return {
         "command": command,
@@ -82,6 +113,10 @@ def measure(command: list[str]) -> dict:
         "cpu_s": round(sum(by_kind.values()), 2),
         "processes": sum(count.values()),
         "by_kind": {k: {"cpu_s": round(by_kind[k], 2), "processes": count[k]} for k in kinds},
+        "threads": {
+            kind: {n: round(c, 2) for n, c in sorted(names.items(), key=lambda i: -i[1])}
+            for kind, names in threads.items()
+        },
         "load_average": os.getloadavg(),
     }
 
@@ -89,15 +124,25 @@ def measure(command: list[str]) -> dict:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", help="also write the result as JSON to this file")
+    parser.add_argument(
+        "--threads",
+        action="append",
+        default=[],
+        metavar="KIND",
+        help="also split this process kind's CPU by thread name (repeatable)",
+    )
     parser.add_argument("command", nargs=argparse.REMAINDER, help="the command, after --")
     args = parser.parse_args(argv)
     command = args.command[1:] if args.command[:1] == ["--"] else args.command
     if not command:
         parser.error("give the command to measure after --")
-    result = measure(command)
+    result = measure(command, tuple(args.threads))
     print(f"wall {result['wall_s']:.1f} s, cpu {result['cpu_s']:.1f} s, rc {result['returncode']}")
     for kind, item in result["by_kind"].items():
         print(f"  {item['cpu_s']:6.2f} s  x{item['processes']:<2d} {kind}")
+        for name, cpu in result["threads"].get(kind, {}).items():
+            if cpu >= 0.01:
+                print(f"      {cpu:6.2f} s  thread {name}")
     if args.out:
         with open(args.out, "w") as f:
             json.dump(result, f, indent=2)
