@@ -275,6 +275,7 @@ def main(argv=None) -> int:
         "RAY_AUTH_MODE": os.environ.get("RAY_AUTH_MODE", "disabled"),
         "PYTHONUNBUFFERED": "1",
     }
+    about = machine_and_settings(args)
     variants: dict[str, dict] = {}
     seed_rows: list[dict] = []
     names = [v for v in args.variants.split(",") if v]
@@ -302,22 +303,21 @@ def main(argv=None) -> int:
                 else:
                     variants[name] = row
                 # After every run: a check cut short by its time limit keeps what it measured.
-                write_results(args, variants, seed_rows)
-    checks = write_results(args, variants, seed_rows, show=True)
+                write_results(args, about, variants, seed_rows)
+    checks = write_results(args, about, variants, seed_rows, show=True)
     return 0 if all(v == "pass" for v in checks.values()) else 1
 
 
-def write_results(args, variants: dict, seed_rows: list[dict], show: bool = False) -> dict:
-    """gpu.json and gpu.md from what has run so far; returns the checks."""
-    seeds = seed_summary(seed_rows) if seed_rows else None
-    checks, notes = checks_from(variants, args.junit, seeds)
+def machine_and_settings(args) -> dict:
+    """What every result file of this run starts with: the machine, the versions, the
+    settings (looked up once: they do not change between the runs)."""
+    import torch
+
     try:
         ray_version = metadata.version("ray")
     except metadata.PackageNotFoundError:
         ray_version = None
-    import torch
-
-    result = {
+    return {
         "device": device_name(),
         "torch": torch.__version__,
         "ray": ray_version,
@@ -329,18 +329,30 @@ def write_results(args, variants: dict, seed_rows: list[dict], show: bool = Fals
             "seeds": args.seeds,
             "cpu_dry_run": args.cpu_dry_run,
         },
+    }
+
+
+def write_results(
+    args, about: dict, variants: dict, seed_rows: list[dict], show: bool = False
+) -> dict:
+    """gpu.json and gpu.md from what has run so far; returns the checks."""
+    seeds = seed_summary(seed_rows) if seed_rows else None
+    checks, notes = checks_from(variants, args.junit, seeds)
+    result = {
+        **about,
         "variants": variants,
         "seeds": seeds,
         "seed_runs": seed_rows,
         "checks": checks,
         "notes": notes,
     }
+    markdown = render_markdown(result)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / "gpu.json").write_text(json.dumps(result, indent=2))
-    (out / "gpu.md").write_text(render_markdown(result))
+    (out / "gpu.md").write_text(markdown)
     if show:
-        print(render_markdown(result), flush=True)
+        print(markdown, flush=True)
     return checks
 
 

@@ -54,7 +54,7 @@ def _read(path: str, mode: str = "r"):
         return f.read()
 
 
-def _sample(marker: bytes, seen: dict, threads_of: frozenset = frozenset(), by_thread=None):
+def _sample(marker: bytes, seen: dict, threads_of: frozenset, by_thread: dict) -> None:
     for entry in os.listdir("/proc"):
         if not entry.isdigit():
             continue
@@ -91,9 +91,9 @@ def measure(command: list[str], threads_of: tuple[str, ...] = ()) -> dict:
     by_thread: dict[tuple[int, int], tuple[str, str, float]] = {}
     started = time.monotonic()
     proc = subprocess.Popen(command, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
-    needle = f"{_MARKER_VAR}={marker}".encode()
+    needle, split = f"{_MARKER_VAR}={marker}".encode(), frozenset(threads_of)
     while proc.poll() is None:
-        _sample(needle, seen, frozenset(threads_of), by_thread)
+        _sample(needle, seen, split, by_thread)
         time.sleep(0.25)
     wall = time.monotonic() - started
     by_kind: dict[str, float] = collections.defaultdict(float)

@@ -501,9 +501,8 @@ def _no_ray_left(item) -> None:
     ray = sys.modules.get("ray")
     if _AUTO_INITS:
         raise AssertionError("a Ray call without a Ray, refused: " + _AUTO_INITS.pop())
-    if ray is None or "ray_local" in _STOP_AFTER_LAST_USER or _KEPT_RAYS:
-        return
-    if not ray.is_initialized():
+    kept = "ray_local" in _STOP_AFTER_LAST_USER or _KEPT_RAYS
+    if ray is None or kept or not ray.is_initialized():
         return
     ray.shutdown()
     raise AssertionError(f"{item.nodeid} left this process connected to a Ray")
