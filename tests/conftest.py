@@ -582,7 +582,7 @@ def ray_local():
 
     # On loopback, without an autoscaler monitor and a log monitor (no driver reads the
     # workers' output), as fit starts its own.
-    with loopback_node(), compat.without_monitors():
+    with loopback_node(), compat.lean_local_ray():
         ray.init(
             address="local",
             num_cpus=3,
@@ -611,12 +611,14 @@ def _two_nodes_cluster():
         cluster = Cluster(
             initialize_head=True,
             # No autoscaler, and no driver of it reads its workers' output: no monitor
-            # and no log monitor either (compat.without_monitors says why).
+            # and no log monitor either; its agent's port is the system's (another Ray here
+            # may hold Ray's fixed one): compat.lean_local_ray says why.
             head_node_args={
                 "num_cpus": 0,
                 "include_dashboard": False,
                 "no_monitor": True,
                 "include_log_monitor": False,
+                "dashboard_agent_listen_port": 0,
             },
         )
         nodes = [cluster.add_node(num_cpus=1) for _ in range(2)]

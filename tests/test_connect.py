@@ -88,6 +88,9 @@ class Head:
             "--num-cpus=1",
             "--num-gpus=0",
             "--include-dashboard=false",
+            # Three heads on one machine: at Ray's fixed agent port, all but the first would
+            # retry its bind for 3.4 s (compat.lean_local_ray).
+            "--dashboard-agent-listen-port=0",
             "--disable-usage-stats",
             f"--resources={json.dumps({f'head_{name}': 1})}",
             *args,

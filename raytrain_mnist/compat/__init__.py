@@ -18,7 +18,7 @@ Train's controller and run callbacks), :mod:`.serve` (Serve's HTTP and gRPC serv
 |---|---|---|
 | :func:`single_node_ray` | ``ray._private.ray_constants.ENABLE_RAY_CLUSTER`` | a local Ray's servers listen on every interface |
 | :func:`store_on_master_addr` | ``torch.distributed.rendezvous._create_c10d_store`` | rank 0's TCPStore listens on every interface |
-| :func:`without_monitors` | ``ray._private.parameter.RayParams`` | every local Ray we start runs an autoscaler monitor with nothing to scale, which holds ``ray.shutdown`` 1 s, and a log monitor that publishes worker output nobody reads (2.5 CPU-seconds a start) |
+| :func:`lean_local_ray` | ``ray._private.parameter.RayParams`` | every local Ray we start runs an autoscaler monitor with nothing to scale, which holds ``ray.shutdown`` 1 s, and a log monitor that publishes worker output nobody reads (2.5 CPU-seconds a start); beside another Ray on the machine its ``ray.init`` waits 3.4 s for the dashboard agent's fixed port |
 | :func:`token_auth_chosen` | ``ray._raylet.Config.initialize`` | every local Ray we start prints Ray's WARNING that it chose token authentication |
 | :func:`session_logs_dir` | ``ray._private.worker.global_worker.node`` | a failed run points at Ray's default log folder |
 | :func:`auto_address` | ``ray._private.services.get_ray_address_from_environment`` | ``--address auto`` cannot be checked before ``ray.init``, which waits minutes on a stopped cluster |
@@ -44,11 +44,11 @@ from raytrain_mnist.compat.cluster import (
     auto_address,
     autoscaler_ceiling,
     gcs_refuses_token,
+    lean_local_ray,
     quiet_job_sdk,
     session_logs_dir,
     single_node_ray,
     token_auth_chosen,
-    without_monitors,
 )
 from raytrain_mnist.compat.rendezvous import STORE_ON_MASTER_ADDR_HOOK, store_on_master_addr
 from raytrain_mnist.compat.serve import (
@@ -74,6 +74,7 @@ __all__ = [
     "autoscaler_ceiling",
     "controller_callback_base",
     "gcs_refuses_token",
+    "lean_local_ray",
     "lighter_run_callbacks",
     "on_its_own_ray",
     "poll_workers_every",
@@ -87,6 +88,5 @@ __all__ = [
     "single_node_ray",
     "store_on_master_addr",
     "token_auth_chosen",
-    "without_monitors",
     "worker_group_callback_base",
 ]

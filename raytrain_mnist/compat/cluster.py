@@ -28,18 +28,24 @@ def single_node_ray() -> Iterator[None]:
 
 
 @contextlib.contextmanager
-def without_monitors(log_monitor: bool = False) -> Iterator[None]:
-    """While a local Ray starts in this process: no autoscaler monitor
-    (``RayParams.no_monitor``) and, unless ``log_monitor``, no log monitor
-    (``RayParams.include_log_monitor``); ``ray.init`` takes neither. The autoscaler monitor
-    scales nothing on a Ray started without a cluster config, and it does not exit on
-    SIGTERM: ``ray.shutdown`` waits its whole second for it, then kills it (1.0 s of every
-    1.2-1.6 s shutdown, 2026-12-03). The log monitor only publishes the workers' log lines to
-    drivers that ask (``log_to_driver``), 2.5 CPU-seconds a start."""
+def lean_local_ray(log_monitor: bool = False) -> Iterator[None]:
+    """While a local Ray starts in this process, what ``ray.init`` does not take
+    (``RayParams``): no autoscaler monitor (``no_monitor``), no log monitor unless
+    ``log_monitor`` (``include_log_monitor``), and a dashboard agent whose HTTP server takes
+    a port the system picks (``dashboard_agent_listen_port=0``) instead of Ray's fixed 52365.
+    The autoscaler monitor scales nothing on a Ray started without a cluster config, and it
+    does not exit on SIGTERM: ``ray.shutdown`` waits its whole second for it, then kills it
+    (1.0 s of every 1.2-1.6 s shutdown, 2026-12-03). The log monitor only publishes the
+    workers' log lines to drivers that ask (``log_to_driver``), 2.5 CPU-seconds a start.
+    Where another Ray on the machine holds 52365, the agent retries the bind for 3.4 s and
+    ``ray.init`` waits for it (2.2 s alone, 5.2 s beside a ``ray start --head``,
+    2026-12-04); the agent publishes the port it got, where the dashboard looks it up."""
     from ray._private.parameter import RayParams
 
     original = RayParams.__init__
-    options = {"no_monitor": True} | ({} if log_monitor else {"include_log_monitor": False})
+    options = {"no_monitor": True, "dashboard_agent_listen_port": 0}
+    if not log_monitor:
+        options["include_log_monitor"] = False
     RayParams.__init__ = functools.partialmethod(original, **options)
     try:
         yield

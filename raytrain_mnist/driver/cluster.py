@@ -331,8 +331,8 @@ def start_local(
             loopback_node(),
             keeping_sigterm_handler(),
             # Nothing to autoscale; without log_to_driver nobody reads what the log monitor
-            # would publish.
-            compat.without_monitors(log_monitor=log_to_driver),
+            # would publish; another Ray here may hold the agent's fixed port.
+            compat.lean_local_ray(log_monitor=log_to_driver),
         ):
             ray.init(
                 address="local",  # a new Ray, never one that `ray start` left running
