@@ -292,6 +292,10 @@ def test_bf16_fit_job_is_followed_to_success_and_ctrl_c_detaches(head, tmp_path)
     assert followed.wait(timeout=240) == 0, err.read_text()[-3000:] + out.read_text()[-3000:]
     assert "val_accuracy" in out.read_text()  # the job's own output, streamed
     assert f"job {job_id} succeeded" in err.read_text()
+    # All of it, once: followed to the job's end (its status, not Ray's slower end of the
+    # stream), then the rest of the log.
+    logs = run_submit("--address", head["url"], "logs", job_id, env=token_env)
+    assert logs.returncode == 0 and logs.stdout == out.read_text(), logs.stderr
     summary = json.loads((tmp_path / "runs" / "followed" / "summary.json").read_text())
     assert summary["status"] == "finished" and summary["val_total"] == 203
     # bf16 autocast on CPU trains: the loss falls, the accuracy is far above chance (0.1).

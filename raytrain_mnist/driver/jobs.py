@@ -70,6 +70,7 @@ DRIVER_RESOURCE = "job_driver"
 ON_THE_HEAD = "none"
 _CONNECT_TIMEOUT_S = 5.0
 _SETTLE_TIMEOUT_S = 60.0  # a job whose log stream ended reaches a final status within this
+_STATUS_POLL_S = 0.5  # how often a followed job's status is asked (follow)
 _PACKAGE_DIR = Path(__file__).resolve().parent.parent
 _ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
 
@@ -431,24 +432,56 @@ def submit_job(
 
 def follow(client, url: str, job_id: str, write: Callable[[str], Any]):
     """Hand the job's logs to ``write`` as they come until it ends; its last status.
-    Ctrl-C (``KeyboardInterrupt``) propagates: the caller decides to stop or detach."""
+    Ctrl-C (``KeyboardInterrupt``) propagates: the caller decides to stop or detach.
+
+    The end is the job's status, asked every :data:`_STATUS_POLL_S`: Ray's log stream ends
+    2-4 s after the job (at the end of its file it waits a second, asks the status, waits
+    again). Once the status is final the stream is dropped and the rest of the log (the
+    whole file minus what was streamed) written, so nothing is lost or written twice."""
+    streamed: list[str] = []
 
     async def tail() -> None:
         async for chunk in client.tail_job_logs(job_id):
+            streamed.append(chunk)
             write(chunk)
+
+    async def ended():
+        while not (status := await asyncio.to_thread(client.get_job_status, job_id)).is_terminal():
+            await asyncio.sleep(_STATUS_POLL_S)
+        return status
+
+    async def until_the_end():
+        tailing, ending = asyncio.ensure_future(tail()), asyncio.ensure_future(ended())
+        try:
+            await asyncio.wait({tailing, ending}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            for task in (tailing, ending):
+                task.cancel()
+        if ending.done() and not ending.cancelled() and ending.exception() is None:
+            return ending.result()
+        if tailing.done() and not tailing.cancelled():
+            tailing.result()  # the stream's own error, if it broke
+        return None
 
     with one_line_errors(url, job_id):
         status = client.get_job_status(job_id)
-        if status.is_terminal():  # all there is, at once: Ray's tail takes seconds to see it
+        if status.is_terminal():  # all there is, at once
             write(client.get_job_logs(job_id))
             return status
     try:
         with one_line_errors(url, job_id):
-            asyncio.run(tail())
+            status = asyncio.run(until_the_end())
     except UserError as exc:
         # The stream broke; the job itself may be fine.
         logger.warning("%s", exc)
-    return settle(client, url, job_id, _SETTLE_TIMEOUT_S)
+        status = None
+    if status is None:  # the stream ended first (or broke): the status follows shortly
+        return settle(client, url, job_id, _SETTLE_TIMEOUT_S)
+    with one_line_errors(url, job_id):
+        everything, sent = client.get_job_logs(job_id), "".join(streamed)
+    if everything.startswith(sent):
+        write(everything[len(sent) :])
+    return status
 
 
 def settle(client, url: str, job_id: str, timeout_s: float = _SETTLE_TIMEOUT_S):
