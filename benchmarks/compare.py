@@ -14,6 +14,9 @@ Variants (same ConvNet, data, global batch size, optimizer, CPU threads):
     fit-preload   fit-warm against a second such head whose worker processes import
                   torch, Ray Train and the worker loop before they take work, and are
                   prestarted when it starts (PRELOAD_HEAD_ENV)
+    fit-submit    fit-N as a job: `raytrain-mnist submit -- fit ...` to a third such head
+                  with its dashboard (the Jobs API), timed from the submit command's start
+                  to its exit, with the job's start and end from the Jobs API
     NAME=VAR=VALUE,...   (--env-variant) fit-N with these variables set in its
                   environment: Ray's knobs side by side, e.g. the controller's poll
                   ``poll-2s=RAY_TRAIN_HEALTH_CHECK_INTERVAL_S=2``
@@ -37,9 +40,11 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import copy
 import json
 import os
 import platform
+import re
 import statistics
 import subprocess
 import sys
@@ -223,6 +228,8 @@ def fit_history(summary: dict) -> list[dict]:
 #: are summary.json's timeline (driver/events.py STARTUP and TEARDOWN). The plain loop's
 #: equivalents are in PLAIN_STEPS.
 STEPS = [
+    ("submit: checks, upload; job accepted", "ours", "submitted", "job_started"),
+    ("the job's driver starts (Jobs API)", "Ray", "job_started", "start"),
     ("Python, imports, flags", "ours", "start", "fit_called"),
     ("load the data (fit: torch imported here)", "ours", "fit_called", "data_loaded"),
     ("claim, identity; ray imported", "ours", "data_loaded", "ray_starting"),
@@ -243,6 +250,7 @@ STEPS = [
     ("ray.shutdown (curves, tracking meanwhile)", "Ray", "summary_built", "ray_shut_down"),
     ("curves, tracking: the rest", "ours", "ray_shut_down", "files_written"),
     ("summary.json, print, exit", "ours", "files_written", "exit"),
+    ("the job's end seen, submit exits", "Ray", "exit", "submit_exited"),
 ]
 #: The plain loop's steps: the moments its RESULT line gives (benchmarks/variants.py).
 PLAIN_STEPS = {
@@ -261,14 +269,22 @@ def _steps(at: dict[str, float], pairs) -> dict[str, float]:
     """Each step's seconds between its two moments, for the steps whose moments are known;
     "unaccounted": the command's wall minus their sum (moments not reached, rounding)."""
     steps = {name: at[b] - at[a] for name, (a, b) in pairs if a in at and b in at}
-    steps["unaccounted"] = at["exit"] - at["start"] - sum(steps.values())
+    wall = at.get("submit_exited", at["exit"]) - at.get("submitted", at["start"])
+    steps["unaccounted"] = wall - sum(steps.values())
     return steps
 
 
-def fit_steps(summary: dict, start: float, wall: float) -> dict[str, float]:
-    """A fit's seconds by step (:data:`STEPS`), from its summary's timeline."""
+def fit_steps(
+    summary: dict, start: float, wall: float, job: dict | None = None
+) -> dict[str, float]:
+    """A fit's seconds by step (:data:`STEPS`), from its summary's timeline. A submitted
+    fit's (``job``: the Jobs API's ``job_started`` and ``job_ended``) runs from the submit
+    command's start to its exit, its fit from the job's process start to the job's end."""
     timeline = summary.get("timeline") or {}
     at = {"start": start, "exit": start + wall}
+    if job is not None:
+        at = {"submitted": start, "submit_exited": start + wall, "start": timeline["t0"]}
+        at.update(job_started=job["job_started"], exit=job["job_ended"])
     for part in ("startup_s", "teardown_s"):
         at.update({k: timeline["t0"] + v for k, v in timeline.get(part, {}).items()})
     return _steps(at, [(name, (a, b)) for name, _, a, b in STEPS])
@@ -296,8 +312,9 @@ def _shares(steps: dict[str, float], teardown_s: float) -> dict:
     }
 
 
-def fit_row(summary: dict, start: float, wall: float, peak: float) -> dict:
-    """A fit's figures at the benchmark's end points, from the history its loop records."""
+def fit_row(summary: dict, start: float, wall: float, peak: float, job: dict | None = None) -> dict:
+    """A fit's figures at the benchmark's end points, from the history its loop records
+    (``job``: a submitted fit's, :func:`fit_steps`)."""
     history = fit_history(summary)
     hit = next((h for h in history if h["val_accuracy"] >= 0.99), None)
     return {
@@ -312,7 +329,9 @@ def fit_row(summary: dict, start: float, wall: float, peak: float) -> dict:
         "final_val_accuracy": summary["val_accuracy"],
         "val_total": summary["val_total"],
         "peak_rss_mb": peak,
-        **_shares(fit_steps(summary, start, wall), wall - (history[-1]["evaluated_at"] - start)),
+        **_shares(
+            fit_steps(summary, start, wall, job), wall - (history[-1]["evaluated_at"] - start)
+        ),
     }
 
 
@@ -349,18 +368,18 @@ HEAD_MARKER = "RAYTRAIN_BENCH_WARM_HEAD"
 
 
 @contextlib.contextmanager
-def warm_head(args, env: dict, preload: bool = False, gpus: int = 0):
+def warm_head(args, env: dict, preload: bool = False, gpus: int = 0, dashboard: bool = False):
     """A ``ray start --head`` as a user starts one (no dashboard: fit needs none), sized
     like fit's own Ray (``args.cores`` CPUs, ``gpus`` GPUs; with ``preload``:
-    :data:`PRELOAD_HEAD_ENV`); yields
-    ``127.0.0.1:PORT``. Stopped by its marker afterwards (never
-    ``ray stop``: that stops every Ray on the machine)."""
+    :data:`PRELOAD_HEAD_ENV`); yields ``127.0.0.1:PORT``, or with ``dashboard`` its Jobs
+    API's ``http://127.0.0.1:PORT`` once it answers (a job's ``python`` is this one). Stopped
+    by its marker afterwards (never ``ray stop``: that stops every Ray on the machine)."""
     import shutil
     import signal
-    import socket
 
     marker, tmp = uuid.uuid4().hex, Path(tempfile.mkdtemp(prefix="rtbw", dir="/tmp"))
     head_env = {**env, HEAD_MARKER: marker, "RAY_TMPDIR": str(tmp)}
+    head_env["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{env.get('PATH', '')}"
     if preload:
         head_env.update(PRELOAD_HEAD_ENV)
     # Ray's CLI through this Python: a bundle installed with pip --target has no `ray` script.
@@ -368,19 +387,32 @@ def warm_head(args, env: dict, preload: bool = False, gpus: int = 0):
 
     def stop() -> None:
         needle = f"{HEAD_MARKER}={marker}".encode()
-        for pid in psutil.pids():
-            with contextlib.suppress(psutil.Error, OSError):
-                if needle in Path(f"/proc/{pid}/environ").read_bytes().split(b"\0"):
+        # Swept until none is left: a process started while the last sweep killed (seen: a
+        # dashboard agent, orphaned, spinning at half a core for 90 s) carries it too.
+        for _ in range(20):
+            found = set()
+            for pid in psutil.pids():
+                with contextlib.suppress(psutil.Error, OSError):
+                    if needle in Path(f"/proc/{pid}/environ").read_bytes().split(b"\0"):
+                        found.add(pid)
+                        found.update(c.pid for c in psutil.Process(pid).children(recursive=True))
+            if not found:
+                return
+            for pid in found:
+                with contextlib.suppress(OSError):
                     os.kill(pid, signal.SIGKILL)
+            time.sleep(0.25)
 
     try:
         for _ in range(3):  # Ray gives its raylet 30 s to register: a loaded machine misses it
-            with socket.socket() as probe:  # a new port each try: the last one's may linger
-                probe.bind(("127.0.0.1", 0))
-                port = probe.getsockname()[1]
+            port, dashboard_port = _free_ports(2)  # new ports each try: the last ones may linger
+            shown = [f"--include-dashboard={str(dashboard).lower()}"]
+            if dashboard:  # its Jobs API needs its agent: Ray's fixed port may be fit-warm's
+                shown += ["--dashboard-host=127.0.0.1", f"--dashboard-port={dashboard_port}"]
+                shown += ["--dashboard-agent-listen-port=0"]
             started = subprocess.run(
                 [*ray, "start", "--head", f"--port={port}", f"--num-cpus={args.cores}"]
-                + [f"--num-gpus={gpus}", "--include-dashboard=false", "--disable-usage-stats"],
+                + [f"--num-gpus={gpus}", *shown, "--disable-usage-stats"],
                 env=head_env,
                 capture_output=True,
                 text=True,
@@ -391,10 +423,42 @@ def warm_head(args, env: dict, preload: bool = False, gpus: int = 0):
             stop()
         else:
             raise RuntimeError(f"ray start --head failed:\n{started.stderr[-2000:]}")
-        yield f"127.0.0.1:{port}"
+        if not dashboard:
+            yield f"127.0.0.1:{port}"
+        else:
+            url = f"http://127.0.0.1:{dashboard_port}"
+            _wait_for_jobs_api(url)
+            yield url
     finally:
         stop()
         shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _free_ports(count: int) -> list[int]:
+    import socket
+
+    with contextlib.ExitStack() as held:  # held together: never the same port twice
+        probes = [held.enter_context(socket.socket()) for _ in range(count)]
+        for probe in probes:
+            probe.bind(("127.0.0.1", 0))
+        return [probe.getsockname()[1] for probe in probes]
+
+
+def _wait_for_jobs_api(url: str, timeout_s: float = 120) -> None:
+    import urllib.request
+
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            with urllib.request.urlopen(f"{url}/api/jobs/", timeout=5) as response:
+                if response.status == 200:
+                    return
+        except OSError:
+            if time.monotonic() > deadline:
+                raise RuntimeError(
+                    f"the Jobs API at {url} did not answer in {timeout_s} s"
+                ) from None
+        time.sleep(0.5)
 
 
 def measure_variant(name: str, args, env: dict, storage: Path) -> dict:
@@ -416,6 +480,8 @@ def measure_variant(name: str, args, env: dict, storage: Path) -> dict:
         workers = 1 if name == "fit-1" else n
         run_name = f"{name}-{time.time_ns()}"
         extra = ["--cpus-per-worker", str(max(1, cores // workers))]
+        if name == "fit-submit":
+            return measure_submit(args, env, storage, run_name, extra)
         if name in WARM_VARIANTS:
             extra += ["--address", args.warm_addresses[name]]
         command = fit_command(args, workers, storage, run_name, extra)
@@ -456,6 +522,25 @@ def measure_variant(name: str, args, env: dict, storage: Path) -> dict:
     return loop_row(_parse_result(result.stdout), wall, peak)
 
 
+def measure_submit(args, env: dict, storage: Path, run_name: str, extra: list[str]) -> dict:
+    """fit-N submitted as a job to fit-submit's head and followed to its end; the job's
+    start and end (the Jobs API's) join its fit's timeline. Its paths are absolute: the job
+    runs in a directory of Ray's."""
+    from ray.job_submission import JobSubmissionClient
+
+    url = args.warm_addresses["fit-submit"]
+    job_args = copy.copy(args)
+    job_args.data_dir = str(Path(args.data_dir).resolve())
+    fit = fit_command(job_args, args.workers, storage.resolve(), run_name, extra)
+    command = [sys.executable, "-m", "raytrain_mnist.submit", "--address", url, "--", "fit"]
+    result, start, wall, peak, _ = run_measured([*command, *fit[3:]], env)
+    job_id = re.search(r"submitted (\S+)", result.stdout).group(1)
+    job = JobSubmissionClient(url).get_job_info(job_id)
+    summary = json.loads((storage / run_name / "summary.json").read_text())
+    job_moments = {"job_started": job.start_time / 1000, "job_ended": job.end_time / 1000}
+    return fit_row(summary, start, wall, peak, job_moments)
+
+
 def memory_breakdown(args, env: dict, storage: Path) -> dict:
     """Peak memory (PSS) of a 1-worker fit by process kind, and of each process, sampled
     when the tree's total peaked."""
@@ -477,9 +562,15 @@ def memory_breakdown(args, env: dict, storage: Path) -> dict:
     }
 
 
-VARIANTS = ["plain", "torchrun", "fit-1", "fit-N", "fit-warm", "fit-preload", "ray-example"]
-#: The variants that run against a head of their own, and whether it preloads.
-WARM_VARIANTS = {"fit-warm": False, "fit-preload": True}
+VARIANTS = [
+    "plain", "torchrun", "fit-1", "fit-N", "fit-warm", "fit-preload", "fit-submit", "ray-example"
+]  # fmt: skip
+#: The variants that run against a head of their own, and how it is started (warm_head).
+WARM_VARIANTS = {
+    "fit-warm": {},
+    "fit-preload": {"preload": True},
+    "fit-submit": {"dashboard": True},
+}
 #: Paired ratios: (name, numerator variant, denominator variant, metric).
 RATIOS = [
     ("fit1_vs_plain", "fit-1", "plain", "images_per_s"),
@@ -494,6 +585,8 @@ RATIOS = [
     ("fit_warm_vs_plain_time_to_99", "fit-warm", "plain", "time_to_99_s"),
     ("fit_preload_vs_plain_wall", "fit-preload", "plain", "wall_s"),
     ("fit_preload_vs_fit_warm_startup", "fit-preload", "fit-warm", "startup_s"),
+    ("fit_submit_vs_plain_wall", "fit-submit", "plain", "wall_s"),
+    ("fit_submit_vs_fit_warm_startup", "fit-submit", "fit-warm", "startup_s"),
 ]
 
 
@@ -578,8 +671,8 @@ def main(argv=None) -> int:
         contextlib.ExitStack() as heads,
     ):
         args.warm_addresses = {
-            name: heads.enter_context(warm_head(args, env, preload))
-            for name, preload in WARM_VARIANTS.items()
+            name: heads.enter_context(warm_head(args, env, **options))
+            for name, options in WARM_VARIANTS.items()
             if name in variants
         }
         for repeat in range(args.repeats):
@@ -684,6 +777,8 @@ def render_markdown(result: dict) -> str:
         "fit_warm_vs_plain_time_to_99": "",
         "fit_preload_vs_plain_wall": "",
         "fit_preload_vs_fit_warm_startup": "",
+        "fit_submit_vs_plain_wall": "",
+        "fit_submit_vs_fit_warm_startup": "",
     }
     lines += [
         "",

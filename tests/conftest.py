@@ -16,6 +16,7 @@ import signal
 import socket
 import subprocess
 import sys
+import time
 import uuid
 from pathlib import Path
 
@@ -127,12 +128,19 @@ def listening(pids: set[int]) -> dict[tuple[str, int], str]:
 
 
 def kill_marked(marker: str) -> list[int]:
-    """SIGKILL every process that carries ``marker``: ours only."""
+    """SIGKILL every process that carries ``marker``: ours only. Swept until none is left: a
+    Ray process started while a sweep killed its parent carries the marker too (a benchmark's
+    head left a dashboard agent behind that way, spinning at half a core for 90 s)."""
     killed = []
-    for pid in marked(marker):
-        with contextlib.suppress(ProcessLookupError):
-            os.kill(pid, signal.SIGKILL)
-            killed.append(pid)
+    for _ in range(20):
+        found = marked(marker)
+        if not found:
+            break
+        for pid in found:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+                killed.append(pid)
+        time.sleep(0.1)
     return killed
 
 
