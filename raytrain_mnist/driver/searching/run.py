@@ -316,6 +316,7 @@ class TuneRun:
             callbacks=[trial_events()],
             raise_on_failed_trial=False,
             verbose=0,
+            reuse_actors=True,
         )
 
 

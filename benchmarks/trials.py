@@ -1,0 +1,217 @@
+"""What each Tune trial pays outside its training, beside the plain loop.
+
+    python -m benchmarks.trials --data-dir ../shared/data/mnist --trials 4 --repeats 2 \\
+        --out benchmarks/results/trials
+
+Runs ``raytrain-mnist tune`` with ``--trials`` trials of ``--epochs`` epoch(s) (FIFO, the
+default search space, its own local Ray) interleaved with the plain loop
+(``benchmarks.variants plain``, all cores). On a machine whose cores hold one trial's workers,
+the trials run one after another, so every second between one trial's last evaluation and the
+next one's first optimizer step is what a trial costs besides its training: Tune ends the
+trial, its Train controller and workers shut down, the next trial's actor, controller, worker
+actors and process group start. Each trial's moments come from its own Train run's latest
+checkpoint (the loop's ``first_step_at`` and ``evaluated_at``, unix times); the command's
+start and exit from here.
+
+Per repeat: the search's start-up (command start to the first trial's first step), each
+trial's training (first step to last evaluation), each gap between trials, the teardown
+(last evaluation to exit), the wall, and the plain loop's start-up, training and wall.
+Writes ``results.json`` and ``results.md`` into ``--out``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import os
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from benchmarks.compare import _parse_result, loop_row, run_measured
+
+
+def tune_command(args, storage: Path, name: str) -> list[str]:
+    return [
+        sys.executable,
+        "-m",
+        "raytrain_mnist.tune",
+        "--num-samples",
+        str(args.trials),
+        "--scheduler",
+        "fifo",
+        "--epochs",
+        str(args.epochs),
+        "--dataset",
+        args.dataset,
+        "--data-dir",
+        args.data_dir,
+        "--storage-path",
+        str(storage),
+        "--name",
+        name,
+        "--progress",
+        "off",
+        "--no-tensorboard",
+        "--json",
+    ]
+
+
+def trial_moments(storage: Path, name: str) -> list[dict]:
+    """Every trial's train function start, first step and last evaluation (unix times), in
+    the order they trained, from the latest checkpoint of each trial's Train run
+    (``<search>/runs/<trial>``) and its report."""
+    from raytrain_mnist.driver.runs import RUNS_DIR, Run
+    from raytrain_mnist.nn import checkpoint
+
+    runs_root = Path(storage) / name / RUNS_DIR
+    trials = []
+    for run_dir in sorted(p for p in runs_root.iterdir() if p.is_dir()):
+        run = Run(str(runs_root), run_dir.name)
+        latest = run.latest_checkpoint()
+        if latest is None:
+            continue
+        history = checkpoint.load(latest)["history"]
+        trials.append(
+            {
+                "trial": run_dir.name,
+                # When its worker group's train function began (the last report says; one
+                # worker group per trial here).
+                "started_at": run.latest_metrics()["started_at"],
+                "first_step_at": history[0]["first_step_at"],
+                "evaluated_at": history[-1]["evaluated_at"],
+                "epochs": len(history),
+            }
+        )
+    return sorted(trials, key=lambda t: t["first_step_at"])
+
+
+def tune_row(trials: list[dict], start: float, wall: float) -> dict:
+    """The search's seconds: start-up, each trial's training, the gaps between trials."""
+    pairs = list(itertools.pairwise(trials))
+    gaps = [b["first_step_at"] - a["evaluated_at"] for a, b in pairs]
+    overlapping = any(g < 0 for g in gaps)
+    return {
+        "trials": len(trials),
+        "startup_s": trials[0]["first_step_at"] - start,
+        "training_s": [t["evaluated_at"] - t["first_step_at"] for t in trials],
+        "between_trials_s": gaps,
+        # Of each gap: Ray's (the trial ends, Tune starts the next, its Train controller,
+        # workers and process group) and ours (the data fetch, model and prepare_*).
+        "to_train_function_s": [b["started_at"] - a["evaluated_at"] for a, b in pairs],
+        "to_first_step_s": [b["first_step_at"] - b["started_at"] for _, b in pairs],
+        "overlapping": overlapping,
+        "teardown_s": start + wall - trials[-1]["evaluated_at"],
+        "wall_s": wall,
+    }
+
+
+def measure(args, env: dict, storage: Path, repeat: int) -> tuple[dict, dict]:
+    name = f"search-{repeat}-{time.time_ns()}"
+    _, start, wall, _, _ = run_measured(tune_command(args, storage, name), env)
+    search = tune_row(trial_moments(storage, name), start, wall)
+    plain_command = [
+        sys.executable, "-m", "benchmarks.variants", "plain", "--threads", str(args.cores),
+        "--data-dir", args.data_dir, "--epochs", str(args.epochs), "--dataset", args.dataset,
+    ]  # fmt: skip
+    result, _, plain_wall, peak, _ = run_measured(plain_command, env)
+    row = loop_row(_parse_result(result.stdout), plain_wall, peak)
+    plain = {
+        "startup_s": row["startup_s"],
+        "training_s": row["steps"].get("training and evaluation"),
+        "wall_s": plain_wall,
+    }
+    return search, plain
+
+
+def _median(values):
+    return statistics.median(values) if values else None
+
+
+def render(result: dict) -> str:
+    s = result["settings"]
+    searches, plains = result["searches"], result["plain"]
+    gaps = [g for r in searches for g in r["between_trials_s"]]
+    training = [t for r in searches for t in r["training_s"]]
+
+    def cell(values, spec=".1f"):
+        values = [v for v in values if v is not None]
+        if not values:
+            return "—"
+        low, high = min(values), max(values)
+        return f"{_median(values):{spec}} ({low:{spec}}-{high:{spec}})"
+
+    lines = [
+        f"Machine: {result['machine']}. {s['dataset']}, {s['trials']} trials of "
+        f"{s['epochs']} epoch(s) per search (FIFO, one trial at a time), {s['repeats']} "
+        "search(es) interleaved with the plain loop; median (min-max) over every trial "
+        "or run.",
+        "",
+        "| seconds | search | plain loop |",
+        "|---|---:|---:|",
+        f"| start-up (command start to the first step) | "
+        f"{cell([r['startup_s'] for r in searches])} | "
+        f"{cell([p['startup_s'] for p in plains])} |",
+        f"| a trial's training (first step to last evaluation) | {cell(training)} | "
+        f"{cell([p['training_s'] for p in plains])} |",
+        f"| **between two trials** (last evaluation to the next first step) | "
+        f"**{cell(gaps)}** | — |",
+        "| of which Ray's: the trial ends; the next one's actor, controller, workers, process "
+        f"group | {cell([g for r in searches for g in r.get('to_train_function_s', [])])} | — |",
+        "| of which ours: data fetch, model, prepare_* | "
+        f"{cell([g for r in searches for g in r.get('to_first_step_s', [])])} | — |",
+        f"| teardown (last evaluation to exit) | {cell([r['teardown_s'] for r in searches])} | — |",
+        f"| wall | {cell([r['wall_s'] for r in searches])} | "
+        f"{cell([p['wall_s'] for p in plains])} |",
+    ]
+    if any(r["overlapping"] for r in searches):
+        lines += ["", "Some trials overlapped: the gaps are not a trial's cost."]
+    return "\n".join(lines) + "\n"
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--data-dir", required=True, help="folder with MNIST/raw/*-ubyte")
+    parser.add_argument("--out", default="benchmarks/results/trials")
+    parser.add_argument("--trials", type=int, default=4)
+    parser.add_argument("--repeats", type=int, default=1)
+    parser.add_argument("--epochs", type=int, default=1)
+    parser.add_argument("--cores", type=int, default=os.cpu_count())
+    parser.add_argument("--dataset", default="mnist", choices=["mnist", "sample"])
+    args = parser.parse_args(argv)
+    if args.trials < 2:
+        parser.error("--trials must be at least 2: the gaps between trials are the point")
+    env = {**os.environ, "RAY_AUTH_MODE": os.environ.get("RAY_AUTH_MODE", "disabled")}
+    env["PYTHONUNBUFFERED"] = "1"
+    searches, plains = [], []
+    import platform
+
+    machine = f"{platform.machine()}, {os.cpu_count()} cores, Python {platform.python_version()}"
+    with tempfile.TemporaryDirectory(prefix="raytrain_trials_") as storage:
+        for repeat in range(args.repeats):
+            load = os.getloadavg()[0]
+            search, plain = measure(args, env, Path(storage), repeat)
+            search["load_1min"] = plain["load_1min"] = (load + os.getloadavg()[0]) / 2
+            searches.append(search)
+            plains.append(plain)
+            print(f"[{repeat + 1}/{args.repeats}] {json.dumps(search)}", flush=True)
+            print(f"[{repeat + 1}/{args.repeats}] plain {json.dumps(plain)}", flush=True)
+    result = {
+        "machine": machine,
+        "settings": {**vars(args), "repeats": len(searches)},
+        "searches": searches,
+        "plain": plains,
+    }
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "results.json").write_text(json.dumps(result, indent=2))
+    (out / "results.md").write_text(render(result))
+    print(render(result))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
