@@ -120,9 +120,24 @@ def _cleaner_classes() -> dict[str, type] | None:
         return None
 
     class GcsPlacementGroupCleaner(cleaner.PlacementGroupCleaner):
+        _registered = None  # the placement group last registered
+
         def start_monitoring(self):  # in the cleaner's own process
             cleaner.is_actor_alive = _actor_alive_in_gcs
             return super().start_monitoring()
+
+        def register_placement_group(self, placement_group):
+            self._registered = placement_group
+            return super().register_placement_group(placement_group)
+
+        def stop(self):
+            # Its monitor waits on its queue for up to a check interval (1 s) before it sees
+            # the stop: the placement group it already watches, handed to it again, wakes it
+            # at once (0.3-0.75 s of every teardown on a cluster, 2026-12-04).
+            self._stop_event.set()
+            if self._registered is not None:
+                self._pg_queue.put(self._registered)
+            return super().stop()
 
     class GcsPlacementGroupCleanerCallback(callback.PlacementGroupCleanerCallback):
         def after_controller_start(self, train_run_context):  # in the controller
