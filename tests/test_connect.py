@@ -59,7 +59,12 @@ try:
         connected = time.monotonic() - started
         names = [k for k in ray.cluster_resources() if k.startswith("head_")]
         done = ray.get(ray.remote(num_cpus=0)(lambda: "ran").remote())
-        print(json.dumps({"ours": ours, "heads": names, "task": done, "connect_s": connected}))
+        actors = None  # every actor the cluster has had, by class (not through Ray Client)
+        if not (address or "").startswith("ray://"):
+            from ray._private.state import state
+            actors = sorted({a["ActorClassName"] for a in state.actor_table(None).values()})
+        print(json.dumps({"ours": ours, "heads": names, "task": done, "connect_s": connected,
+                          "actors": actors}))
 except UserError as exc:
     print(json.dumps({"error": str(exc), "connect_s": time.monotonic() - started}))
     sys.exit(1)
@@ -311,6 +316,12 @@ def test_fit_by_loopback_on_a_plain_head_runs_and_tears_down_in_seconds(
     # Ray Train's PlacementGroupCleaner held this for 12 s (its State API call without a
     # dashboard); the GCS answers in milliseconds.
     assert teardown["worker_group_shut_down"] - teardown["workers_finished"] < 6, teardown
+    # A cluster that outlives the run keeps a cleaner for its placement group; with no
+    # autoscaler, the run asked none for resources: no AutoscalingCoordinator (Ray Data's,
+    # a process of its own) was started.
+    _, seen = head.driver(f"127.0.0.1:{head.port}")
+    assert {"TrainController", "GcsPlacementGroupCleaner"} <= set(seen["actors"]), seen
+    assert not any("AutoscalingCoordinator" in name for name in seen["actors"]), seen
 
 
 def test_a_server_side_traceback_is_said_as_what_it_raised():

@@ -26,7 +26,7 @@ Train's controller and run callbacks), :mod:`.serve` (Serve's HTTP and gRPC serv
 | :func:`autoscaler_ceiling` | ``ray._private.state.state.get_max_resources_from_cluster_config`` | placement checks cannot count nodes an autoscaler would add |
 | :func:`controller_callback_base` | ``ray.train.v2._internal.execution.callback.ControllerCallback`` | Ctrl-C cannot abort a run's controller: the run stops only with the Ray that runs it |
 | :func:`worker_group_callback_base` | ``ray.train.v2._internal.execution.callback.WorkerGroupCallback`` | ``summary.json``'s timeline has no "worker group started" moment |
-| :func:`lighter_run_callbacks`, :func:`on_its_own_ray` | ``ray.train.v2._internal.callbacks.placement_group_callback``, ``...callbacks.datasets.DatasetsCallback``, ``...controller.placement_group_cleaner.is_actor_alive``, ``ray._private.state``, ``...execution.scaling_policy.FixedScalingPolicy`` | every run's teardown waits 12 s for Ray Train's PlacementGroupCleaner (and up to 1 s more on a cluster for its monitor to see the stop) (its State API call blocks for 40 s without a dashboard), every run starts a DatasetManager actor it never uses, and a run on a Ray of its own a cleaner that guards nothing and an AutoscalingCoordinator no autoscaler reads |
+| :func:`lighter_run_callbacks`, :func:`on_its_own_ray`, :func:`without_autoscaler` | ``ray.train.v2._internal.callbacks.placement_group_callback``, ``...callbacks.datasets.DatasetsCallback``, ``...controller.placement_group_cleaner.is_actor_alive``, ``ray._private.state``, ``...execution.scaling_policy.FixedScalingPolicy`` | every run's teardown waits 12 s for Ray Train's PlacementGroupCleaner (its State API call blocks for 40 s without a dashboard), and on a cluster up to 1 s more for its monitor to see the stop; every run starts a DatasetManager actor it never uses; a run on a Ray of its own starts a cleaner that guards nothing, and one on any Ray without an autoscaler an AutoscalingCoordinator that nothing reads |
 | :func:`poll_workers_every` | ``ray.train.v2._internal.execution.context.get_train_context``, ``TrainController._health_check_interval_s`` | a run's last checkpoint is committed at the controller's next 2 s poll and its end seen one poll later: every run's teardown is 1-4 s longer |
 | :func:`quiet_train_report_log` | ``ray.train.v2._internal.execution.context`` | every report logs an INFO line |
 | :func:`serve_http_config` | ``ray.serve.context._get_global_client`` | a second ``serve`` with other HTTP settings is not refused up front |
@@ -63,6 +63,7 @@ from raytrain_mnist.compat.train import (
     on_its_own_ray,
     poll_workers_every,
     quiet_train_report_log,
+    without_autoscaler,
     worker_group_callback_base,
 )
 
@@ -88,5 +89,6 @@ __all__ = [
     "single_node_ray",
     "store_on_master_addr",
     "token_auth_chosen",
+    "without_autoscaler",
     "worker_group_callback_base",
 ]

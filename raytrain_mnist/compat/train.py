@@ -77,7 +77,7 @@ def lighter_run_callbacks() -> None:
     start = DataParallelTrainer._initialize_and_run_controller
 
     def initialize_and_run_controller(self, scaling_policy, **kwargs):
-        requestless = __getattr__(_POLICY_NAME) if getattr(self, _OWN_RAY, False) else None
+        requestless = __getattr__(_POLICY_NAME) if getattr(self, _NO_AUTOSCALER, False) else None
         if requestless is not None and type(scaling_policy) is requestless.__base__:
             scaling_policy = requestless(scaling_policy.scaling_config)
         return start(self, scaling_policy=scaling_policy, **kwargs)
@@ -85,17 +85,26 @@ def lighter_run_callbacks() -> None:
     DataParallelTrainer._initialize_and_run_controller = initialize_and_run_controller
 
 
-#: Set on a trainer by :func:`on_its_own_ray`; read by :func:`lighter_run_callbacks`' patch.
+#: Set on a trainer by :func:`on_its_own_ray` and :func:`without_autoscaler`; read by
+#: :func:`lighter_run_callbacks`' patch.
 _OWN_RAY = "_raytrain_mnist_own_ray"
+_NO_AUTOSCALER = "_raytrain_mnist_no_autoscaler"
 
 
 def on_its_own_ray(trainer) -> None:
     """For a run on a Ray its own command started and stops (with
     :func:`lighter_run_callbacks` in place): no PlacementGroupCleaner (it removes a dead
     controller's placement group from a cluster that outlives the run: here one more process
-    that guards nothing), and a fixed size asks no autoscaler for resources (the requests
-    start Ray Data's AutoscalingCoordinator actor, which no autoscaler reads here)."""
+    that guards nothing), and :func:`without_autoscaler`."""
     setattr(trainer, _OWN_RAY, True)
+    without_autoscaler(trainer)
+
+
+def without_autoscaler(trainer) -> None:
+    """For a run on a cluster with no autoscaler (with :func:`lighter_run_callbacks` in
+    place): a fixed size asks no autoscaler for resources. The requests start Ray Data's
+    AutoscalingCoordinator actor (a process that imports Ray Data), which nothing reads."""
+    setattr(trainer, _NO_AUTOSCALER, True)
 
 
 def _actor_alive_in_gcs(actor_id: str, timeout: float) -> bool:

@@ -83,6 +83,8 @@ def build_trainer(
     )
     if own_ray:
         compat.on_its_own_ray(trainer)
+    elif compat.autoscaler_ceiling() is None:  # a running Ray that cannot grow
+        compat.without_autoscaler(trainer)
     return trainer
 
 
