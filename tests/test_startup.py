@@ -146,7 +146,7 @@ def test_every_startup_and_teardown_moment_is_recorded_in_order(timed_fit):
     teardown = timeline["teardown_s"]
     assert teardown["worker_group_shut_down"] - teardown["workers_finished"] < 6, teardown
     # The controller saw the end at a poll soon after the last checkpoint's commit, not at its
-    # next regular one, a whole interval on (worker/loop.py's END_POLL_S).
+    # next regular one, a whole interval on (worker/endpoll.py).
     end_seen = teardown["workers_finished"] - teardown["checkpoint_committed"]
     assert end_seen < RAY_POLL_S, teardown
     # The curves were drawn and written (while Ray shut down).
@@ -234,3 +234,40 @@ def test_the_ray_that_fit_starts_uses_token_auth_and_says_nothing_about_it(timed
     output = timed_fit["out"] + timed_fit["err"]
     assert "Token authentication" not in output, output[-3000:]
     assert timed_fit["summary"]["status"] == "finished", timed_fit["summary"]
+
+
+def test_rank_0_asks_for_fast_polls_an_interval_before_the_run_ends(monkeypatch):
+    """The controller takes a new poll interval only after the wait it is in, so rank 0 asks
+    once the training left (this epoch's steps and every later epoch's) should take less
+    than an interval and a margin: the wait in progress then ends before the last report."""
+    from raytrain_mnist.worker import endpoll
+
+    asked, clock = [], [0.0]
+    monkeypatch.setattr(endpoll.compat, "poll_workers_every", lambda s: asked.append(s) or True)
+    monkeypatch.setattr(endpoll.time, "perf_counter", lambda: clock[0])
+    end = endpoll.EndPoll(steps_per_epoch=100, interval_s=2.0)  # steps of 0.1 s below
+
+    def run_epoch(epochs_after: int) -> int | None:
+        end.epoch_start(epochs_after)
+        for step in range(1, 101):
+            clock[0] += 0.1
+            end.on_step(step)
+            if asked:
+                return step
+        return None
+
+    assert run_epoch(epochs_after=1) is None  # 10 s and more were left all along
+    # Asked once 2.5 s (25 steps) or less were left, and only once.
+    assert run_epoch(epochs_after=0) == 75 and asked == [endpoll.END_POLL_S]
+    end.now()
+    end.on_step(100)
+    assert asked == [endpoll.END_POLL_S]
+
+    # Epochs shorter than an interval: asked in the one before the last.
+    asked.clear()
+    short = endpoll.EndPoll(steps_per_epoch=10, interval_s=2.0)
+    short.epoch_start(epochs_after=1)
+    for step in range(1, 11):
+        clock[0] += 0.1
+        short.on_step(step)
+    assert asked == [endpoll.END_POLL_S]

@@ -47,6 +47,7 @@ from raytrain_mnist.nn.optim import (
 )
 from raytrain_mnist.nn.score import all_reduce_sum, evaluate
 from raytrain_mnist.toolchain import check_compiler
+from raytrain_mnist.worker.endpoll import END_POLL_S, EndPoll
 from raytrain_mnist.worker.feed import ProgressFeed
 from raytrain_mnist.worker.preempt import JustInTime
 from raytrain_mnist.worker.resume import (
@@ -450,12 +451,6 @@ def _both(*hooks):
     return lambda steps, sums: [h(steps, sums) for h in live]
 
 
-#: Seconds between the controller's polls of the workers once the last epoch is being
-#: evaluated (Ray's 2 s otherwise: polling this often all along costs training throughput,
-#: benchmarks/README.md).
-END_POLL_S = 0.1
-
-
 def train_func_per_worker(config: dict[str, Any]) -> None:
     """Ray Train's entry point. ``config``: ``train`` (TrainConfig as a dict), ``data``
     (ObjectRef of :class:`MnistData`), ``cpus_per_worker`` (its torch threads), and
@@ -486,9 +481,12 @@ def train_func_per_worker(config: dict[str, Any]) -> None:
     save = jit_saver(training, cfg, done, keys, rank)
     send = functools.partial(feed.send, steps_per_epoch=len(training.loader))
     jit = JustInTime(rank, world_size, save, ray.train.get_preemption_info, send, device=device)
-    on_step = _both(feed.on_step, jit.on_step)
+    end = EndPoll(len(training.loader)) if rank == 0 else None
+    on_step = _both(feed.on_step, jit.on_step, end and end.on_step)
     for epoch in range(done.epoch, cfg.epochs):
         set_epoch(training.loader, epoch, cfg.seed)
+        if end is not None:
+            end.epoch_start(epochs_after=cfg.epochs - epoch - 1)
         jit.epoch, save.cpu_started[0] = epoch, time.process_time()
         keys["carried_cpu_s"] = start.sums[3] if start is not None and start.sums else 0.0
         started = time.perf_counter()
@@ -516,8 +514,8 @@ def _end_epoch(
     its checkpoint (rank 0's). ``timing``: when the epoch began (perf_counter) and its
     training seconds; ``run_keys``: what every report says about the run."""
     if rank == 0 and done.epoch + 1 == cfg.epochs:
-        # The last report: from here on the controller polls fast, so that it commits the
-        # checkpoint and sees the run end within moments, not at its next 2 s polls.
+        # The last report: the controller polls fast from here on, if the steps had not
+        # asked it already (worker/endpoll.py; asking twice changes nothing).
         compat.poll_workers_every(END_POLL_S)
     # DDP syncs BatchNorm buffers from rank 0 at the start of each forward, so after the
     # last step every rank holds its own running stats: evaluate rank 0's, the saved ones.
