@@ -635,3 +635,22 @@ def test_a_lost_experiment_claim_stops_every_trial():
         assert stopper.stop_all()
     finally:
         tune_run.SESSION.reset(token)
+
+
+def test_tunes_own_trial_progress_lines_are_not_printed(capsys):
+    """Tune's progress callback prints "Trial ... completed" to stdout even with verbose=0
+    when a trial ends with the result it last showed (none); a search passes a quiet one."""
+    from ray.tune.progress_reporter import TrialProgressCallback
+
+    from raytrain_mnist.driver.searching.run import quiet_progress
+
+    class Trial:
+        last_result: dict = {}
+
+        def __str__(self) -> str:
+            return "t0"
+
+    TrialProgressCallback().on_trial_complete(0, [], Trial())
+    assert "Trial t0 completed" in capsys.readouterr().out  # what Tune's own does
+    quiet_progress().on_trial_complete(0, [], Trial())
+    assert capsys.readouterr().out == ""

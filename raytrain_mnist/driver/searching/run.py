@@ -173,6 +173,20 @@ def current_session() -> Session:
 # --------------------------------------------------------------------------- Tune's callbacks
 
 
+def quiet_progress():
+    """Tune's trial progress callback, printing nothing (Tune adds its own unless given one).
+    Even with ``verbose=0`` it prints "Trial ... completed. Last result: ..." to stdout when a
+    trial ends with the result it last showed, which here is none: a stray line in a search
+    whose library call prints nothing (seen in the notebook's search, 2026-12-04)."""
+    from ray.tune.progress_reporter import TrialProgressCallback
+
+    class QuietTrialProgress(TrialProgressCallback):
+        def _print(self, msg: str) -> None:
+            logger.debug("%s", msg)
+
+    return QuietTrialProgress()
+
+
 def trial_events():
     """A Tune callback that turns trial starts, epochs and ends into the session's events
     and records (:class:`Session`)."""
@@ -313,7 +327,7 @@ class TuneRun:
             stop=search_stop(),
             trial_dirname_creator=_trial_dirname,
             max_failures=TRIAL_RETRIES,
-            callbacks=[trial_events()],
+            callbacks=[trial_events(), quiet_progress()],
             raise_on_failed_trial=False,
             verbose=0,
             reuse_actors=True,
