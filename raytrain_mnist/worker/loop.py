@@ -47,7 +47,7 @@ from raytrain_mnist.nn.optim import (
 )
 from raytrain_mnist.nn.score import all_reduce_sum, evaluate
 from raytrain_mnist.toolchain import check_compiler
-from raytrain_mnist.worker.endpoll import END_POLL_S, EndPoll
+from raytrain_mnist.worker.endpoll import EndPoll
 from raytrain_mnist.worker.feed import ProgressFeed
 from raytrain_mnist.worker.preempt import JustInTime
 from raytrain_mnist.worker.resume import (
@@ -497,6 +497,8 @@ def train_func_per_worker(config: dict[str, Any]) -> None:
         run_keys = {"resumed_from_epoch": resumed["resumed_from_epoch"],
                     "started_at": started_at, "workers": placement}  # fmt: skip
         train.update(jit.end_epoch())
+        if end is not None and epoch + 1 == cfg.epochs:
+            end.now()  # the last evaluation and report follow: if the steps had not asked
         _end_epoch(training, cfg, data, done, train, (started, train_s), rank, run_keys)
 
 
@@ -513,10 +515,6 @@ def _end_epoch(
     """Evaluate the epoch just trained, record it in ``done``, report it (every rank) with
     its checkpoint (rank 0's). ``timing``: when the epoch began (perf_counter) and its
     training seconds; ``run_keys``: what every report says about the run."""
-    if rank == 0 and done.epoch + 1 == cfg.epochs:
-        # The last report: the controller polls fast from here on, if the steps had not
-        # asked it already (worker/endpoll.py; asking twice changes nothing).
-        compat.poll_workers_every(END_POLL_S)
     # DDP syncs BatchNorm buffers from rank 0 at the start of each forward, so after the
     # last step every rank holds its own running stats: evaluate rank 0's, the saved ones.
     broadcast_buffers(training.module)
