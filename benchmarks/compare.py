@@ -704,6 +704,15 @@ def main(argv=None) -> int:
     return 0
 
 
+def machine() -> str:
+    """The machine a result was measured on, as its results say it."""
+    return (
+        f"{platform.machine()}, {os.cpu_count()} cores, "
+        f"{psutil.virtual_memory().total / 2**30:.0f} GiB, Python "
+        f"{platform.python_version()}"
+    )
+
+
 def write_results(args, runs: dict[str, list[dict]], memory, repeats_done: int) -> dict:
     """``results.json`` and ``results.md`` in ``--out`` from the repeats done so far."""
     table = {
@@ -716,15 +725,10 @@ def write_results(args, runs: dict[str, list[dict]], memory, repeats_done: int) 
     ratios = {name: paired_ratio(runs, a, b, key) for name, a, b, key in RATIOS}
     ratios["fit_time_to_99_s"] = table.get("fit-N", {}).get("time_to_99_s")
     ratios["fit1_time_to_99_s"] = table.get("fit-1", {}).get("time_to_99_s")
-    machine = (
-        f"{platform.machine()}, {os.cpu_count()} cores, "
-        f"{psutil.virtual_memory().total / 2**30:.0f} GiB, Python "
-        f"{platform.python_version()}"
-    )
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     result = {
-        "machine": machine,
+        "machine": machine(),
         "settings": {**vars(args), "repeats": repeats_done},
         "variants": table,
         "ratios": ratios,

@@ -25,13 +25,12 @@ import argparse
 import itertools
 import json
 import os
-import statistics
 import sys
 import tempfile
 import time
 from pathlib import Path
 
-from benchmarks.compare import _parse_result, loop_row, run_measured
+from benchmarks.compare import _median, _parse_result, loop_row, machine, run_measured
 
 
 def tune_command(args, storage: Path, name: str) -> list[str]:
@@ -127,10 +126,6 @@ def measure(args, env: dict, storage: Path, repeat: int) -> tuple[dict, dict]:
     return search, plain
 
 
-def _median(values):
-    return statistics.median(values) if values else None
-
-
 def render(result: dict) -> str:
     s = result["settings"]
     searches, plains = result["searches"], result["plain"]
@@ -141,8 +136,7 @@ def render(result: dict) -> str:
         values = [v for v in values if v is not None]
         if not values:
             return "—"
-        low, high = min(values), max(values)
-        return f"{_median(values):{spec}} ({low:{spec}}-{high:{spec}})"
+        return f"{_median(values):{spec}} ({min(values):{spec}}-{max(values):{spec}})"
 
     lines = [
         f"Machine: {result['machine']}. {s['dataset']}, {s['trials']} trials of "
@@ -187,9 +181,6 @@ def main(argv=None) -> int:
     env = {**os.environ, "RAY_AUTH_MODE": os.environ.get("RAY_AUTH_MODE", "disabled")}
     env["PYTHONUNBUFFERED"] = "1"
     searches, plains = [], []
-    import platform
-
-    machine = f"{platform.machine()}, {os.cpu_count()} cores, Python {platform.python_version()}"
     with tempfile.TemporaryDirectory(prefix="raytrain_trials_") as storage:
         for repeat in range(args.repeats):
             load = os.getloadavg()[0]
@@ -200,7 +191,7 @@ def main(argv=None) -> int:
             print(f"[{repeat + 1}/{args.repeats}] {json.dumps(search)}", flush=True)
             print(f"[{repeat + 1}/{args.repeats}] plain {json.dumps(plain)}", flush=True)
     result = {
-        "machine": machine,
+        "machine": machine(),
         "settings": {**vars(args), "repeats": len(searches)},
         "searches": searches,
         "plain": plains,
