@@ -36,7 +36,13 @@ from raytrain_mnist.driver import deployment
 from raytrain_mnist.driver.deployment import build_app  # noqa: F401  (see below)
 from raytrain_mnist.driver.targets import resolve_target
 from raytrain_mnist.errors import EXIT_TERMINATED, ConfigError
-from raytrain_mnist.serving.settings import TOKEN_ENV, ServeConfig, check_access, check_token
+from raytrain_mnist.serving.settings import (
+    TOKEN_ENV,
+    ServeConfig,
+    TokenHash,
+    check_access,
+    check_token,
+)
 
 # ``build_app`` is imported above so that ``serve deploy`` configs written before it moved
 # (``import_path: raytrain_mnist.serve:build_app``) still build; new ones name
@@ -50,9 +56,10 @@ class ServeOptions:
     target: str  # RUN_DIR_OR_CHECKPOINT, resolved when the command runs (on the cluster's side)
     serve: ServeConfig
     write_config: str | None = None  # write a `serve deploy` config here instead of serving
-    #: POST /predict's bearer token (--auth-token or --auth-token-file, else
-    #: $RAYTRAIN_MNIST_SERVE_TOKEN); never printed, never written into a config file.
-    token: str | None = field(default=None, repr=False)
+    #: The salted hash of POST /predict's bearer token (--auth-token, --auth-token-file or
+    #: --auth-token-hash, else $RAYTRAIN_MNIST_SERVE_TOKEN): what the replicas check, and all
+    #: of the token that leaves this process; never printed, never written into a config file.
+    token_hash: TokenHash | None = field(default=None, repr=False)
 
 
 def build_parser() -> ArgumentParser:
@@ -72,8 +79,14 @@ def build_parser() -> ArgumentParser:
     parser.add_argument(
         "--auth-token-file",
         metavar="FILE",
-        help="read the bearer token from FILE's first line instead (what `submit` carries a "
-        "token to the cluster in: the job table never holds it)",
+        help="read the bearer token from FILE's first line instead",
+    )
+    parser.add_argument(
+        "--auth-token-hash",
+        metavar="FILE",
+        help="read the token's salted hash (sha256$SALT$DIGEST) from FILE's first line "
+        "instead of the token: what `submit` carries to the cluster, which never holds the "
+        "token",
     )
     parser.add_argument(
         "--write-config",
@@ -89,51 +102,47 @@ def parse_command(argv: Sequence[str] | None = None) -> ServeOptions:
     application reads its token where it is built)."""
     args = build_parser().parse_args(argv)
     cfg = dataclass_from_args(ServeConfig, args)
-    if args.auth_token is not None and args.auth_token_file is not None:
-        raise ConfigError("--auth-token and --auth-token-file contradict; give one")
-    if args.auth_token is not None:
-        token = check_token(args.auth_token, "--auth-token")
+    given = [
+        flag
+        for flag, value in (
+            ("--auth-token", args.auth_token),
+            ("--auth-token-file", args.auth_token_file),
+            ("--auth-token-hash", args.auth_token_hash),
+        )
+        if value is not None
+    ]
+    if len(given) > 1:
+        raise ConfigError(f"{' and '.join(given)} contradict; give one")
+    if args.auth_token_hash is not None:
+        flag = f"--auth-token-hash {args.auth_token_hash}"
+        token_hash = TokenHash.parse(read_first_line(args.auth_token_hash, flag), flag)
+    elif args.auth_token is not None:
+        token_hash = TokenHash.of(check_token(args.auth_token, "--auth-token"))
     elif args.auth_token_file is not None:
-        token = check_token(read_token_file(args.auth_token_file), "--auth-token-file's token")
+        token = read_first_line(args.auth_token_file, f"--auth-token-file {args.auth_token_file}")
+        token_hash = TokenHash.of(check_token(token, "--auth-token-file's token"))
     elif os.environ.get(TOKEN_ENV):
-        token = check_token(os.environ[TOKEN_ENV], f"${TOKEN_ENV}")
+        token_hash = TokenHash.of(check_token(os.environ[TOKEN_ENV], f"${TOKEN_ENV}"))
     else:
-        token = None
-    check_access(cfg, token, listening=not args.write_config)
+        token_hash = None
+    check_access(cfg, token_hash, listening=not args.write_config)
     if args.write_config and cfg.ingress not in ("auto", "proxy"):
         raise ConfigError(
             f"--write-config writes a config for Serve's proxy (what `serve deploy` and "
             f"KubeRay run); --ingress {cfg.ingress} is for serve itself"
         )
-    return ServeOptions(args.target, cfg, args.write_config, token)
+    return ServeOptions(args.target, cfg, args.write_config, token_hash)
 
 
-def read_token_file(path: str) -> str:
-    """The first line of ``path``, stripped (a token file may say more after it)."""
+def read_first_line(path: str, flag: str) -> str:
+    """The first line of ``path``, stripped (a token file may say more after it); ``flag``
+    names it in the error."""
     try:
         with open(path, encoding="utf-8") as f:
-            token = f.readline(4096).strip()
+            return f.readline(4096).strip()
     except (OSError, UnicodeDecodeError) as exc:
         why = getattr(exc, "strerror", None) or "not UTF-8 text"
-        raise ConfigError(f"--auth-token-file {path}: cannot read it ({why})") from None
-    _forget_carried(path)
-    return token
-
-
-#: The token file ``submit`` carries in a job's working directory (submit.SERVE_TOKEN_FILE).
-_CARRIED_TOKEN = "serve-token"
-
-
-def _forget_carried(path: str) -> None:
-    """The token file ``submit`` carried, deleted once read: Ray's unpacked copy of the job's
-    working directory (under its ``runtime_resources``) would otherwise keep the token on the
-    node's disk for as long as Ray runs. A user's own token file is left alone."""
-    from pathlib import Path
-
-    resolved = Path(path).resolve()
-    if resolved.name == _CARRIED_TOKEN and "runtime_resources" in resolved.parts:
-        with contextlib.suppress(OSError):
-            resolved.unlink()
+        raise ConfigError(f"{flag}: cannot read it ({why})") from None
 
 
 def run(options: ServeOptions) -> int:
@@ -142,7 +151,7 @@ def run(options: ServeOptions) -> int:
     checkpoint = resolve_target(options.target).checkpoint
     if options.write_config:
         deployment.load_servable(checkpoint)  # a bad one is one line now, not the cluster's
-        token_auth = options.token is not None or not (cfg.loopback or cfg.no_auth)
+        token_auth = options.token_hash is not None or not (cfg.loopback or cfg.no_auth)
         path = deployment.write_config(options.write_config, cfg, checkpoint, token_auth)
         print(f"wrote {path}; deploy it with: serve deploy {path}")
         if token_auth:
@@ -156,7 +165,7 @@ def run(options: ServeOptions) -> int:
 
     # Serve's driver-side INFO lines repeat what this command prints.
     logging.getLogger("ray.serve").setLevel(logging.WARNING)
-    with deployment.serving(cfg, checkpoint, options.token) as url, _signals_stop():
+    with deployment.serving(cfg, checkpoint, options.token_hash) as url, _signals_stop():
         print(
             f"serving {checkpoint} at {url} (POST {url}predict, GET {url}health); Ctrl-C stops",
             flush=True,
@@ -170,7 +179,7 @@ def run(options: ServeOptions) -> int:
                 flush=True,
             )
         if not cfg.loopback:
-            who = "anyone" if options.token is None else "anyone holding the token"
+            who = "anyone" if options.token_hash is None else "anyone holding the token"
             print(
                 f"listening on {cfg.host}: {who} who can reach this machine can use the "
                 "model, over plain HTTP (see docs/serve.md)",

@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 from raytrain_mnist._cli import ArgumentParser, Command, emit_result, exit_now, printable
 from raytrain_mnist.driver import jobs
 from raytrain_mnist.errors import EXIT_FAILURE, EXIT_INTERRUPTED, EXIT_USAGE, UserError
-from raytrain_mnist.serving.settings import TOKEN_ENV
+from raytrain_mnist.serving.settings import TOKEN_ENV, TokenHash
 
 ACTIONS = ("status", "logs", "stop", "list")
 #: The environment's default for --driver-resource (docs/cluster.md: where drivers run).
@@ -83,10 +83,10 @@ def entrypoint(command: Sequence[str]) -> str:
     return job_command(command)[0]
 
 
-def job_command(command: Sequence[str]) -> tuple[str, str | None]:
+def job_command(command: Sequence[str]) -> tuple[str, TokenHash | None]:
     """The shell command the job runs on the cluster, checked here by the command's own parse
     (flag errors exit 2 as that command's do; its paths are the cluster's and are not looked
-    at), and the token a ``serve`` job carries in its files (None: none)."""
+    at), and the token's hash a ``serve`` job carries in its files (None: no token)."""
     from raytrain_mnist.__main__ import COMMANDS, load_command
 
     names = [name for name in COMMANDS if name != "submit"]
@@ -101,20 +101,21 @@ def job_command(command: Sequence[str]) -> tuple[str, str | None]:
         )
     the_command = load_command(name)
     options = the_command.parse(args)
-    token = None
+    token_hash = None
     if name == "serve":
         parse_args = the_command.build_parser().parse_args
         if parse_args(args).auth_token is not None:
             raise UserError(
                 "serve --auth-token would be stored in the cluster's job table, which anyone "
                 f"who can list its jobs reads; set ${TOKEN_ENV} or pass "
-                "--auth-token-file FILE instead (submit carries it in the job's files)",
+                "--auth-token-file FILE instead (submit carries only its salted hash, in the "
+                "job's files)",
                 EXIT_USAGE,
             )
-        token = options.token
-        if token is not None:
+        token_hash = options.token_hash
+        if token_hash is not None:
             args = jobs.staged_token_args(parse_args, args)
-    return shlex.join(["python", "-m", f"raytrain_mnist.{name}", *args]), token
+    return shlex.join(["python", "-m", f"raytrain_mnist.{name}", *args]), token_hash
 
 
 @dataclass(frozen=True)
@@ -130,8 +131,9 @@ class SubmitOptions:
     entrypoint: str | None  # the shell command the job runs, its flags checked
     driver_resource: str | None = None  # asked for; None: jobs.DRIVER_RESOURCE if offered
     env: dict[str, str] = field(default_factory=dict)  # the job's environment variables
-    #: The token a ``serve`` job carries in its working directory; never printed.
-    serve_token: str | None = field(default=None, repr=False)
+    #: The salted hash of a ``serve`` job's token, carried in its working directory (the
+    #: token itself never leaves this machine).
+    serve_token_hash: TokenHash | None = field(default=None, repr=False)
 
 
 def parse(argv: Sequence[str]) -> SubmitOptions:
@@ -157,11 +159,19 @@ def parse(argv: Sequence[str]) -> SubmitOptions:
             EXIT_USAGE,
         )
     env = jobs.check_env(args.env)
-    entry, token = job_command(command) if command else (None, None)
+    entry, token_hash = job_command(command) if command else (None, None)
     address = jobs.dashboard_url(args.address)
     jobs.check_address(address)
     return SubmitOptions(
-        args.action, args.job_id, args.follow, args.no_wait, address, entry, resource, env, token
+        args.action,
+        args.job_id,
+        args.follow,
+        args.no_wait,
+        address,
+        entry,
+        resource,
+        env,
+        token_hash,
     )
 
 
@@ -272,7 +282,7 @@ def run(options: SubmitOptions) -> int:
         resource = jobs.driver_placement(url, options.driver_resource)
         where = f"a node offering {resource}" if resource else "the head"
         job_id = jobs.submit_job(
-            client, url, options.entrypoint, resource, options.serve_token, options.env
+            client, url, options.entrypoint, resource, options.serve_token_hash, options.env
         )
         if options.no_wait:
             print(job_id)

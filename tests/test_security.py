@@ -3,21 +3,35 @@ listens on is checked on tests/test_startup.py's shared run.)"""
 
 from __future__ import annotations
 
+import pytest
 
-def test_the_token_file_submit_carried_is_deleted_once_read(tmp_path):
-    """The ``serve-token`` in Ray's unpacked copy of a job's working directory is gone once
-    serve has read it; a token file of the user's own stays."""
-    from raytrain_mnist.serve import read_token_file
 
-    token = "t0ken-0123456789abcdef"
-    carried = tmp_path / "runtime_resources" / "working_dir_files" / "_ray_pkg_1" / "serve-token"
-    carried.parent.mkdir(parents=True)
-    carried.write_text(f"{token}\nrandom line\n")
-    assert read_token_file(str(carried)) == token
-    assert not carried.exists()
-    own = tmp_path / "serve-token"
-    own.write_text(token + "\n")
-    assert read_token_file(str(own)) == token and own.exists()
+def test_a_token_hash_checks_the_token_and_does_not_hold_it():
+    """What the cluster gets of a serve token: a salted hash that accepts the token and
+    nothing else, differs for every salting of the same token, and holds no part of it."""
+    import secrets
+
+    from raytrain_mnist.errors import ConfigError
+    from raytrain_mnist.serving.settings import TokenHash
+
+    token = secrets.token_urlsafe()
+    hashed = TokenHash.of(token)
+    again = TokenHash.of(token)
+    line = hashed.line()
+    assert token not in line and token not in repr(hashed) and line != again.line()
+    for read in (hashed, again, TokenHash.parse(f"  {line}\n", "f")):
+        assert read.accepts(token.encode())
+        for wrong in (
+            token[:-1],
+            token + "x",
+            "",
+            token.upper() if token.lower() == token else token.lower(),
+        ):
+            assert not read.accepts(wrong.encode())
+    for bad in (token, line[:-1], line.replace("sha256", "md5"), line.upper(), ""):
+        with pytest.raises(ConfigError, match="^F is not a token hash") as info:
+            TokenHash.parse(bad, "F")
+        assert token not in str(info.value)
 
 
 def test_a_checkpoint_with_non_finite_weights_is_refused_at_load(tmp_path):

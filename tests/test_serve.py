@@ -18,6 +18,7 @@ import importlib
 import io
 import json
 import os
+import pickle
 import shutil
 import signal
 import socket
@@ -405,20 +406,52 @@ def test_cli_refuses_bad_flags_before_ray(checkpoint_dir, flags, words, monkeypa
     assert not ray.is_initialized()
 
 
-def test_token_comes_from_the_flag_or_the_environment_and_is_never_shown(monkeypatch):
+def test_token_comes_from_the_flag_or_the_environment_and_is_never_shown(monkeypatch, tmp_path):
+    """From --auth-token, --auth-token-file or $RAYTRAIN_MNIST_SERVE_TOKEN, serve keeps only
+    the token's salted hash (what the replicas get); --auth-token-hash gives the hash itself."""
     from raytrain_mnist.serve import parse_command
+    from raytrain_mnist.serving.settings import TokenHash
 
     monkeypatch.delenv(TOKEN_ENV, raising=False)
     options = parse_command(["runs/x", "--host", "0.0.0.0", "--auth-token", TOKEN])
-    assert options.token == TOKEN and TOKEN not in repr(options)
-    assert parse_command(["runs/x", "--host", "0.0.0.0", "--no-auth"]).token is None
-    assert parse_command(["runs/x"]).token is None  # loopback: a token is optional
+    assert options.token_hash.accepts(TOKEN.encode()) and TOKEN not in repr(options)
+    assert not options.token_hash.accepts(TOKEN[:-1].encode())
+    assert parse_command(["runs/x", "--host", "0.0.0.0", "--no-auth"]).token_hash is None
+    assert parse_command(["runs/x"]).token_hash is None  # loopback: a token is optional
+    (tmp_path / "token").write_text(f"{TOKEN}\nanything after the first line\n")
+    hashed = tmp_path / "token.sha256"
+    hashed.write_text(TokenHash.of(TOKEN).line())
+    for flags in (
+        ["--auth-token-file", str(tmp_path / "token")],
+        ["--auth-token-hash", str(hashed)],
+    ):
+        assert parse_command(["runs/x", "--host", "::", *flags]).token_hash.accepts(TOKEN.encode())
     monkeypatch.setenv(TOKEN_ENV, TOKEN)
-    assert parse_command(["runs/x", "--host", "0.0.0.0"]).token == TOKEN
+    assert parse_command(["runs/x", "--host", "0.0.0.0"]).token_hash.accepts(TOKEN.encode())
     monkeypatch.setenv(TOKEN_ENV, "tiny")
     with pytest.raises(Exception, match=f"\\${TOKEN_ENV} must be at least 16") as info:
         parse_command(["runs/x", "--host", "0.0.0.0"])
     assert "tiny" not in str(info.value)
+
+
+def test_a_token_hash_file_is_checked_and_contradicts_a_token(tmp_path):
+    """A --auth-token-hash file that is not a hash (a token, say) is refused in one line that
+    does not repeat it; a hash and a token, or a hash and --no-auth, contradict."""
+    from raytrain_mnist.serving.settings import TokenHash
+
+    (tmp_path / "token").write_text(f"{TOKEN}\n")
+    hashed = tmp_path / "token.sha256"
+    hashed.write_text(TokenHash.of(TOKEN).line())
+    for flags, words in (
+        (["--auth-token-hash", str(tmp_path / "token")], "token is not a token hash (one line"),
+        (["--auth-token-hash", str(tmp_path / "none")], "cannot read it (No such file"),
+        (["--auth-token-hash", str(hashed), "--auth-token", TOKEN], "contradict; give one"),
+        (["--auth-token-hash", str(hashed), "--auth-token-file", str(hashed)], "contradict"),
+        (["--auth-token-hash", str(hashed), "--no-auth"], "--no-auth and a token"),
+    ):
+        result = run_cli_here("serve", "runs/x", *flags)
+        assert result.returncode == 2 and words in result.stderr, (flags, result.stderr)
+        assert len(result.stderr.strip().splitlines()) == 1 and TOKEN not in result.stderr
 
 
 def test_cli_refuses_bad_targets_and_a_busy_port(checkpoint_dir, tmp_path):
@@ -545,12 +578,16 @@ def test_write_config_is_a_valid_serve_deploy_config(checkpoint_dir, tmp_path, m
         assert deployment.max_ongoing_requests == 32, import_path
         assert deployment.max_queued_requests == 64, import_path  # a round per replica
         access = deployment.init_args[-1]
-        assert (access.token, access.loopback_only, access.request_timeout_s) == (None, True, 30)
+        assert (access.token_hash, access.loopback_only, access.request_timeout_s) == (
+            None,
+            True,
+            30,
+        )
     assert app.args["checkpoint"] == str(checkpoint_dir.resolve())
     # A config written before hosts, auth and the timeout existed builds on the safe side.
     old = {k: app.args[k] for k in ("checkpoint", "replicas", "max_batch_size", "use_gpu")}
     access = importlib.import_module("raytrain_mnist.serve").build_app(old)._bound_deployment
-    assert access.init_args[-1].loopback_only and access.init_args[-1].token is None
+    assert access.init_args[-1].loopback_only and access.init_args[-1].token_hash is None
 
 
 def test_write_config_beyond_loopback_asks_for_a_token_it_never_holds(
@@ -576,7 +613,9 @@ def test_write_config_beyond_loopback_asks_for_a_token_it_never_holds(
     (app,) = yaml.safe_load(text)["applications"]
     assert (app["args"]["hosts"], app["args"]["auth"]) == ("any", "token")
     access = build_app(app["args"])._bound_deployment.init_args[-1]
-    assert access.token == TOKEN and not access.loopback_only and TOKEN not in repr(access)
+    # The replicas' arguments (which Serve's controller keeps in the GCS) hold its hash only.
+    assert access.token_hash.accepts(TOKEN.encode()) and not access.loopback_only
+    assert TOKEN.encode() not in pickle.dumps(access) and TOKEN not in repr(access)
 
     monkeypatch.delenv(TOKEN_ENV)
     with pytest.raises(ConfigError, match=f"auth: token needs \\${TOKEN_ENV}"):

@@ -22,6 +22,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import urllib.error
 import urllib.request
 import uuid
 from pathlib import Path
@@ -31,7 +32,9 @@ import pytest
 from raytrain_mnist import submit
 from raytrain_mnist.driver import jobs
 from raytrain_mnist.errors import EXIT_INTERRUPTED, UserError
-from raytrain_mnist.serving.settings import TOKEN_ENV
+from raytrain_mnist.nn import checkpoint as ckpt
+from raytrain_mnist.nn.model import ConvNet
+from raytrain_mnist.serving.settings import TOKEN_ENV, TokenHash
 
 from .conftest import MARKER_VAR, REPO, free_ports, kill_marked, tiny_run_flags, write_tiny_mnist
 
@@ -137,6 +140,7 @@ def head(sample_digits):
         _wait_for_jobs_api(url, token, proc, root / "ray_start.log")
         yield {
             "url": url,
+            "gcs": f"127.0.0.1:{gcs}",
             "token": token,
             "token_path": root / "token",
             "root": root,
@@ -528,43 +532,55 @@ def test_failed_job_exits_non_zero_and_bad_flags_never_reach_the_cluster(head, t
     ], proc.stderr
 
 
-def test_a_submitted_serve_token_reaches_the_job_and_no_field_of_the_job_table(head, tmp_path):
-    """`submit -- serve` with $RAYTRAIN_MNIST_SERVE_TOKEN set where it runs (and not on the
-    head): the job's serve reads the token from its working directory, and nothing the Jobs
-    API shows of the job (entrypoint, runtime_env, message, logs) holds it; runtime_env's
-    env_vars would have shown it."""
+def test_a_submitted_serve_checks_a_token_that_no_part_of_the_cluster_holds(head, tmp_path):
+    """`submit -- serve --auth-token-file F`: the job's serve answers the right token and
+    refuses others, and the token is nowhere on the cluster, while it serves or once the job
+    has ended: not in what the Jobs API shows of the job, not in the GCS's store (the job's
+    package, which Ray keeps after the job, and Serve's checkpoints of its application), not
+    in any file under the head's Ray directory (its unpacked packages, logs, session). The
+    cluster gets the token's salted hash; runtime_env's env_vars would have shown the token."""
     env = client_env(head, RAY_AUTH_MODE="token", RAY_AUTH_TOKEN_PATH=str(head["token_path"]))
-    missing = tmp_path / "no-run"
+    token = secrets.token_urlsafe(32)  # this test's own: any copy found is a leak
+    token_file = tmp_path / "my-token"
+    token_file.write_text(f"{token}\n")
+    checkpoint = tmp_path / "checkpoint_000000"
+    checkpoint.mkdir()
+    ckpt.save(checkpoint, {"model": ConvNet().state_dict(), "epoch": 0})
+    (port,) = free_ports(1)
     proc = run_submit(
-        "--address",
-        head["url"],
-        *("--", "serve", str(missing), "--host", "0.0.0.0"),
-        env={**env, TOKEN_ENV: SERVE_TOKEN},
+        *("--address", head["url"], "--no-wait", "--", "serve", str(checkpoint)),
+        *("--port", str(port), "--auth-token-file", str(token_file)),
+        env=env,
     )
-    # The job got past serve's token check (without a token it fails with 'listens beyond
-    # loopback') and stopped at the run it was pointed at, which does not exist.
-    assert proc.returncode == 1, proc.stderr
-    assert re.fullmatch(
-        rf"raytrain-mnist: error: job raysubmit_\w+ failed \(exit code 2\): {missing} does not "
-        "exist.*",
-        proc.stderr.splitlines()[-1],
-    ), proc.stderr
-    job_id = re.search(r"submitted (raysubmit_\w+)", proc.stderr)[1]
-    info = json.loads(_jobs_api(head, f"/api/jobs/{job_id}"))
-    assert info["entrypoint"].endswith("--host 0.0.0.0 --auth-token-file serve-token")
-    assert set(info["runtime_env"]) == {"working_dir"}
+    assert proc.returncode == 0, proc.stderr
+    job_id = proc.stdout.strip()
+    try:
+        _wait_for_log_line(head, job_id, "serving ")
+        predict = f"http://127.0.0.1:{port}/predict"
+        wrong = token[:-1] + ("A" if token[-1] != "A" else "B")
+        assert [_predict(predict, bearer) for bearer in (token, wrong, None)] == [200, 401, 401]
+        info = json.loads(_jobs_api(head, f"/api/jobs/{job_id}"))
+        assert info["entrypoint"].endswith(f"--auth-token-hash {jobs.SERVE_TOKEN_HASH_FILE}")
+        assert set(info["runtime_env"]) == {"working_dir"}
+        package = info["runtime_env"]["working_dir"]  # gcs://_ray_pkg_<hash>.zip
+        carried = (_working_dir(head, job_id) / jobs.SERVE_TOKEN_HASH_FILE).read_text()
+        assert TokenHash.parse(carried, "the carried file").accepts(token.encode())
+        serving = _copies_of(head, token)
+        assert serving["serve"] and package in serving["keys"], serving  # what was read
+        assert serving["holding"] == [], serving
+    finally:
+        stopped = run_submit("--address", head["url"], "stop", job_id, env=env)
+    assert stopped.returncode == 0 and "STOPPED" in stopped.stderr, stopped.stderr
+    ended = _copies_of(head, token)
+    assert package in ended["keys"] and ended["holding"] == [], ended  # Ray keeps the package
     for shown in (
-        proc.stdout + proc.stderr,
+        proc.stdout + proc.stderr + stopped.stderr,
         _jobs_api(head, f"/api/jobs/{job_id}"),
         _jobs_api(head, "/api/jobs/"),
         _jobs_api(head, f"/api/jobs/{job_id}/logs"),
         run_submit("--address", head["url"], "list", env=env).stdout,
     ):
-        assert SERVE_TOKEN not in shown
-    # serve deleted the carried file once it had read it: Ray's unpacked copy of the working
-    # directory would keep the token on the node's disk (test_a_serve_token_travels_... checks
-    # the staged file: the token, mode 0600).
-    assert not (_working_dir(head, job_id) / jobs.SERVE_TOKEN_FILE).exists()
+        assert token not in shown
 
     # What runtime_env.env_vars would have exposed: the Jobs API shows them to every caller.
     probe = secrets.token_hex(16)
@@ -580,6 +596,95 @@ def test_a_submitted_serve_token_reaches_the_job_and_no_field_of_the_job_table(h
     raw_job = submitted.stdout.strip().splitlines()[-1]
     assert probe in _jobs_api(head, f"/api/jobs/{raw_job}")
     assert probe in _jobs_api(head, "/api/jobs/")
+
+
+def _wait_for_log_line(head, job_id: str, line_start: str, timeout: float = 240) -> None:
+    """Until a line of the job's log starts with ``line_start``; fails if the job ends first."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        logs = json.loads(_jobs_api(head, f"/api/jobs/{job_id}/logs"))["logs"]
+        if any(line.startswith(line_start) for line in logs.splitlines()):
+            return
+        status = json.loads(_jobs_api(head, f"/api/jobs/{job_id}"))["status"]
+        if status in ("STOPPED", "SUCCEEDED", "FAILED"):
+            pytest.fail(f"job {job_id} ended {status} before {line_start!r}:\n{logs[-3000:]}")
+        time.sleep(0.5)
+    pytest.fail(f"job {job_id} printed no {line_start!r} in {timeout} s")
+
+
+def _predict(url: str, bearer: str | None) -> int:
+    """The status of a one-image POST /predict, with ``bearer`` as its token."""
+    body = json.dumps({"images": [[[0] * 28] * 28]}).encode()
+    headers = {"Content-Type": "application/json"}
+    if bearer is not None:
+        headers["Authorization"] = f"Bearer {bearer}"
+    try:
+        with urllib.request.urlopen(
+            urllib.request.Request(url, data=body, headers=headers), timeout=30
+        ) as response:
+            return response.status
+    except urllib.error.HTTPError as exc:
+        return exc.code
+
+
+#: Every value of the GCS's internal store (every namespace Ray 2.60 writes; a key that none
+#: of them holds is reported, so a new namespace cannot hide a copy) and every file under a
+#: folder, zips opened: which hold the token read from stdin. Ray's GcsClient reads the store
+#: without starting a driver (ray.init would add one to the cluster it inspects).
+_SCAN = """
+import io, json, os, sys, zipfile
+import ray
+from ray._raylet import GcsClient
+
+token = sys.stdin.read().strip().encode()
+namespaces = [None, b"serve", b"job", b"dashboard", b"session", b"cluster", b"fun",
+    b"tracing", b"ray_pdb", b"healthcheck", b"usage_stats",
+    ray._raylet.GCS_AUTOSCALER_STATE_NAMESPACE.encode()]
+
+def holds(data):
+    if token in data:
+        return True
+    if zipfile.is_zipfile(io.BytesIO(data)):
+        with zipfile.ZipFile(io.BytesIO(data)) as zipped:
+            return any(token in zipped.read(name) for name in zipped.namelist())
+    return False
+
+gcs = GcsClient(address=sys.argv[1])
+keys, unread, holding, serve = gcs.internal_kv_keys(b"", None), [], [], []
+text = lambda key: key.decode("utf-8", "backslashreplace")  # some keys are binary ids
+for key in keys:
+    values = {ns: gcs.internal_kv_get(key, ns) for ns in namespaces}
+    values = {ns: value for ns, value in values.items() if value is not None}
+    unread += [] if values else [text(key)]
+    serve += [text(key)] if b"serve" in values else []
+    holding += [f"gcs {ns} {text(key)}" for ns, value in values.items() if holds(value)]
+for folder, _, names in os.walk(sys.argv[2]):
+    for name in names:
+        path = os.path.join(folder, name)
+        if os.path.isfile(path) and not os.path.islink(path):
+            with open(path, "rb") as f:
+                holding += [path] if holds(f.read()) else []
+print(json.dumps({"keys": [text(k) for k in keys], "unread": unread, "serve": serve,
+    "holding": holding}))
+"""
+
+
+def _copies_of(head, token: str) -> dict:
+    """Where the token lies on ``head``'s cluster: ``holding``, the GCS's values and the files
+    under the head's directory that hold it; ``keys``, the store's keys read (``serve``: of
+    Serve's namespace)."""
+    scan = subprocess.run(
+        [sys.executable, "-c", _SCAN, head["gcs"], str(head["root"])],
+        input=token,
+        env=client_env(head, RAY_AUTH_MODE="token", RAY_AUTH_TOKEN_PATH=str(head["token_path"])),
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert scan.returncode == 0, scan.stderr
+    found = json.loads(scan.stdout.strip().splitlines()[-1])
+    assert found["unread"] == [], f"keys in a namespace the scan does not read: {found}"
+    return found
 
 
 # --------------------------------------------------------------------------- no cluster needed
@@ -691,53 +796,57 @@ def test_a_serve_token_on_the_command_line_is_refused_before_anything_is_uploade
     assert SERVE_TOKEN not in err and "no Ray dashboard answers" not in err
 
 
-def test_a_serve_token_travels_in_the_working_directory_not_the_entrypoint(
+def test_only_a_serve_tokens_salted_hash_travels_in_the_working_directory(
     tmp_path, monkeypatch, capsys
 ):
-    """From $RAYTRAIN_MNIST_SERVE_TOKEN or --auth-token-file (a path here, however spelled),
-    the entrypoint reads the staged file, which holds the token, mode 0600, and a line of its
-    own (so the package's content hash is not a hash of the token); serve reads it there."""
+    """From $RAYTRAIN_MNIST_SERVE_TOKEN, --auth-token-file or --auth-token-hash (a path here,
+    however spelled), the entrypoint reads the staged hash file: the token's salted hash,
+    mode 0600, salted anew each time (so neither it nor the package's content hash is the
+    same for one token twice); serve reads it there and checks the token against it."""
     from raytrain_mnist.serve import parse_command
 
     address = ["--address", "http://127.0.0.1:1", "--"]
+    entry = f"--auth-token-hash {jobs.SERVE_TOKEN_HASH_FILE}"
     monkeypatch.setenv(TOKEN_ENV, SERVE_TOKEN)
     options = submit.parse([*address, "serve", "runs/r", "--host", "0.0.0.0"])
-    assert options.entrypoint == (
-        "python -m raytrain_mnist.serve runs/r --host 0.0.0.0 --auth-token-file serve-token"
-    )
-    assert options.serve_token == SERVE_TOKEN and SERVE_TOKEN not in repr(options)
-    assert submit.parse([*address, "fit"]).serve_token is None
+    assert options.entrypoint == (f"python -m raytrain_mnist.serve runs/r --host 0.0.0.0 {entry}")
+    assert options.serve_token_hash.accepts(SERVE_TOKEN.encode())
+    assert SERVE_TOKEN not in repr(options)
+    assert submit.parse([*address, "fit"]).serve_token_hash is None
     monkeypatch.delenv(TOKEN_ENV)
-    assert submit.parse([*address, "serve", "runs/r"]).serve_token is None  # loopback: none
+    assert submit.parse([*address, "serve", "runs/r"]).serve_token_hash is None  # loopback
     local = tmp_path / "my-token"
     local.write_text(f"{SERVE_TOKEN[::-1]}\n")
+    hashed = tmp_path / "my-token.sha256"
+    hashed.write_text(TokenHash.of(SERVE_TOKEN[::-1]).line() + "\n")
     for flags in (
         ["--auth-token-file", str(local)],
         [f"--auth-token-file={local}"],
+        ["--auth-token-hash", str(hashed)],
+        [f"--auth-token-hash={hashed}"],
     ):
         options = submit.parse([*address, "serve", *flags, "runs/r", "--replicas", "2"])
-        assert options.entrypoint == (
-            "python -m raytrain_mnist.serve runs/r --replicas 2 --auth-token-file serve-token"
-        )
-        assert options.serve_token == SERVE_TOKEN[::-1]
+        assert options.entrypoint == (f"python -m raytrain_mnist.serve runs/r --replicas 2 {entry}")
+        assert options.serve_token_hash.accepts(SERVE_TOKEN[::-1].encode())
     code = submit.cli([*address, "serve", "runs/r", "--auth-token-file", str(tmp_path / "none")])
     err = capsys.readouterr().err
     assert code == 2 and "cannot read it (No such file or directory)" in err, err
 
     with (
-        jobs.staged_upload(serve_token=SERVE_TOKEN) as env,
-        jobs.staged_upload(serve_token=SERVE_TOKEN) as again,
+        jobs.staged_upload(serve_token_hash=TokenHash.of(SERVE_TOKEN)) as env,
+        jobs.staged_upload(serve_token_hash=TokenHash.of(SERVE_TOKEN)) as again,
     ):
-        staged = Path(env["working_dir"], jobs.SERVE_TOKEN_FILE)
+        staged = Path(env["working_dir"], jobs.SERVE_TOKEN_HASH_FILE)
         assert stat.S_IMODE(staged.stat().st_mode) == 0o600
-        token, salt = staged.read_text().splitlines()
-        other = Path(again["working_dir"], jobs.SERVE_TOKEN_FILE).read_text().splitlines()
-        assert token == SERVE_TOKEN == other[0] and len(salt) == 64 and salt != other[1]
+        line = staged.read_text()
+        assert SERVE_TOKEN not in line and line.count("\n") == 1
+        assert line != Path(again["working_dir"], jobs.SERVE_TOKEN_HASH_FILE).read_text()
         monkeypatch.chdir(env["working_dir"])  # where the job runs
-        words = options.entrypoint.split()[3:]
-        assert parse_command(words).token == SERVE_TOKEN
+        served = parse_command(options.entrypoint.split()[3:]).token_hash
+        assert served.accepts(SERVE_TOKEN.encode())
+        assert not served.accepts(SERVE_TOKEN[::-1].encode())
     with jobs.staged_upload() as env:
-        assert not Path(env["working_dir"], jobs.SERVE_TOKEN_FILE).exists()
+        assert not Path(env["working_dir"], jobs.SERVE_TOKEN_HASH_FILE).exists()
 
 
 def test_parse_checks_and_returns_the_options():

@@ -28,6 +28,7 @@ from raytrain_mnist.serving.settings import (
     CPUS_PER_REPLICA,
     TOKEN_ENV,
     ServeConfig,
+    TokenHash,
     check_access,
     check_token,
 )
@@ -64,7 +65,8 @@ def build_app(args: dict):
     ``args``: ``checkpoint`` (a checkpoint directory or state.pt; the weights are read here,
     where the application is built), ``replicas``, ``max_batch_size``, ``use_gpu``,
     ``request_timeout_s``, ``hosts`` and ``auth`` (with ``token``, the token is read from
-    ``$RAYTRAIN_MNIST_SERVE_TOKEN`` here: a config file never holds it).
+    ``$RAYTRAIN_MNIST_SERVE_TOKEN`` here: a config file never holds it, and the replicas get
+    its salted hash only).
     """
     unknown = sorted(set(args) - set(_APP_ARGS))
     if unknown or "checkpoint" not in args:
@@ -74,7 +76,7 @@ def build_app(args: dict):
         raise ConfigError(
             f"serve application args: hosts must be one of {_HOSTS}, auth one of {_AUTH}"
         )
-    token = None
+    token_hash = None
     if auth == "token":
         token = os.environ.get(TOKEN_ENV)
         if not token:
@@ -82,9 +84,10 @@ def build_app(args: dict):
                 f"serve application args: auth: token needs ${TOKEN_ENV} set where the "
                 "application is built (a Secret on KubeRay: docs/serve.md)"
             )
-        check_token(token, f"${TOKEN_ENV}")
+        # Serve's controller keeps the replicas' arguments in the GCS: the hash goes there.
+        token_hash = TokenHash.of(check_token(token, f"${TOKEN_ENV}"))
     access = app.Access(
-        token=token,
+        token_hash=token_hash,
         loopback_only=hosts == "loopback",
         request_timeout_s=int(args.get("request_timeout_s", ServeConfig.request_timeout_s)),
     )
@@ -395,19 +398,22 @@ def url_of(cfg: ServeConfig) -> str:
 
 
 @contextlib.contextmanager
-def serving(cfg: ServeConfig, checkpoint: str, token: str | None = None) -> Iterator[str]:
+def serving(
+    cfg: ServeConfig, checkpoint: str, token_hash: TokenHash | None = None
+) -> Iterator[str]:
     """Deploy ``checkpoint`` and yield the URL; on exit remove what this call deployed
     (the application; Serve itself when it was not running before; a Ray it started).
-    With ``token``, ``POST /predict`` needs it as ``Authorization: Bearer``; beyond loopback
-    a token or ``cfg.no_auth`` is required (ConfigError). The ingress is
+    With ``token_hash``, ``POST /predict`` needs the token it is the hash of as
+    ``Authorization: Bearer``; beyond loopback a token or ``cfg.no_auth`` is required
+    (ConfigError). The ingress is
     :func:`choose_ingress`'s, or the proxy where Serve already runs (``auto``)."""
     import tempfile
 
     from ray import serve
 
-    address, ingress = _address_and_ingress(cfg, token)
+    address, ingress = _address_and_ingress(cfg, token_hash)
     # Reads the weights: a bad checkpoint is refused here, before any Ray starts.
-    access = app.Access(token, cfg.loopback, cfg.request_timeout_s)
+    access = app.Access(token_hash, cfg.loopback, cfg.request_timeout_s)
     args = _app_args(cfg, checkpoint, "none")
     weights = _weights(args)
     # Replicas are not training workers: the local Ray is sized for them as extra CPUs,
@@ -479,11 +485,9 @@ def _serve_already_running(cfg: ServeConfig, ingress: str) -> tuple[bool, str]:
     return running, ingress
 
 
-def _address_and_ingress(cfg: ServeConfig, token: str | None) -> tuple[str | None, str]:
+def _address_and_ingress(cfg: ServeConfig, token_hash: TokenHash | None) -> tuple[str | None, str]:
     """The cluster (None: a local Ray) and the ingress, once the access settings are checked."""
-    check_access(cfg, token)
-    if token is not None:
-        check_token(token, "the token")
+    check_access(cfg, token_hash)
     address = cluster.resolve_address(cfg.address)
     ingress = choose_ingress(cfg, address)
     if ingress == "haproxy" and address is not None:

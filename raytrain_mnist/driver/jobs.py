@@ -21,6 +21,7 @@ from urllib.parse import urlsplit
 from raytrain_mnist import compat
 from raytrain_mnist.errors import EXIT_USAGE, ConfigError, UserError, first_line
 from raytrain_mnist.net import is_loopback
+from raytrain_mnist.serving.settings import TokenHash
 from raytrain_mnist.uris import check_no_credentials, looks_secret, redact_uri
 
 logger = logging.getLogger(__name__)
@@ -58,11 +59,11 @@ EXCLUDES = [
     "*.egg-info/",
     ".pytest_cache/",
 ]
-#: Where a submitted ``serve`` finds its token: a file (mode 0600) in the job's working
-#: directory, its first line the token, its second a random line that keeps the package's
-#: content hash (the ``gcs://_ray_pkg_<hash>.zip`` the job table shows) from being a hash of
-#: the token. Never the entrypoint, never ``runtime_env.env_vars``: the job table shows both.
-SERVE_TOKEN_FILE = "serve-token"
+#: Where a submitted ``serve`` finds what it checks tokens against: a file in the job's working
+#: directory holding the token's salted hash (``TokenHash.line``), never the token. Ray keeps
+#: a job's package in the GCS and unpacked on its nodes long after the job (until its cache
+#: is full), so the token itself never goes: no file, no entrypoint, no ``runtime_env``.
+SERVE_TOKEN_HASH_FILE = "serve-token.sha256"
 #: The custom resource of cluster.yaml's driver node (ray.driver.cpu): where a job's driver
 #: goes by default on a cluster that offers it.
 DRIVER_RESOURCE = "job_driver"
@@ -318,24 +319,28 @@ def check_env(pairs: Sequence[str]) -> dict[str, str]:
 
 
 def staged_token_args(parse_args: Callable[[list[str]], Any], args: list[str]) -> list[str]:
-    """serve's ``args`` with their ``--auth-token-file`` (a path here) replaced by the one
-    that reads :data:`SERVE_TOKEN_FILE` in the job's working directory; ``parse_args`` is
-    serve's parser, which checks the result."""
-    flag = "--auth-token-file"
+    """serve's ``args`` with their ``--auth-token-file`` or ``--auth-token-hash`` (a path
+    here) replaced by ``--auth-token-hash`` :data:`SERVE_TOKEN_HASH_FILE`, in the job's
+    working directory; ``parse_args`` is serve's parser, which checks the result."""
+    flags = ("--auth-token-file", "--auth-token-hash")
     kept: list[str] = []
     rest = iter(args)
     for arg in rest:
         if arg == "--":
             kept += [arg, *rest]
             break
-        if arg == flag:
+        if arg in flags:
             next(rest, None)
-        elif not arg.startswith(f"{flag}="):
+        elif not arg.startswith(tuple(f"{flag}=" for flag in flags)):
             kept.append(arg)
     at = kept.index("--") if "--" in kept else len(kept)
-    kept[at:at] = [flag, SERVE_TOKEN_FILE]
-    if parse_args(kept).auth_token_file != SERVE_TOKEN_FILE:
-        raise UserError(f"spell serve's {flag} FILE out in full", EXIT_USAGE)
+    kept[at:at] = ["--auth-token-hash", SERVE_TOKEN_HASH_FILE]
+    parsed = parse_args(kept)
+    if parsed.auth_token_hash != SERVE_TOKEN_HASH_FILE or parsed.auth_token_file is not None:
+        raise UserError(
+            "spell serve's --auth-token-file FILE or --auth-token-hash FILE out in full",
+            EXIT_USAGE,
+        )
     return kept
 
 
@@ -368,26 +373,27 @@ def upload_files(root: Path | None = None) -> list[str]:
 
 
 @contextlib.contextmanager
-def staged_upload(root: Path | None = None, serve_token: str | None = None) -> Iterator[dict]:
+def staged_upload(
+    root: Path | None = None, serve_token_hash: TokenHash | None = None
+) -> Iterator[dict]:
     """The job's runtime environment: a temporary directory holding a copy of
     :func:`upload_files` (and nothing else) as its working directory, removed once the job
-    is submitted (Ray uploads it during ``submit_job``). With ``serve_token``, it holds
-    :data:`SERVE_TOKEN_FILE` too."""
+    is submitted (Ray uploads it during ``submit_job``). With ``serve_token_hash``, it holds
+    :data:`SERVE_TOKEN_HASH_FILE` too."""
     root = Path(root) if root is not None else _PACKAGE_DIR.parent
     with tempfile.TemporaryDirectory(prefix="raytrain_mnist-upload-") as staging:
         for name in upload_files(root):
             target = Path(staging, name)
             target.parent.mkdir(parents=True, exist_ok=True)
             shutil.copyfile(root / name, target, follow_symlinks=False)
-        if serve_token is not None:
-            import secrets
-
-            # Ray's zip keeps the mode: 0600 on every node that unpacks it, too.
+        if serve_token_hash is not None:
+            # The hash hides the token; mode 0600 (Ray's zip keeps it, on every node that
+            # unpacks it too) keeps other users from trying guesses against it.
             fd = os.open(
-                Path(staging, SERVE_TOKEN_FILE), os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600
+                Path(staging, SERVE_TOKEN_HASH_FILE), os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600
             )
             with os.fdopen(fd, "w", encoding="utf-8") as f:
-                f.write(f"{serve_token}\n{secrets.token_hex(32)}\n")
+                f.write(f"{serve_token_hash.line()}\n")
         yield {"working_dir": staging}
 
 
@@ -415,13 +421,13 @@ def submit_job(
     url: str,
     entry: str,
     driver_resource: str | None = None,
-    serve_token: str | None = None,
+    serve_token_hash: TokenHash | None = None,
     env_vars: dict[str, str] | None = None,
 ) -> str:
     """Submit ``entry`` with this checkout's files as its working directory; the job id."""
     # Without entrypoint resources Ray pins the driver to the head (and the head's role).
     resources = {driver_resource: 1} if driver_resource else None
-    with one_line_errors(url), staged_upload(serve_token=serve_token) as env:
+    with one_line_errors(url), staged_upload(serve_token_hash=serve_token_hash) as env:
         if env_vars:
             env["env_vars"] = dict(env_vars)
         return client.submit_job(entrypoint=entry, runtime_env=env, entrypoint_resources=resources)

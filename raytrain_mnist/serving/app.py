@@ -31,7 +31,6 @@ binds the application) imports them when it needs them.
 from __future__ import annotations
 
 import asyncio
-import hmac
 from dataclasses import dataclass, field
 from importlib import resources
 
@@ -39,7 +38,12 @@ import numpy as np
 
 from raytrain_mnist import compat
 from raytrain_mnist.serving.images import MAX_BODY_BYTES, BadRequest, parse_images
-from raytrain_mnist.serving.settings import CPUS_PER_REPLICA, ServeConfig, loopback_host_header
+from raytrain_mnist.serving.settings import (
+    CPUS_PER_REPLICA,
+    ServeConfig,
+    TokenHash,
+    loopback_host_header,
+)
 
 #: The deployment's name inside the application (``serve status`` shows it).
 DEPLOYMENT_NAME = "DigitClassifier"
@@ -75,8 +79,9 @@ def page() -> bytes:
 class Access:
     """Who may use a replica, and how long a request's body may take to arrive."""
 
-    #: ``Authorization: Bearer`` token that ``POST /predict`` needs; None: no token.
-    token: str | None = field(default=None, repr=False)
+    #: The salted hash of the ``Authorization: Bearer`` token that ``POST /predict`` needs
+    #: (a replica never holds the token itself); None: no token.
+    token_hash: TokenHash | None = field(default=None, repr=False)
     #: The proxy listens on loopback only: ``Host`` must then name loopback.
     loopback_only: bool = True
     request_timeout_s: float = ServeConfig.request_timeout_s
@@ -163,7 +168,6 @@ class DigitClassifier:
             # Ray 2.60 starts an inter-deployment gRPC server in every replica, on every
             # interface, once this constructor returns: on loopback it listens there only.
             compat.serve_replica_grpc_on_loopback()
-        self._token = None if self.access.token is None else self.access.token.encode()
         self._parse = Parser()
         if max_batch_size == 1:  # no batching: each chunk's forward pass runs as it comes
             self._batched = self._run_alone
@@ -263,11 +267,10 @@ class DigitClassifier:
     def _admit(self, request) -> None:
         """The checks of a ``POST /predict`` before its body is read: the token, the content
         type (no cross-site form post is JSON), the proxy's timeout left in place."""
-        if self._token is not None:
+        if (token_hash := self.access.token_hash) is not None:
             scheme, _, credentials = request.headers.get("authorization", "").partition(" ")
-            # Constant time: how much of a wrong token matched does not show in the answer.
-            if scheme.lower() != "bearer" or not hmac.compare_digest(
-                credentials.strip().encode("latin-1"), self._token
+            if scheme.lower() != "bearer" or not token_hash.accepts(
+                credentials.strip().encode("latin-1")
             ):
                 raise BadRequest(
                     401,

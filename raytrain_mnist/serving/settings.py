@@ -1,5 +1,5 @@
 """How the model is served: :class:`ServeConfig`, the serve command's settings and defaults,
-and who may use what it serves (:func:`check_access`).
+and who may use what it serves (:func:`check_access`, :class:`TokenHash`).
 
 Pure (no Ray): the command builds it from flags, the driver side deploys by it, and the
 replicas' sizing (:data:`CPUS_PER_REPLICA`) is read from here by both.
@@ -7,8 +7,11 @@ replicas' sizing (:data:`CPUS_PER_REPLICA`) is read from here by both.
 
 from __future__ import annotations
 
+import hashlib
+import hmac
 import re
-from dataclasses import dataclass
+import secrets
+from dataclasses import dataclass, field
 from typing import Optional
 
 from raytrain_mnist.config import check_int, option
@@ -25,6 +28,8 @@ TOKEN_ENV = "RAYTRAIN_MNIST_SERVE_TOKEN"
 #: enough not to be guessed: ``python -c 'import secrets; print(secrets.token_urlsafe())'``.
 TOKEN_MIN_CHARS = 16
 _TOKEN = re.compile(r"[A-Za-z0-9\-._~+/]+=*")
+#: A :class:`TokenHash` as one line of text: ``sha256$SALT$DIGEST``, both in hex.
+_TOKEN_HASH = re.compile(r"sha256\$([0-9a-f]{32})\$([0-9a-f]{64})")
 #: How HTTP reaches the replicas (docs/serve.md, "Ingress"): ``direct``, the one replica's own
 #: HTTP server on --host:--port; ``haproxy``, Ray's HAProxy in front of the replicas'
 #: servers; ``proxy``, Ray Serve's Python proxy; ``auto``: direct with one replica on a
@@ -105,7 +110,55 @@ def check_token(token: str, source: str) -> str:
     return token
 
 
-def check_access(cfg: ServeConfig, token: str | None, listening: bool = True) -> None:
+@dataclass(frozen=True)
+class TokenHash:
+    """What ``POST /predict`` checks a bearer token against: a salted SHA-256 of the token,
+    from which the token cannot be recovered. Replicas, the driver of a submitted ``serve``
+    and the job's uploaded files hold this, never the token (docs/serve.md).
+
+    SHA-256 and not a slow KDF (scrypt, PBKDF2): the check runs on every request, and a KDF
+    slow enough to matter costs more CPU than the request itself. A slow hash protects
+    guessable passwords; a bearer token is random (``secrets.token_urlsafe()``: 256 bits,
+    and :data:`TOKEN_MIN_CHARS` of the base64 alphabet are 96), which no hash, fast or slow,
+    lets anyone guess. The salt makes two hashes of one token differ (and a precomputed
+    table useless)."""
+
+    salt: bytes = field(repr=False)
+    digest: bytes = field(repr=False)
+
+    @classmethod
+    def of(cls, token: str) -> TokenHash:
+        """A new hash (a fresh random salt) of ``token``, a checked one (:func:`check_token`)."""
+        salt = secrets.token_bytes(16)
+        return cls(salt, _salted_sha256(salt, token.encode("ascii")))
+
+    @classmethod
+    def parse(cls, text: str, source: str) -> TokenHash:
+        """The hash that ``text`` (:meth:`line`'s form) writes; ConfigError naming ``source``
+        otherwise (the message never repeats ``text``)."""
+        found = _TOKEN_HASH.fullmatch(text.strip())
+        if found is None:
+            raise ConfigError(
+                f"{source} is not a token hash (one line: sha256$SALT$DIGEST, 32 and 64 "
+                "hex digits, as `submit` writes it)"
+            )
+        return cls(bytes.fromhex(found[1]), bytes.fromhex(found[2]))
+
+    def line(self) -> str:
+        """The hash as one line of text, which :meth:`parse` reads."""
+        return f"sha256${self.salt.hex()}${self.digest.hex()}"
+
+    def accepts(self, presented: bytes) -> bool:
+        """Whether ``presented`` (an ``Authorization: Bearer`` credential) is the token."""
+        # Constant time: how much of a wrong token's hash matched does not show in the answer.
+        return hmac.compare_digest(_salted_sha256(self.salt, presented), self.digest)
+
+
+def _salted_sha256(salt: bytes, token: bytes) -> bytes:
+    return hashlib.sha256(salt + token).digest()
+
+
+def check_access(cfg: ServeConfig, token: TokenHash | None, listening: bool = True) -> None:
     """A token and ``--no-auth`` contradict; and when ``listening`` (serving, rather than
     writing a config whose application reads its token on the cluster), a proxy beyond
     loopback needs one of them. Checked before anything starts."""
