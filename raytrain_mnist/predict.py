@@ -3,8 +3,10 @@
 The command over :func:`raytrain_mnist.driver.predicting.predict_files`: in this process,
 without Ray. PNG and JPEG files of any size are made MNIST-like exactly as ``serve`` makes
 its PNGs; IDX image files are read as they are. A line per image (its most likely labels),
-a line per file that could not be read; the exit status is 1 when any file could not be
-read, 0 otherwise.
+a line per file that could not be read (not a regular file, not an image, past what one call
+may read: :mod:`raytrain_mnist.driver.predicting`) or image the model gives no finite
+probabilities for; the exit status is 1 when there is any such line, 0 otherwise. Names are
+escaped for the terminal; ``--json`` is strict JSON (never ``NaN``).
 """
 
 from __future__ import annotations
@@ -81,7 +83,7 @@ def run(options: PredictOptions) -> int:
     if outcome.errors:
         print(
             f"{len(outcome.predictions)} image(s) classified, {len(outcome.errors)} file(s) "
-            "could not be read",
+            "or image(s) could not be",
             file=sys.stderr,
         )
         return EXIT_FAILURE

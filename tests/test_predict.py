@@ -218,3 +218,175 @@ def test_predict_imports_no_ray(fitted, image_files):
     )
     assert result.returncode == 0, result.stderr
     assert result.stdout.startswith(f"{written[0][0]}: ")
+
+
+# ------------------------------------------------------------------ hostile files (issue 47)
+# An untrained ConvNet's checkpoint is enough for what these check: what is read, what is
+# refused, what is written. No Ray, no fit.
+
+
+def _checkpoint(root, weights=None):
+    from raytrain_mnist.nn import checkpoint as ckpt
+    from raytrain_mnist.nn.model import ConvNet
+
+    path = root / "checkpoint_000000"
+    path.mkdir(parents=True)
+    ckpt.save(path, {"model": weights or ConvNet().state_dict(), "epoch": 0})
+    return str(path)
+
+
+@pytest.fixture(scope="module")
+def untrained(tmp_path_factory):
+    return _checkpoint(tmp_path_factory.mktemp("untrained"))
+
+
+@pytest.fixture(scope="module")
+def a_png(tmp_path_factory):
+    from PIL import Image
+
+    path = tmp_path_factory.mktemp("png") / "digit.png"
+    pixels = np.zeros((28, 28), dtype=np.uint8)
+    pixels[6:22, 12:16] = 255  # a 1
+    Image.fromarray(pixels).save(path)
+    return path
+
+
+def _strict_json(text: str):
+    """``text`` parsed as JSON proper: NaN and Infinity are not JSON, nor a lone surrogate
+    (the record must encode as UTF-8)."""
+
+    def refuse(word):
+        raise ValueError(f"{word} is not JSON")
+
+    text.encode("utf-8")  # strict: a lone surrogate raises
+    return json.loads(text, parse_constant=refuse)
+
+
+def _idx(path, count: int, pixels: bytes | None = None):
+    """An IDX image file of ``count`` 28x28 images: ``pixels``, or zeros written sparse (a
+    file of any declared size costs nothing on disk)."""
+    import struct
+
+    with open(path, "wb") as f:
+        f.write(struct.pack(">IIII", 0x0803, count, 28, 28))
+        if pixels is not None:
+            f.write(pixels)
+        else:
+            f.truncate(16 + count * 28 * 28)
+    return path
+
+
+@pytest.mark.timeout(60)  # its read blocked for good before it was refused
+def test_a_fifo_is_one_line_and_never_waited_on(untrained, a_png, tmp_path):
+    import os
+
+    fifo = tmp_path / "pipe.png"
+    os.mkfifo(fifo)
+    result, record = _predict_json(untrained, str(fifo), str(a_png))
+    assert result.returncode == 1, result.stderr
+    assert record["errors"] == [
+        {"source": str(fifo), "error": "is a FIFO (named pipe), not a regular file"}
+    ]
+    assert [p["source"] for p in record["predictions"]] == [str(a_png)]
+
+
+@pytest.mark.timeout(60)
+def test_only_regular_files_are_read_and_the_rest_are_one_line_each(untrained, a_png, tmp_path):
+    import gzip
+    import socket
+
+    sock = tmp_path / "sock.png"
+    listener = socket.socket(socket.AF_UNIX)
+    listener.bind(str(sock))
+    zero = tmp_path / "zero.png"
+    zero.symlink_to("/dev/zero")  # read without bound before
+    dangling = tmp_path / "dangling.png"
+    dangling.symlink_to(tmp_path / "nowhere")
+    loop = tmp_path / "loop.png"
+    loop.symlink_to(loop)
+    gz = tmp_path / "cut-idx3-ubyte.gz"
+    gz.write_bytes(gzip.compress(_idx(tmp_path / "x", 3, bytes(3 * 784)).read_bytes())[:-20])
+    bad = [sock, zero, dangling, loop, gz, "/dev/null"]
+    try:
+        result, record = _predict_json(untrained, str(a_png), *map(str, bad))
+    finally:
+        listener.close()
+    assert result.returncode == 1, result.stderr
+    assert "Traceback" not in result.stderr and "internal error" not in result.stderr
+    assert [p["source"] for p in record["predictions"]] == [str(a_png)]
+    reasons = {e["source"]: e["error"] for e in record["errors"]}
+    assert list(reasons) == list(map(str, bad))
+    assert reasons[str(sock)] == "is a socket, not a regular file"
+    assert reasons[str(zero)] == reasons["/dev/null"] == "is a character device, not a regular file"
+    assert "No such file" in reasons[str(dangling)]
+    assert "symbolic links" in reasons[str(loop)]
+    assert "truncated or damaged gzip" in reasons[str(gz)]
+    lines = [line for line in result.stderr.splitlines() if line.startswith("raytrain-mnist:")]
+    assert len(lines) == len(bad)
+
+
+def test_a_name_that_is_not_utf8_is_escaped_in_text_and_json(untrained, a_png, tmp_path):
+    import os
+
+    odd = os.fsdecode(bytes(tmp_path) + b"/d\xffi\x1b]0;t\x07.png")  # not UTF-8, and an OSC
+    with open(os.fsencode(odd), "wb") as f:
+        f.write(a_png.read_bytes())
+    text = run_cli_here("predict", untrained, odd)
+    assert text.returncode == 0, text.stderr
+    (line,) = text.stdout.encode("utf-8").decode().splitlines()  # a crash on print before
+    assert line.startswith(f"{tmp_path}/d\\xffi^[]0;t^G.png: ")
+    result = run_cli_here("predict", untrained, odd, "--json")
+    assert result.returncode == 0, result.stderr
+    (p,) = _strict_json(result.stdout)["predictions"]
+    assert p["source"] == f"{tmp_path}/d\\xffi\x1b]0;t\x07.png"  # JSON escapes ESC and BEL
+    assert "\x1b" not in result.stdout
+
+
+def test_a_checkpoint_with_nan_weights_is_refused_in_one_line(a_png, tmp_path):
+    from raytrain_mnist.nn.model import ConvNet
+
+    weights = ConvNet().state_dict()
+    weights["fc.weight"][0, 0] = float("nan")
+    result = run_cli_here("predict", _checkpoint(tmp_path, weights), str(a_png), "--json")
+    assert result.returncode == 1
+    assert "non-finite weights (NaN or inf)" in result.stderr
+    assert len(result.stderr.strip().splitlines()) == 1, result.stderr
+    assert "NaN" not in result.stdout
+
+
+def test_logits_that_overflow_are_an_error_and_the_json_stays_strict(a_png, tmp_path):
+    """Finite weights whose logits overflow to inf: softmax gives NaN, which is neither a
+    prediction nor JSON. The image is an error line; the output is JSON proper."""
+    import torch
+
+    from raytrain_mnist.nn.model import ConvNet
+
+    weights = ConvNet().state_dict()
+    weights["fc.weight"] = torch.full_like(weights["fc.weight"], 3e38)
+    weights["fc.bias"] = torch.full_like(weights["fc.bias"], 3e38)
+    result = run_cli_here("predict", _checkpoint(tmp_path, weights), str(a_png), "--json")
+    assert result.returncode == 1, result.stderr
+    record = _strict_json(result.stdout)
+    assert record["predictions"] == []
+    assert record["errors"] == [
+        {"source": str(a_png), "error": "the model's output for it is not finite (NaN or inf)"}
+    ]
+
+
+def test_what_one_call_reads_is_bounded_before_it_is_read(untrained, a_png, tmp_path):
+    """A sparse IDX file declaring more images than one call classifies costs nothing to
+    make; it is refused from its header (it took ~1 GB and 12 s before), and so is a file
+    that would pass what is left of the budget, while the files before are classified."""
+    from raytrain_mnist.driver.predicting import MAX_IMAGES
+
+    huge = _idx(tmp_path / "huge-idx3-ubyte", MAX_IMAGES + 1)
+    ten = _idx(tmp_path / "ten-idx3-ubyte", 10, bytes(10 * 784))
+    rest = _idx(tmp_path / "rest-idx3-ubyte", MAX_IMAGES - 10)  # 10 + 1 past the budget
+    result, record = _predict_json(untrained, str(huge), str(a_png), str(ten), str(rest))
+    assert result.returncode == 1, result.stderr
+    assert len(record["predictions"]) == 11
+    reasons = {e["source"]: e["error"] for e in record["errors"]}
+    assert reasons[str(huge)] == (
+        f"holds {MAX_IMAGES + 1} images, more than one call's budget of {MAX_IMAGES} images"
+    )
+    assert reasons[str(rest)].startswith(f"holds {MAX_IMAGES - 10} images, past what is left")

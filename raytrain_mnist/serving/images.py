@@ -203,10 +203,11 @@ def _chunk(kind: bytes, payload: bytes) -> bytes:
     return struct.pack(">I", len(payload)) + kind + payload + struct.pack(">I", crc)
 
 
-def png_size(data: bytes, i: int = 0) -> tuple[int, int]:
+def png_size(data: bytes, i: int = 0, formats: tuple[str, ...] = ("PNG",)) -> tuple[int, int]:
     """A PNG's width and height as its header declares them, refused past
-    :data:`MAX_PNG_PIXELS` (413); nothing is decoded (PIL's open reads the header only)."""
-    with _open_png(data, i) as img:
+    :data:`MAX_PNG_PIXELS` (413); nothing is decoded (PIL's open reads the header only).
+    ``formats``: as :func:`png_to_mnist`'s."""
+    with _open_png(data, i, formats) as img:
         return img.size
 
 
