@@ -132,3 +132,106 @@ def test_bad_arguments_are_one_line(fitted, tmp_path, args, fragment):
     assert result.returncode == 2, result.stderr
     lines = result.stderr.strip().splitlines()
     assert len(lines) == 1 and fragment in lines[0], result.stderr
+
+
+# ------------------------------------------------- never clobber, never pass NaN (issue 47)
+# An untrained ConvNet's checkpoint is enough for what these check: what is written where,
+# and what the fidelity check lets through. No Ray, no fit.
+
+
+def _checkpoint(root, weights=None) -> str:
+    from raytrain_mnist.nn import checkpoint as ckpt
+    from raytrain_mnist.nn.model import ConvNet
+
+    path = root / "checkpoint_000000"
+    path.mkdir(parents=True)
+    ckpt.save(path, {"model": weights or ConvNet().state_dict(), "epoch": 0})
+    return str(path)
+
+
+@pytest.fixture(scope="module")
+def untrained(tmp_path_factory) -> str:
+    return _checkpoint(tmp_path_factory.mktemp("untrained"))
+
+
+def _export(checkpoint: str, output) -> object:
+    return run_cli_here("export", checkpoint, "--format", "pt2", "--output", str(output))
+
+
+@pytest.mark.parametrize("name", ["m.pt2", "m.pt2.json"])
+def test_a_dangling_symlink_at_an_output_name_is_kept(untrained, tmp_path, name):
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / name).symlink_to(tmp_path / "elsewhere")
+    result = _export(untrained, out / "m.pt2")
+    assert result.returncode == 2, result.stderr
+    assert result.stderr.strip() == (
+        f"raytrain-mnist: error: {out / name} exists; pass --overwrite to replace it"
+    )
+    assert sorted(p.name for p in out.iterdir()) == [name]
+    assert (out / name).readlink() == tmp_path / "elsewhere"
+    assert not (tmp_path / "elsewhere").exists()
+    # --overwrite replaces the link itself, never writes through it.
+    result = run_cli_here(
+        "export", untrained, "--format", "pt2", "--output", str(out / "m.pt2"), "--overwrite"
+    )
+    assert result.returncode == 0, result.stderr
+    assert sorted(p.name for p in out.iterdir()) == ["m.pt2", "m.pt2.json"]
+    assert not (out / name).is_symlink() and not (tmp_path / "elsewhere").exists()
+
+
+@pytest.mark.parametrize("name", ["m.pt2", "m.pt2.json"])
+def test_an_output_that_appears_while_exporting_is_kept(untrained, tmp_path, monkeypatch, name):
+    """The name is free when export looks, and taken by the time it publishes: the other
+    writer's file stays, and neither of export's is left (the model is taken back when its
+    FILE.json cannot be published). The file appears from the fidelity check, the step
+    between writing the temporary file and publishing it: no timing involved."""
+    from raytrain_mnist.driver import exporting
+
+    out = tmp_path / "out"
+    out.mkdir()
+    check = exporting.check_export
+
+    def check_then_someone_writes(*args, **kwargs):
+        difference = check(*args, **kwargs)
+        (out / name).write_text("theirs")
+        return difference
+
+    monkeypatch.setattr(exporting, "check_export", check_then_someone_writes)
+    result = _export(untrained, out / "m.pt2")
+    assert result.returncode == 2, result.stderr
+    assert result.stderr.strip() == (
+        f"raytrain-mnist: error: {out / name} exists (it appeared while exporting); "
+        "pass --overwrite to replace it"
+    )
+    assert sorted(p.name for p in out.iterdir()) == [name]  # no temporary file left either
+    assert (out / name).read_text() == "theirs"
+
+
+def test_logits_that_are_not_finite_fail_the_check(tmp_path):
+    """Finite weights whose logits overflow: the difference between the exported model's
+    and the checkpoint's is NaN, which compares false with the tolerance (it passed as
+    'logits within nan', exit 0)."""
+    import torch
+
+    from raytrain_mnist.nn.model import ConvNet
+
+    weights = ConvNet().state_dict()
+    weights["fc.weight"] = torch.full_like(weights["fc.weight"], 3e38)
+    result = _export(_checkpoint(tmp_path / "ckpt", weights), tmp_path / "m.pt2")
+    assert result.returncode == 1, result.stdout
+    assert "not finite (NaN or inf)" in result.stderr and "nothing was written" in result.stderr
+    assert len(result.stderr.strip().splitlines()) == 1, result.stderr
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt"]
+
+
+def test_a_checkpoint_with_nan_weights_is_not_exported(tmp_path):
+    from raytrain_mnist.nn.model import ConvNet
+
+    weights = ConvNet().state_dict()
+    weights["fc.weight"][3, 7] = float("nan")
+    result = _export(_checkpoint(tmp_path / "ckpt", weights), tmp_path / "m.pt2")
+    assert result.returncode == 1, result.stdout
+    assert "non-finite weights (NaN or inf)" in result.stderr
+    assert len(result.stderr.strip().splitlines()) == 1, result.stderr
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt"]
