@@ -306,7 +306,7 @@ def test_only_regular_files_are_read_and_the_rest_are_one_line_each(untrained, a
     loop.symlink_to(loop)
     gz = tmp_path / "cut-idx3-ubyte.gz"
     gz.write_bytes(gzip.compress(_idx(tmp_path / "x", 3, bytes(3 * 784)).read_bytes())[:-20])
-    bad = [sock, zero, dangling, loop, gz, "/dev/null"]
+    bad = [sock, zero, dangling, loop, gz, "/dev/null", "/proc/self/status"]
     try:
         result, record = _predict_json(untrained, str(a_png), *map(str, bad))
     finally:
@@ -321,6 +321,8 @@ def test_only_regular_files_are_read_and_the_rest_are_one_line_each(untrained, a
     assert "No such file" in reasons[str(dangling)]
     assert "symbolic links" in reasons[str(loop)]
     assert "truncated or damaged gzip" in reasons[str(gz)]
+    # A kernel's file says 0 bytes and holds more: never read past what fstat said.
+    assert reasons["/proc/self/status"].startswith("holds more than its size says")
     lines = [line for line in result.stderr.splitlines() if line.startswith("raytrain-mnist:")]
     assert len(lines) == len(bad)
 

@@ -283,7 +283,7 @@ def _read_file(path: Path, budget: _Budget) -> np.ndarray:
     with _open_regular(path) as f:
         size = os.fstat(f.fileno()).st_size
         budget.read(size)
-        head = f.read(_IDX_HEADER)
+        head = f.read(min(_IDX_HEADER, size))  # a kernel's file says 0 bytes: read none here
         if head[:2] == b"\x1f\x8b":  # a gzipped IDX file, as MNIST ships them
             raw = head + _read_at_most(f, size - len(head))
             with gzip.GzipFile(fileobj=io.BytesIO(raw)) as unpacked:
@@ -298,11 +298,12 @@ def _read_file(path: Path, budget: _Budget) -> np.ndarray:
 
 
 def _read_at_most(f, size: int) -> bytes:
-    """The rest of a file that ``fstat`` said has ``size`` more bytes; a file that grew
-    since is refused rather than read on."""
+    """The next ``size`` bytes of a file, all that ``fstat`` said it holds from here; one
+    that holds more (it grew since, or is a kernel's file that says 0 bytes) is refused
+    rather than read on."""
     data = f.read(size + 1)
     if len(data) > size:
-        raise ValueError("grew while it was read")
+        raise ValueError("holds more than its size says (it grew, or is not a plain file)")
     return data
 
 
