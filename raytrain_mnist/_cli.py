@@ -44,6 +44,7 @@ from raytrain_mnist.config import (
     flag_fields,
 )
 from raytrain_mnist.config import flags_of as flags_of  # re-exported
+from raytrain_mnist.display import printable as printable  # re-exported
 from raytrain_mnist.errors import (
     EXIT_FAILURE,
     EXIT_INTERRUPTED,
@@ -56,32 +57,6 @@ from raytrain_mnist.errors import (
 from raytrain_mnist.shell import command_line as command_line  # re-exported
 from raytrain_mnist.shell import python_command
 from raytrain_mnist.uris import check_no_credentials
-
-#: Bidirectional overrides and isolates: they reorder what a terminal shows.
-_BIDI = frozenset("\u202a\u202b\u202c\u202d\u202e\u2066\u2067\u2068\u2069")
-
-
-def _shown(char: str) -> str:
-    code = ord(char)
-    if code < 0x20 or code == 0x7F:  # C0 and DEL in caret notation: ESC is ^[, BEL ^G
-        return "^" + chr(code ^ 0x40)
-    return f"\\x{code:02x}" if code < 0x100 else f"\\u{code:04x}"
-
-
-#: Every character a terminal obeys rather than shows, the line feed and the tab included.
-_ESCAPES = {
-    code: _shown(chr(code)) for code in [*range(0x20), 0x7F, *range(0x80, 0xA0), *map(ord, _BIDI)]
-}
-_KEEP_LINES = {**_ESCAPES, ord("\n"): "\n", ord("\t"): "\t"}
-
-
-def printable(text: str, lines: bool = True) -> str:
-    """``text`` from outside (a cluster's logs, entry points, statuses, messages; the words of
-    a bad flag) as a terminal may show it: control characters (ESC and so CSI and OSC sequences, BEL, CR, the C1 set, bidi
-    overrides) are written visibly, ``\\x1b]0;title\\x07`` as ``^[]0;title^G``; line feeds
-    and tabs stay unless ``lines`` is false (one row of a table: ``^J``, ``^I``). Character by
-    character, so a sequence split across chunks is caught too."""
-    return str(text).translate(_KEEP_LINES if lines else _ESCAPES)
 
 
 class ArgumentParser(argparse.ArgumentParser):
