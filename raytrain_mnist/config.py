@@ -385,7 +385,10 @@ def finite_number(value: Any) -> float | None:
     metric read back from a report, a trial or a file is taken."""
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         return None
-    return float(value) if math.isfinite(value) else None
+    try:
+        return float(value) if math.isfinite(value) else None
+    except OverflowError:  # an int too large for a float (a record's 400-digit number)
+        return None
 
 
 def settings_digest(settings: dict) -> str:

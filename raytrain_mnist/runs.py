@@ -2,15 +2,20 @@
 
 The listing is :func:`raytrain_mnist.driver.runs.listing.list_runs` (newest first, a line
 each: name, kind, status, best validation accuracy, epochs done/planned, workers, when it
-started, wall seconds, path; a run whose records cannot be read is listed as ``damaged``).
-``show`` prints one run's summary, its best checkpoint and the command that resumes it.
+started, wall seconds, path; a run whose records cannot be read is listed as ``damaged``,
+with the reason). ``show`` prints one run's summary, its best checkpoint and the command that
+resumes it (a damaged run: one line, exit 1). Every value from a record is shown through
+:mod:`raytrain_mnist.display`: escaped, its type checked.
 """
 
 from __future__ import annotations
 
 import argparse
-import datetime
+import contextlib
+import io
+import math
 import os
+import shlex
 import sys
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -27,6 +32,7 @@ from raytrain_mnist._cli import (
     printable,
 )
 from raytrain_mnist.config import DEFAULT_RECIPE, RECIPES
+from raytrain_mnist.display import ACCURACY, COUNT, SECONDS, TEXT, TIME, WORKERS, epochs
 from raytrain_mnist.driver.runs import BEST_FILE, SUMMARY_FILE, Run
 from raytrain_mnist.driver.runs.listing import RunEntry, find_run, list_runs
 from raytrain_mnist.driver.targets import quietly, resolve_target
@@ -84,29 +90,9 @@ def parse_options(argv: Sequence[str]) -> RunsOptions:
     return RunsOptions(storage, args.name if show else None, args.json)
 
 
-def _percent(value: float | None) -> str:
-    return "-" if value is None else f"{100 * value:.2f}%"
-
-
-def _when(started: float | None) -> str:
-    if started is None:
-        return "-"
-    return datetime.datetime.fromtimestamp(started).strftime("%Y-%m-%d %H:%M")
-
-
-def _epochs(done: int | None, planned: int | None) -> str:
-    shown = "-" if done is None else str(done)
-    return shown if planned is None else f"{shown}/{planned}"
-
-
-def _workers(value: Any) -> str:
-    if isinstance(value, list) and len(value) == 2:
-        return f"{value[0]}-{value[1]}"
-    return "-" if value is None else str(value)
-
-
 def format_table(entries: Sequence[RunEntry]) -> str:
-    """The listing as ``runs`` prints it: a header and a line per run."""
+    """The listing as ``runs`` prints it: a header and a line per run, every value from the
+    runs' records rendered by :mod:`raytrain_mnist.display`."""
     rows = [("NAME", "KIND", "STATUS", "BEST_ACC", "EPOCHS", "WORKERS", "STARTED", "WALL_S")]
     for e in entries:
         rows.append(
@@ -114,11 +100,11 @@ def format_table(entries: Sequence[RunEntry]) -> str:
                 printable(e.name, lines=False),
                 e.kind,
                 e.status,
-                _percent(e.best_val_accuracy),
-                _epochs(e.epochs_done, e.epochs_planned),
-                _workers(e.workers),
-                _when(e.started),
-                "-" if e.wall_s is None else f"{e.wall_s:.0f}",
+                ACCURACY(e.best_val_accuracy),
+                epochs(e.epochs_done, e.epochs_planned),
+                WORKERS(e.workers),
+                TIME(e.started),
+                SECONDS(e.wall_s),
             )
         )
     widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
@@ -128,7 +114,7 @@ def format_table(entries: Sequence[RunEntry]) -> str:
                          enumerate(zip(row, widths, strict=True)))  # fmt: skip
         path = "PATH" if entry is None else printable(entry.path, lines=False)
         problem = "" if entry is None or not entry.problem else f"  ({entry.problem})"
-        lines.append(f"{text}  {path}{problem}")
+        lines.append(f"{text}  {path}{printable(problem, lines=False)}")
     return "\n".join(lines)
 
 
@@ -144,7 +130,10 @@ def fit_resume_command(summary: dict, name: str) -> str | None:
     config = summary.get("config") if isinstance(summary, dict) else None
     if not isinstance(config, dict):
         return None
-    values = _flat({**(config.get("run") or {}), **(config.get("train") or {})})
+    run, train = config.get("run") or {}, config.get("train") or {}
+    if not isinstance(run, dict) or not isinstance(train, dict):
+        return None
+    values = _flat({**run, **train})
     parser = fit.build_parser()
     words = []
     for action in parser._actions:
@@ -164,11 +153,50 @@ def fit_resume_command(summary: dict, name: str) -> str | None:
         elif value is not None and value != default:
             words += [action.option_strings[0], str(value)]
     words += ["--name", name]
-    try:
-        fit.parse_config(words)
-    except (SystemExit, UserError, ValueError, TypeError):
+    if _parsed(words) is None:
         return None
     return command_line([*invocation("fit"), *words])
+
+
+def search_fit_command(best: dict) -> str | None:
+    """The ``fit`` command that trains a search's best trial again, rebuilt as
+    :func:`fit_resume_command` is, never handed on as ``best.json`` holds it: the flags the
+    recorded command gives ``fit`` are read by fit's own parse, must train the best trial's
+    recorded settings (``best_config``), and are written out anew from the parsed settings
+    after this process's own ``fit`` (so no word of the record reaches the command
+    unquoted, and nothing before ``fit`` reaches it at all). None when they do not parse or
+    train another config."""
+    from raytrain_mnist.config import TrainConfig, flags_of
+
+    recorded, config = best.get("fit_command"), best.get("best_config")
+    if not isinstance(recorded, str) or not isinstance(config, dict):
+        return None
+    try:
+        words = shlex.split(recorded)
+        cfg = _parsed(words[words.index("fit") + 1 :])
+        trains = TrainConfig.from_dict(config)
+    except (ValueError, TypeError):  # no "fit", unbalanced quotes, settings not TrainConfig's
+        return None
+    if cfg is None or cfg.train != trains:
+        return None
+    recipe = [] if cfg.recipe == DEFAULT_RECIPE else ["--recipe", cfg.recipe]
+    flags = flags_of(cfg.train, cfg.run, skip=("fresh", "name"), defaults=RECIPES[cfg.recipe])
+    again = _parsed([*recipe, *flags])
+    if again is None or again.train != cfg.train:
+        return None
+    return command_line([*invocation("fit"), *recipe, *flags])
+
+
+def _parsed(words: Sequence[str]):
+    """``words`` as fit parses them (a FitConfig), or None when fit would refuse them; the
+    refusal's own line is not printed."""
+    from raytrain_mnist import fit
+
+    with contextlib.redirect_stderr(io.StringIO()):
+        try:
+            return fit.parse_config(words)
+        except (SystemExit, UserError, ValueError, TypeError):
+            return None
 
 
 def _flat(record: dict) -> dict:
@@ -184,13 +212,16 @@ def _flat(record: dict) -> dict:
 
 def show_record(entry: RunEntry) -> dict:
     """What ``runs show`` says about ``entry``: the entry, the run's summary (a search's
-    ``best.json``), its best checkpoint and the command that resumes it."""
+    ``best.json``), its best checkpoint and the command that resumes it (a search's: the
+    command that trains its best trial again, rebuilt)."""
     run = Run.at(entry.path)
     summary = quietly(lambda: run.read_json(BEST_FILE if entry.kind == "tune" else SUMMARY_FILE))
     target = quietly(lambda: resolve_target(entry.path))
     if entry.kind == "tune":
         resume = None  # the search's own command, with the same flags, resumes it
-        reproduce = (summary or {}).get("fit_command")
+        reproduce = search_fit_command(summary) if summary else None
+        if summary:  # the recorded command is never handed on, in --json either
+            summary = {**summary, "fit_command": reproduce}
     else:
         resume = fit_resume_command(summary, entry.name) if summary else None
         reproduce = None
@@ -199,57 +230,76 @@ def show_record(entry: RunEntry) -> dict:
         "best_checkpoint": None if target is None else target.checkpoint,
         "resume_command": resume,
         "fit_command": reproduce,
-        "summary": summary,
+        "summary": _finite(summary),
     }
 
 
+def _finite(value: Any) -> Any:
+    """``value`` with every number that is not finite (a diverged run's NaN loss) as None,
+    as strict JSON takes it (records nest a few levels: :data:`MAX_RECORD_DEPTH`)."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    if isinstance(value, dict):
+        return {k: _finite(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_finite(v) for v in value]
+    return value
+
+
 def format_show(record: dict) -> str:
+    """``runs show`` in words: every value from the run's records rendered by
+    :mod:`raytrain_mnist.display` (escaped, its type checked), the commands rebuilt."""
     name, kind, status = record["name"], record["kind"], record["status"]
+    wall = record["wall_s"]
     lines = [
-        f"{kind} run '{printable(name, lines=False)}': {status}"
-        + (f" ({record['problem']})" if record.get("problem") else ""),
+        f"{kind} run '{printable(name, lines=False)}': {status}",
         f"path:            {printable(record['path'], lines=False)}",
-        f"started:         {_when(record['started'])}"
-        + ("" if record["wall_s"] is None else f", {record['wall_s']:.0f} s wall"),
-        f"epochs:          {_epochs(record['epochs_done'], record['epochs_planned'])}"
-        f", workers {_workers(record['workers'])}",
-        f"best val_acc:    {_percent(record['best_val_accuracy'])}",
+        f"started:         {TIME(record['started'])}"
+        + ("" if wall is None else f", {SECONDS(wall)} s wall"),
+        f"epochs:          {epochs(record['epochs_done'], record['epochs_planned'])}"
+        f", workers {WORKERS(record['workers'])}",
+        f"best val_acc:    {ACCURACY(record['best_val_accuracy'])}",
     ]
     summary = record.get("summary") or {}
     if kind == "fit" and summary.get("val_accuracy") is not None:
         lines.append(
-            f"last val_acc:    {_percent(summary['val_accuracy'])} on "
-            f"{summary.get('val_total')} test images ({summary.get('dataset')})"
+            f"last val_acc:    {ACCURACY(summary['val_accuracy'])} on "
+            f"{COUNT(summary.get('val_total'))} test images ({TEXT(summary.get('dataset'))})"
         )
     if kind == "tune" and summary.get("best_trial"):
-        lines.append(f"best trial:      {summary['best_trial']}")
+        lines.append(f"best trial:      {TEXT(summary['best_trial'])}")
     checkpoint = record["best_checkpoint"]
-    lines.append(f"best checkpoint: {checkpoint or '-'}")
+    lines.append(f"best checkpoint: {printable(checkpoint or '-', lines=False)}")
     if checkpoint:
-        lines.append(f"evaluate with:   {command_line([*invocation('evaluate'), record['path']])}")
+        evaluate = command_line([*invocation("evaluate"), record["path"]])
+        lines.append(f"evaluate with:   {printable(evaluate, lines=False)}")
     if record["resume_command"]:
         what = "train again with" if status == "finished" else "resume with"
         extra = " --fresh" if status == "finished" else ""
-        lines.append(f"{what}:{' ' * max(1, 16 - len(what))}{record['resume_command']}{extra}")
+        command = printable(record["resume_command"], lines=False)
+        lines.append(f"{what}:{' ' * max(1, 16 - len(what))}{command}{extra}")
     elif kind == "tune":
         lines.append("resume with:     the same tune command that started it")
         if record["fit_command"]:
-            lines.append(f"reproduce with:  {record['fit_command']}")
-    elif status != "damaged":
+            lines.append(f"reproduce with:  {printable(record['fit_command'], lines=False)}")
+    else:
         lines.append("resume with:     the same fit command that started it")
     return "\n".join(lines)
 
 
 def run(options: RunsOptions) -> int:
     if options.show is not None:
-        record = show_record(find_run(options.storage_path, options.show))
+        entry = find_run(options.storage_path, options.show)
+        if entry.status == "damaged":  # nothing of it can be trusted to show
+            raise UserError(f"cannot show run '{entry.name}': {entry.problem}")
+        record = show_record(entry)
         emit_result(record)
         print(format_show(record))
         return 0
     entries = list_runs(options.storage_path)
     emit_result({"storage_path": options.storage_path, "runs": [e.to_dict() for e in entries]})
     if not entries:
-        print(f"no runs in {options.storage_path}", file=sys.stderr)
+        print(f"no runs in {printable(options.storage_path, lines=False)}", file=sys.stderr)
         return 0
     print(format_table(entries))
     return 0

@@ -203,11 +203,15 @@ def _search(root: Path, name: str, best: dict | None) -> None:
 
 
 def test_searches_are_listed_with_their_trials_epochs(tmp_path):
+    from raytrain_mnist._cli import command_line, invocation
+    from raytrain_mnist.config import TrainConfig
+
     trials = [{"trial_id": f"t{i}", "epochs_run": e} for i, e in enumerate([2, 1, 1, 2])]
     best = {
         "name": "tune-a", "best_trial": "t0", "best_val_accuracy": 0.97, "num_trials": 4,
         "max_epochs": 2, "num_workers": 1, "num_unfinished": 0, "num_errors": 0,
         "wall_time_s": 80.5, "trials": trials, "fit_command": "raytrain-mnist fit --lr 0.1",
+        "best_config": TrainConfig(lr=0.1).to_dict(),
     }  # fmt: skip
     _search(tmp_path, "tune-a", best)
     _search(tmp_path, "tune-b", {**best, "num_unfinished": 2})
@@ -222,5 +226,7 @@ def test_searches_are_listed_with_their_trials_epochs(tmp_path):
     assert (a["best_val_accuracy"], a["workers"], a["wall_s"]) == (0.97, 1, 80.5)
     shown = run_cli_here("runs", "show", "tune-a", "--storage-path", str(tmp_path))
     assert shown.returncode == 0, shown.stderr
-    assert "reproduce with:  raytrain-mnist fit --lr 0.1" in shown.stdout
+    # Rebuilt from the settings fit parses, after this process's own `fit`.
+    reproduce = command_line([*invocation("fit"), "--lr", "0.1"])
+    assert f"reproduce with:  {reproduce}" in shown.stdout
     assert "the same tune command" in shown.stdout

@@ -8,7 +8,9 @@ system, so a URI gets exactly the guarantees a local path gets. :class:`Run` is 
 behind it, one job per module:
 
 * :mod:`.storage`: the directory as files (local path or URI, decided once), atomic writes
-  (temp + fsync + rename locally, a single put on object stores), one-line read errors.
+  (temp + fsync + rename locally, a single put on object stores), one-line read errors, and
+  the one reader of a record's JSON (:func:`~.storage.parse_record`: at most
+  :data:`MAX_RECORD_BYTES`, nested a few levels, NaN refused where a record never holds it).
 * :mod:`.records`: what the files say: the **identity** (``run.json``: the training
   settings, the data set asked for and a fingerprint of the data used; the default name
   derives from it, a resume must match it), the **summary** (``summary.json``, written once
@@ -51,6 +53,7 @@ from raytrain_mnist.driver.runs.records import (
 )
 from raytrain_mnist.driver.runs.storage import (
     MAX_CHECKPOINT_BYTES,
+    MAX_RECORD_BYTES,
     RunStorage,
     check_no_credentials,
     is_safe_name,
@@ -64,6 +67,7 @@ __all__ = [
     "CURVES_FILE",
     "LEASE_TTL_S",
     "MAX_CHECKPOINT_BYTES",
+    "MAX_RECORD_BYTES",
     "RUNS_DIR",
     "RUN_FILE",
     "SEARCH_FILE",
@@ -126,12 +130,14 @@ class Run:
         return self.files.is_file(name)
 
     def read_bytes(self, name: str) -> bytes | None:
-        """The file's bytes, None when it does not exist."""
+        """A record's bytes, None when it is no file; one line (:class:`UserError`) for a
+        file of more than :data:`MAX_RECORD_BYTES`, which is never read whole."""
         return self.files.read_bytes(name)
 
-    def read_json(self, name: str) -> dict | None:
-        """A JSON record of the run; None when absent, one-line error when not ours."""
-        return self.files.read_json(name)
+    def read_json(self, name: str, finite: bool = False) -> dict | None:
+        """A JSON record of the run (:func:`~.storage.parse_record`; ``finite``: one that
+        never holds NaN or infinity); None when absent, one-line error when not ours."""
+        return self.files.read_json(name, finite)
 
     def write_bytes(self, name: str, payload: bytes) -> str:
         """Atomically: a reader sees the old file or the new one, never half of one."""

@@ -33,7 +33,8 @@ import uuid
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
-from raytrain_mnist.driver.runs.storage import RunStorage
+from raytrain_mnist.display import is_count
+from raytrain_mnist.driver.runs.storage import RunStorage, parse_record
 from raytrain_mnist.driver.runs.versioned import ABSENT, Conflict, FileObject, open_object
 from raytrain_mnist.errors import EXIT_USAGE, UserError, first_line
 
@@ -526,25 +527,35 @@ class _Taken(Exception):
 
 
 def _parse(raw: bytes) -> dict:
-    """A lease's record ({} for bytes that are not one: still someone's, still watched)."""
+    """A lease's record ({} for bytes that are not one: still someone's, still watched):
+    read as :func:`~.storage.parse_record` reads a record, never holding NaN or infinity."""
     try:
-        value = json.loads(raw)
+        value = parse_record(raw, finite=True)
     except ValueError:
         return {}
     return value if isinstance(value, dict) else {}
 
 
+#: The largest process id a kernel hands out (Linux's pid_max is at most 2**22).
+_MAX_PID = 2**31 - 1
+
+
 def _alive(lease: dict) -> bool:
-    """Whether the lease's process (pid and start time) still runs in this process table."""
+    """Whether the lease's process (pid and start time) still runs in this process table.
+    A pid that is not a process id (a string, a float, a 400-digit number) names no
+    process."""
     import psutil
 
+    pid = lease.get("pid")
+    if not is_count(pid, 1, _MAX_PID):
+        return False
     try:
-        process = psutil.Process(int(lease["pid"]))
+        process = psutil.Process(pid)
         return (
             process.create_time() == lease.get("pid_started")
             and process.status() != psutil.STATUS_ZOMBIE
         )
-    except (psutil.NoSuchProcess, KeyError, ValueError, TypeError):
+    except psutil.NoSuchProcess:
         return False
     except psutil.AccessDenied:  # someone else's process: it runs
         return True

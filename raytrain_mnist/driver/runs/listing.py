@@ -10,15 +10,14 @@ one line: one bad run never hides the others.
 
 from __future__ import annotations
 
-import contextlib
 import fcntl
-import json
 import os
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
+from raytrain_mnist.display import ACCURACY, COUNT, SECONDS, TIME, WORKERS, excerpt
 from raytrain_mnist.driver.runs import claim
 from raytrain_mnist.driver.runs.records import (
     BEST_FILE,
@@ -27,7 +26,13 @@ from raytrain_mnist.driver.runs.records import (
     SUMMARY_FILE,
     CheckpointRecord,
 )
-from raytrain_mnist.driver.runs.storage import RunStorage, is_safe_name, is_uri, storage_root
+from raytrain_mnist.driver.runs.storage import (
+    MAX_RECORD_BYTES,
+    RunStorage,
+    is_safe_name,
+    is_uri,
+    storage_root,
+)
 from raytrain_mnist.errors import EXIT_USAGE, UserError, first_line
 
 #: What ``summary.json``'s status is called in a listing: a run stopped by Ctrl-C or
@@ -102,8 +107,19 @@ def _directories(root: str) -> list[str]:
     return sorted(n for n in names if is_safe_name(n))
 
 
+#: What reading a run's records may raise, each a reason for a ``damaged`` row: the records'
+#: own one line (UserError), a value that fails its check (ValueError), and what a shape
+#: this listing did not foresee makes Python raise.
+_UNREADABLE = (
+    UserError, ValueError, TypeError, LookupError, AttributeError, ArithmeticError, RecursionError
+)  # fmt: skip
+
+
 def read_entry(files: RunStorage) -> RunEntry | None:
-    """The entry of the directory ``files``; None when it is no run of raytrain_mnist."""
+    """The entry of the directory ``files``; None when it is no run of raytrain_mnist. A
+    run whose records cannot be read, or hold a value that is not what the record says it
+    is (a time of 1e20, an accuracy of 400 digits, a worker count that is a string), is
+    ``damaged``, with the reason: one bad run never ends the listing."""
     try:
         present = {name for name in _RECORDS if files.is_file(name)}
         if not present:
@@ -112,104 +128,123 @@ def read_entry(files: RunStorage) -> RunEntry | None:
         if present & {SEARCH_FILE, BEST_FILE}:
             return _search_entry(files, running)
         return _fit_entry(files, running)
-    except (UserError, ValueError, TypeError, KeyError, AttributeError, RecursionError) as exc:
+    except _UNREADABLE as exc:
         return RunEntry(
             files.name, "?", "damaged", None, None, None, None, None, None, files.dir,
             problem=first_line(exc),
         )  # fmt: skip
 
 
+def _object(record: dict, key: str, where: str) -> dict:
+    """``record[key]``: a JSON object, {} when absent; ValueError when it is anything else
+    (``where``: what names the record, and the keys above ``key``)."""
+    value = record.get(key)
+    if value is None:
+        return {}
+    if not isinstance(value, dict):
+        raise ValueError(f"{where}{key} {excerpt(value)} is not an object")
+    return value
+
+
 def _fit_entry(files: RunStorage, running: bool) -> RunEntry:
-    identity = files.read_json(RUN_FILE) or {}
+    identity = files.read_json(RUN_FILE, finite=True) or {}
     summary = files.read_json(SUMMARY_FILE)
-    planned = _number((identity.get("train") or {}).get("epochs"))
+    planned = COUNT.check(
+        _object(identity, "train", f"{RUN_FILE}: ").get("epochs"), f"{RUN_FILE}: train.epochs"
+    )
     started = _started(files, RUN_FILE, summary)
     if summary is None or running:  # no summary yet, or an older attempt's: Ray's record
-        metrics = CheckpointRecord(files).checkpoints()
-        accuracies = [m.get("val_accuracy") for _, m in metrics]
-        accuracies = [a for a in accuracies if isinstance(a, (int, float))]
-        epochs = [m.get("epoch") for _, m in metrics if isinstance(m.get("epoch"), int)]
+        metrics = [m for _, m in CheckpointRecord(files).checkpoints()]
+        accuracies = [m.get("val_accuracy") for m in metrics]
+        epochs = [m.get("epoch") for m in metrics]
         workers = (summary or {}).get("num_workers")
         return RunEntry(
             files.name,
             "fit",
             "running" if running else "stopped",
-            max(accuracies, default=None),
-            max(epochs, default=0),
+            max((a for a in accuracies if ACCURACY.valid(a)), default=None),
+            max((e for e in epochs if COUNT.valid(e)), default=0),
             planned,
-            workers,
+            WORKERS.check(workers, f"{SUMMARY_FILE}: num_workers"),
             started,
             round(time.time() - started, 1) if running and started else None,
             files.dir,
         )
-    status = _STATUS.get(summary.get("status"))
+    recorded = summary.get("status")
+    status = _STATUS.get(recorded) if isinstance(recorded, str) else None
     if status is None:
-        raise ValueError(f"{SUMMARY_FILE} has status {summary.get('status')!r}")
-    planned = _number(((summary.get("config") or {}).get("train") or {}).get("epochs")) or planned
+        raise ValueError(f"{SUMMARY_FILE} has status {excerpt(recorded)}")
+    config = _object(summary, "config", f"{SUMMARY_FILE}: ")
+    train = _object(config, "train", f"{SUMMARY_FILE}: config.")
+    planned = COUNT.check(train.get("epochs"), f"{SUMMARY_FILE}: config.train.epochs") or planned
+    where = f"{SUMMARY_FILE}:"
     return RunEntry(
         files.name,
         "fit",
         status,
-        _number(summary.get("best_val_accuracy")),
-        _number(summary.get("epochs_completed")),
+        ACCURACY.check(summary.get("best_val_accuracy"), f"{where} best_val_accuracy"),
+        COUNT.check(summary.get("epochs_completed"), f"{where} epochs_completed"),
         planned,
-        summary.get("num_workers"),
+        WORKERS.check(summary.get("num_workers"), f"{where} num_workers"),
         started,
-        _number(summary.get("wall_time_s")),
+        SECONDS.check(summary.get("wall_time_s"), f"{where} wall_time_s"),
         files.dir,
     )
 
 
 def _search_entry(files: RunStorage, running: bool) -> RunEntry:
-    files.read_json(SEARCH_FILE)  # damaged when unreadable
-    best = files.read_json(BEST_FILE)
+    files.read_json(SEARCH_FILE, finite=True)  # damaged when unreadable
+    best = files.read_json(BEST_FILE, finite=True)
     started = _started(files, SEARCH_FILE, None)
+    where = f"{BEST_FILE}:"
+    accuracy = ACCURACY.check((best or {}).get("best_val_accuracy"), f"{where} best_val_accuracy")
+    workers = WORKERS.check((best or {}).get("num_workers"), f"{where} num_workers")
     if best is None or running:
         return RunEntry(
             files.name,
             "tune",
             "running" if running else "stopped",
-            _number((best or {}).get("best_val_accuracy")),
+            accuracy,
             None,
             None,
-            (best or {}).get("num_workers"),
+            workers,
             started,
             round(time.time() - started, 1) if running and started else None,
             files.dir,
         )
     trials = best.get("trials") or []
-    if best.get("num_unfinished"):
+    if not isinstance(trials, list) or not all(isinstance(t, dict) for t in trials):
+        raise ValueError(f"{where} trials is not a list of objects")
+    counts = {
+        key: COUNT.check(best.get(key), f"{where} {key}")
+        for key in ("num_unfinished", "num_errors", "max_epochs", "num_trials")
+    }
+    if counts["num_unfinished"]:
         status = "stopped"
-    elif best.get("num_errors"):
+    elif counts["num_errors"]:
         status = "failed"
     else:
         status = "finished"
-    max_epochs, num_trials = _number(best.get("max_epochs")), _number(best.get("num_trials"))
+    max_epochs, num_trials = counts["max_epochs"], counts["num_trials"]
     return RunEntry(
         files.name,
         "tune",
         status,
-        _number(best.get("best_val_accuracy")),
-        sum(_number(t.get("epochs_run")) or 0 for t in trials),
+        accuracy,
+        sum(COUNT.check(t.get("epochs_run"), f"{where} epochs_run") or 0 for t in trials),
         max_epochs * num_trials if max_epochs and num_trials else None,
-        best.get("num_workers"),
+        workers,
         started,
-        _number(best.get("wall_time_s")),
+        SECONDS.check(best.get("wall_time_s"), f"{where} wall_time_s"),
         files.dir,
     )
-
-
-def _number(value: Any) -> Any:
-    """A number from a record, None for anything else (a record is read like input)."""
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        return None
-    return value
 
 
 def _started(files: RunStorage, record: str, summary: dict | None) -> float | None:
     """When the run's last command started: the summary's timeline, else when its identity
     record was written (each command writes it as it starts)."""
-    t0 = _number(((summary or {}).get("timeline") or {}).get("t0"))
+    timeline = _object(summary or {}, "timeline", f"{SUMMARY_FILE}: ")
+    t0 = TIME.check(timeline.get("t0"), f"{SUMMARY_FILE}: timeline.t0")
     if t0 is not None:
         return float(t0)
     info = files.filesystem.get_file_info(files.path(record))
@@ -227,7 +262,7 @@ def is_running(files: RunStorage) -> bool:
         with files.filesystem.open_input_stream(
             f"{files.base.rpartition('/')[0]}/.{files.name}.lease"
         ) as f:
-            raw = f.read()
+            raw = f.read(MAX_RECORD_BYTES + 1)  # a bigger one is no lease of ours: read no more
     except FileNotFoundError:
         return False
     except OSError as exc:
@@ -257,31 +292,13 @@ def _locked(path: Path) -> bool:
 
 
 def _lease_live(raw: bytes) -> bool:
-    """A lease on an object store: live when its process runs on this host, or, from
-    another host, when it was renewed within the TTL by its own clock. A listing may be
-    wrong about a lease another host stopped renewing a moment ago; a claim never relies
-    on a clock (:class:`.claim.Lease`)."""
-    try:
-        lease = json.loads(raw)
-    except (ValueError, RecursionError):
-        return True  # someone's, whatever it holds: the claim would watch it too
-    if not isinstance(lease, dict):
-        return True
+    """A lease on an object store: live when its process runs on this host (as the claim
+    reads it: :func:`.claim._parse`, :func:`.claim._alive`), or, from another host, when it
+    was renewed within the TTL by its own clock. Bytes that are not a lease are someone's:
+    live, as the claim would watch them. A listing may be wrong about a lease another host
+    stopped renewing a moment ago; a claim never relies on a clock (:class:`.claim.Lease`)."""
+    lease = claim._parse(raw)
     if lease.get("host_id") == claim.host_id():
-        return _process_alive(lease)
-    renewed = _number(lease.get("renewed"))
-    return renewed is None or time.time() - renewed < 3 * claim.LEASE_TTL_S
-
-
-def _process_alive(lease: dict) -> bool:
-    import psutil
-
-    with contextlib.suppress(psutil.NoSuchProcess, KeyError, ValueError, TypeError):
-        process = psutil.Process(int(lease["pid"]))
-        with contextlib.suppress(psutil.AccessDenied):
-            return (
-                process.create_time() == lease.get("pid_started")
-                and process.status() != psutil.STATUS_ZOMBIE
-            )
-        return True
-    return False
+        return claim._alive(lease)
+    renewed = lease.get("renewed")
+    return not TIME.valid(renewed) or time.time() - renewed < 3 * claim.LEASE_TTL_S

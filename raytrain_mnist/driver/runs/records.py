@@ -14,13 +14,13 @@ checkpoints it committed. Reads and writes go through :class:`.storage.RunStorag
 from __future__ import annotations
 
 import hashlib
-import json
 import os
 import time
 from typing import Any
 
 from raytrain_mnist.config import CHECKPOINT_METRIC, FitConfig, settings_digest
-from raytrain_mnist.driver.runs.storage import RunStorage, is_safe_name
+from raytrain_mnist.display import excerpt
+from raytrain_mnist.driver.runs.storage import RunStorage, is_safe_name, parse_record
 from raytrain_mnist.errors import EXIT_USAGE, UserError
 
 RUN_FILE = "run.json"
@@ -94,8 +94,10 @@ def describe_difference(old: dict, new: dict) -> str:
         return out
 
     before, now = flat(old), flat(new)
-    changed = [
-        f"{k}: {before.get(k)!r} then, {now[k]!r} now" for k in now if before.get(k) != now[k]
+    changed = [  # the recorded value cut short: the record is read like input
+        f"{k}: {excerpt(before.get(k))} then, {now[k]!r} now"
+        for k in now
+        if before.get(k) != now[k]
     ]
     return "; ".join(changed) or "unknown format"
 
@@ -109,7 +111,7 @@ class RunRecords:
         self.record = record
 
     def identity(self) -> dict | None:
-        return self.files.read_json(self.record)
+        return self.files.read_json(self.record, finite=True)  # settings: never NaN
 
     def summary(self) -> dict | None:
         return self.files.read_json(SUMMARY_FILE)
@@ -186,10 +188,10 @@ class CheckpointRecord:
             if raw is None:
                 return {}
             try:
-                value = json.loads(raw)
+                value = parse_record(raw)  # Ray's metrics may hold NaN: a diverged run
                 break
-            except (ValueError, RecursionError) as exc:  # nested past the parser's depth too
-                reason = f"not JSON: {exc.__class__.__name__}"
+            except ValueError as exc:
+                reason = str(exc)
                 if attempt + 1 < _SNAPSHOT_READS:
                     time.sleep(_SNAPSHOT_RETRY_S)
         else:

@@ -11,13 +11,23 @@ from __future__ import annotations
 
 import contextlib
 import json
+import math
 import os
 import tempfile
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 from raytrain_mnist.config import MAX_CHECKPOINT_BYTES, ConfigError, check_run_name
 from raytrain_mnist.errors import EXIT_USAGE, UserError, first_line
+
+#: The most bytes a record of a run may hold (run.json, summary.json, best.json, Ray's
+#: checkpoint snapshot, a lease): ours hold kilobytes. A bigger file is refused, never read
+#: whole: at most this many bytes and one more are read.
+MAX_RECORD_BYTES = 8 << 20
+#: The deepest a record may nest (ours nest a handful of levels): whatever walks a record
+#: afterwards (a comparison, a flattening, ``--json``) never meets Python's recursion limit.
+MAX_RECORD_DEPTH = 32
 
 #: What a URI reads as more than a path (a query, a fragment, an escape, a Windows
 #: separator): never inside a name recorded in a run's files.
@@ -53,6 +63,50 @@ def is_safe_name(name: object) -> bool:
     except ConfigError:
         return False
     return True
+
+
+def parse_record(raw: bytes, finite: bool = False) -> Any:
+    """The JSON value a record's bytes hold; :class:`ValueError` saying why in a few words
+    when they hold none: more than :data:`MAX_RECORD_BYTES`, not JSON (or not UTF-8),
+    nested deeper than :data:`MAX_RECORD_DEPTH` (or than the parser goes), or, with
+    ``finite``, a number that is not finite (``NaN``, ``Infinity``, ``1e400``): a record
+    this package writes without them holds none."""
+    if len(raw) > MAX_RECORD_BYTES:
+        raise ValueError(f"more than {MAX_RECORD_BYTES} bytes")
+    hooks = {"parse_constant": _not_finite, "parse_float": _finite_float} if finite else {}
+    try:
+        value = json.loads(raw, **hooks)
+    except RecursionError:
+        raise ValueError("RecursionError: nested deeper than the JSON parser goes") from None
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise ValueError(f"not JSON: {exc.__class__.__name__}: {first_line(exc)}") from None
+    except ValueError as exc:  # an int of over 4300 digits; NaN where it must be finite
+        raise ValueError(first_line(exc)) from None
+    _check_depth(value)
+    return value
+
+
+def _not_finite(word: str) -> float:
+    raise ValueError(f"{word} where a number must be finite")
+
+
+def _finite_float(word: str) -> float:
+    value = float(word)
+    if not math.isfinite(value):
+        raise ValueError(f"{word[:40]} is out of a float's range")
+    return value
+
+
+def _check_depth(value: Any) -> None:
+    """ValueError when ``value`` nests deeper than :data:`MAX_RECORD_DEPTH` (walked without
+    recursion)."""
+    stack = [(value, 1)] if isinstance(value, (dict, list)) else []
+    while stack:
+        item, depth = stack.pop()
+        children = item.values() if isinstance(item, dict) else item
+        if depth > MAX_RECORD_DEPTH:
+            raise ValueError(f"nested deeper than {MAX_RECORD_DEPTH} levels")
+        stack.extend((c, depth + 1) for c in children if isinstance(c, (dict, list)))
 
 
 def atomic_write(target: Path, payload: bytes) -> None:
@@ -163,27 +217,47 @@ class RunStorage:
             return Path(self.dir).is_dir() and any(Path(self.dir).iterdir())
         return self.exists()
 
-    def read_bytes(self, name: str) -> bytes | None:
-        """The file's bytes, None when it does not exist."""
-        if not self.is_file(name):
-            return None
+    def read_bytes(self, name: str, limit: int = MAX_RECORD_BYTES) -> bytes | None:
+        """The file's bytes, None when it is no file. A file of more than ``limit`` bytes
+        is refused in one line (:class:`UserError`) before it is read, and no more than
+        ``limit`` bytes and one are ever read (a file that grows meanwhile, a store whose
+        listing lies)."""
+        import pyarrow.fs
+
+        path = self.path(name)
         try:
-            with self.filesystem.open_input_stream(self.path(name)) as f:
-                return f.read()
+            info = self.filesystem.get_file_info(path)
+        except OSError as exc:
+            raise UserError(f"cannot reach {self.dir}: {first_line(exc)}") from exc
+        if info.type != pyarrow.fs.FileType.File:
+            return None
+        too_big = UserError(
+            f"{self.dir}/{name} is unreadable (more than {limit} bytes, more than a record "
+            "of raytrain_mnist holds); move the run away or pick another --name"
+        )
+        if info.size is not None and info.size > limit:
+            raise too_big
+        try:
+            with self.filesystem.open_input_stream(path) as f:
+                raw = f.read(limit + 1)
         except OSError as exc:
             raise UserError(f"{self.dir}/{name} is unreadable ({first_line(exc)})") from exc
+        if len(raw) > limit:
+            raise too_big
+        return raw
 
-    def read_json(self, name: str) -> dict | None:
-        """A JSON record of the run; None when absent, one-line error when not ours."""
+    def read_json(self, name: str, finite: bool = False) -> dict | None:
+        """A JSON record of the run (:func:`parse_record`; ``finite``: one that never
+        holds NaN or infinity); None when absent, one line (:class:`UserError`) when it is
+        not a record of ours."""
         raw = self.read_bytes(name)
         if raw is None:
             return None
         try:
-            value = json.loads(raw)
-        except (ValueError, RecursionError) as exc:  # [[[[...]]]] past the parser's depth too
+            value = parse_record(raw, finite)
+        except ValueError as exc:
             raise UserError(
-                f"{self.dir}/{name} is unreadable ({exc.__class__.__name__}); "
-                "move the run away or pick another --name"
+                f"{self.dir}/{name} is unreadable ({exc}); move the run away or pick another --name"
             ) from exc
         if not isinstance(value, dict):
             raise UserError(

@@ -13,9 +13,10 @@ carries pyarrow options in its query, or no boto3 installed) is written uncondit
 
 from __future__ import annotations
 
+import contextlib
 import logging
 
-from raytrain_mnist.driver.runs.storage import RunStorage
+from raytrain_mnist.driver.runs.storage import MAX_RECORD_BYTES, RunStorage
 
 logger = logging.getLogger(__name__)
 
@@ -37,10 +38,12 @@ class FileObject:
         self.fs, self.path = fs, path
 
     def read(self) -> tuple[bytes, str | None] | None:
-        """The object's bytes and version; None only when the store says there is none."""
+        """The object's bytes (no more than a record holds and one byte: a bigger object
+        reads as one that is not a record) and version; None only when the store says
+        there is none."""
         try:
             with self.fs.open_input_stream(self.path) as f:
-                return f.read(), None
+                return f.read(MAX_RECORD_BYTES + 1), None
         except FileNotFoundError:
             return None
 
@@ -69,10 +72,12 @@ class S3Object:
         self._errors = (ClientError, BotoCoreError, OSError)
 
     def read(self) -> tuple[bytes, str | None] | None:
-        """The object's bytes and ETag; None only when the store says there is none."""
+        """The object's bytes (at most a record's and one, as :meth:`FileObject.read`) and
+        ETag; None only when the store says there is none."""
         try:
             answer = self.client.get_object(Bucket=self.bucket, Key=self.key)
-            return answer["Body"].read(), answer["ETag"]
+            with contextlib.closing(answer["Body"]) as body:
+                return body.read(MAX_RECORD_BYTES + 1), answer["ETag"]
         except self._errors as exc:
             if _status(exc) == 404:
                 return None
