@@ -22,9 +22,11 @@ from raytrain_mnist._cli import (
     dataclass_from_args,
     emit_result,
     exit_now,
+    printable,
     setup_logging,
 )
 from raytrain_mnist.config import DATASET_CHOICES, RunSettings
+from raytrain_mnist.display import ACCURACY, COUNT
 from raytrain_mnist.driver.evaluation import WORKER_SETTINGS, Evaluation, evaluate_checkpoint
 
 
@@ -113,15 +115,15 @@ def parse_options(argv: Sequence[str]) -> EvaluateOptions:
 def format_report(evaluation: Evaluation) -> str:
     """The evaluation as ``evaluate`` prints it: the checkpoint, the test set, the accuracy
     (beside what fit reported for that epoch), accuracy per digit, the files written."""
-    e = evaluation
+    e = evaluation  # the checkpoint's epoch and history, the data's name: from storage
     lines = [
-        f"checkpoint: {e.checkpoint} (epoch {e.epoch})",
-        f"test set:   {e.test_size} images, {e.data_source}",
+        f"checkpoint: {printable(e.checkpoint, lines=False)} (epoch {COUNT(e.epoch)})",
+        f"test set:   {e.test_size} images, {printable(e.data_source, lines=False)}",
         f"accuracy {100 * e.accuracy:.2f}% ({e.correct}/{e.test_size}), loss {e.loss:.4f}"
         + (
             ""
             if e.reported_val_accuracy is None
-            else f"; fit reported {100 * e.reported_val_accuracy:.2f}% for this epoch"
+            else f"; fit reported {ACCURACY(e.reported_val_accuracy)} for this epoch"
         ),
         "",
         f"{'digit':>5} {'accuracy':>9} {'images':>7}",
@@ -129,7 +131,10 @@ def format_report(evaluation: Evaluation) -> str:
     for digit, accuracy in e.per_class_accuracy.items():
         shown = "-" if accuracy is None else f"{100 * accuracy:.2f}%"
         lines.append(f"{digit:>5} {shown:>9} {e.per_class_size[digit]:>7}")
-    lines += ["", f"wrote {', '.join(f.name for f in e.files)} into {e.out}"]
+    lines += [
+        "",
+        f"wrote {', '.join(f.name for f in e.files)} into {printable(e.out, lines=False)}",
+    ]
     return "\n".join(lines)
 
 

@@ -18,8 +18,10 @@ from raytrain_mnist._cli import (
     add_target_argument,
     emit_result,
     exit_now,
+    printable,
     setup_logging,
 )
+from raytrain_mnist.display import COUNT
 
 FORMATS = ("pt2", "onnx")  # raytrain_mnist.nn.export.FORMATS, without importing torch
 
@@ -61,7 +63,8 @@ def run(options: ExportOptions) -> int:
     setup_logging()
     done = export_checkpoint(options.target, options.format, options.output, options.overwrite)
     emit_result(done.to_dict())
-    print(f"checkpoint: {done.checkpoint} (epoch {done.epoch})")
+    # The checkpoint's epoch is as it stored it: shown through the renderer of stored values.
+    print(f"checkpoint: {printable(done.checkpoint, lines=False)} (epoch {COUNT(done.epoch)})")
     print(
         f"wrote {done.output} ({done.format}; its logits within "
         f"{done.max_logit_difference:.1e} of the checkpoint's) and {done.preparation} "

@@ -27,6 +27,7 @@ from raytrain_mnist._cli import (
     interrupted,
     invocation,
     parse_with_recipe,
+    printable,
     setup_logging,
 )
 from raytrain_mnist.config import (
@@ -37,6 +38,7 @@ from raytrain_mnist.config import (
     parse_workers,
 )
 from raytrain_mnist.console import Renderer
+from raytrain_mnist.display import ACCURACY, COUNT, TEXT
 from raytrain_mnist.driver import fitting
 from raytrain_mnist.driver.fitting import FitResult
 from raytrain_mnist.driver.runs import SUMMARY_FILE
@@ -92,11 +94,11 @@ def fit_and_show(cfg: FitConfig) -> FitResult:
     finally:
         renderer.close()
     if result.already_finished:
-        s = result.summary
+        s = result.summary  # as the run's summary.json holds it: shown, never trusted
         print(
-            f"run '{s['name']}' already finished: val_accuracy "
-            f"{100 * s['val_accuracy']:.2f}% after "
-            f"{s['epochs_completed']} epoch(s); see {result.run_dir}/{SUMMARY_FILE}. "
+            f"run '{TEXT(s.get('name'))}' already finished: val_accuracy "
+            f"{ACCURACY(s.get('val_accuracy'))} after {COUNT(s.get('epochs_completed'))} "
+            f"epoch(s); see {printable(result.run_dir, lines=False)}/{SUMMARY_FILE}. "
             "Add --fresh to train it again."
         )
     else:

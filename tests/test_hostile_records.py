@@ -1,12 +1,13 @@
-"""Records and leases that someone else wrote (issue 47, items 2 and 3): what ``runs`` and
-``runs show`` show of them is escaped and type-checked (:mod:`raytrain_mnist.display`), a
-search's reproduce command is rebuilt, and one bad run is one ``damaged`` row, never the end
-of the listing. No Ray: these runs are
+"""Records, leases and checkpoints that someone else wrote (issue 47, items 2 and 3): what
+``runs``, ``runs show``, ``fit``, ``evaluate`` and ``export`` show of them is escaped and
+type-checked (:mod:`raytrain_mnist.display`), a search's reproduce command is rebuilt, and
+one bad run is one ``damaged`` row, never the end of the listing. No Ray: these runs are
 files (a search's and a finished fit's records), written here."""
 
 from __future__ import annotations
 
 import json
+import os
 import tracemalloc
 from pathlib import Path
 
@@ -176,6 +177,20 @@ def test_a_huge_sparse_record_is_refused_without_being_read(tmp_path):
     assert "bytes" in entries["sparse"]["problem"], entries["sparse"]
 
 
+def test_fit_on_a_finished_run_shows_its_stored_values_escaped_and_checked(tmp_path):
+    summary = _summary(HOSTILE, val_accuracy="99.9%", epochs_completed=10**400)
+    _fit_run(tmp_path, "done", summary)
+    (tmp_path / "done" / "run.json").unlink()  # no identity to match: the summary decides
+    result = run_cli_here(
+        "fit", "--dataset", "sample", "--storage-path", str(tmp_path), "--name", "done",
+        "--progress", "off",
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    _escaped(result.stdout + result.stderr)
+    assert "run '^[]0;pwned^G^[[2J\\u2028\\u202e' already finished" in result.stdout
+    assert "val_accuracy invalid after invalid epoch(s)" in result.stdout
+
+
 def _search(root: Path, best: dict) -> None:
     (root / "tune-x").mkdir(parents=True)
     (root / "tune-x" / "search.json").write_text(json.dumps({"dataset": "mnist"}))
@@ -232,6 +247,50 @@ def test_a_reproduce_command_is_rebuilt_from_the_settings_fit_parses(tmp_path):
     assert "curl" not in text + json.dumps(record)
     _escaped(text)
     assert "best trial:      ^[]0;pwned^G^[[2J\\u2028\\u202e" in text
+
+
+def _checkpoint(tmp_path: Path, **state) -> Path:
+    from raytrain_mnist.nn import checkpoint as ckpt
+    from raytrain_mnist.nn.model import ConvNet
+
+    directory = tmp_path / "checkpoint_000001"
+    directory.mkdir()
+    ckpt.save(directory, {"model": ConvNet().state_dict(), **state})
+    return directory
+
+
+@pytest.mark.parametrize(
+    "state, fragment",
+    [
+        ({"epoch": f"7{HOSTILE}"}, "its epoch '7"),
+        ({"epoch": 10**400}, "its epoch 1000"),
+        ({"epoch": -1}, "its epoch -1"),
+        ({"epoch": True}, "its epoch True"),
+        ({"epoch": 1.0}, "its epoch 1.0"),
+        ({"epoch": 1, "history": ["epoch 1"]}, "its history is not a list"),
+    ],
+)
+def test_a_checkpoints_epoch_is_checked_where_it_is_loaded(tmp_path, state, fragment):
+    from raytrain_mnist.nn import checkpoint as ckpt
+
+    directory = _checkpoint(tmp_path, **state)
+    with pytest.raises(ckpt.CheckpointError, match="is not a") as info:
+        ckpt.load(directory)
+    assert fragment in str(info.value)
+
+
+@pytest.mark.parametrize(
+    "command",
+    [("evaluate", "--dataset", "sample"), ("export", "--format", "pt2", "--output", "model.pt2")],
+)
+def test_evaluate_and_export_refuse_a_checkpoint_whose_epoch_is_text(tmp_path, command):
+    directory = _checkpoint(tmp_path, epoch=f"7{HOSTILE}")
+    words = [w if w != "model.pt2" else str(tmp_path / w) for w in command[1:]]
+    result = run_cli_here(command[0], str(directory), *words)
+    assert result.returncode == 1, result
+    assert len(result.stderr.splitlines()) == 1 and "its epoch '7" in result.stderr
+    _escaped(result.stdout + result.stderr)
+    assert not os.path.lexists(tmp_path / "model.pt2")
 
 
 # --------------------------------------------------------------------------- leases

@@ -36,6 +36,7 @@ from typing import Any
 import torch
 
 from raytrain_mnist.config import MAX_CHECKPOINT_BYTES, TrainConfig
+from raytrain_mnist.display import excerpt, is_count
 from raytrain_mnist.errors import ConfigError, UserError, first_line
 from raytrain_mnist.nn.model import ConvNet
 from raytrain_mnist.nn.optim import build_optimizer
@@ -93,7 +94,17 @@ def load(path: str | os.PathLike) -> dict[str, Any]:
         raise CheckpointError(f"{path} is corrupt or truncated ({exc.__class__.__name__})") from exc
     if not isinstance(state, dict) or state.get("format") not in FORMATS:
         raise CheckpointError(f"{path} is not a raytrain_mnist checkpoint")
-    if state["format"] != FORMAT and isinstance(state.get("epoch"), int):
+    # weights_only loads any plain value: what a command shows or follows is checked here.
+    epoch, history = state.get("epoch"), state.get("history")
+    if epoch is not None and not is_count(epoch):
+        raise CheckpointError(
+            f"{path}: its epoch {excerpt(epoch)} is not a completed epoch (a count)"
+        )
+    if history is not None and not (
+        isinstance(history, list) and all(isinstance(h, dict) for h in history)
+    ):
+        raise CheckpointError(f"{path}: its history is not a list of per-epoch records")
+    if state["format"] != FORMAT and epoch is not None:
         # Format 1 knew no position: it was always written at the end of epoch `epoch`.
         state["position"] = boundary_position(state.get("config") or {}, state["epoch"])
         state["format"] = FORMAT
@@ -327,10 +338,6 @@ def _check_training_state(
         ) from exc
 
 
-def _is_count(value: Any, low: int = 0) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool) and value >= low
-
-
 def _check_position(position: Any, epoch: int, cfg: TrainConfig, path: str | os.PathLike) -> None:
     """A position the loop can resume from: mid-epoch only inside the run's epochs, at an
     epoch's end only after one, the sampler's order this run's."""
@@ -338,7 +345,7 @@ def _check_position(position: Any, epoch: int, cfg: TrainConfig, path: str | os.
     if not isinstance(position, dict) or set(position) != set(POSITION_KEYS):
         raise CheckpointError(f"{bad} {position!r:.80} is not a position within an epoch")
     step, sums, size = position["step"], position["sums"], position["world_size"]
-    if not _is_count(step) or (step == 0 and epoch < 1) or (step > 0 and epoch >= cfg.epochs):
+    if not is_count(step) or (step == 0 and epoch < 1) or (step > 0 and epoch >= cfg.epochs):
         raise CheckpointError(
             f"{bad}: step {step!r} of epoch {epoch + 1} is not a step of a {cfg.epochs}-epoch run"
         )
@@ -350,7 +357,7 @@ def _check_position(position: Any, epoch: int, cfg: TrainConfig, path: str | os.
         raise CheckpointError(f"{bad}: its epoch's sums {sums!r:.80} are not 4 sums")
     if position["sampler_seed"] != cfg.seed or position["sampler_epoch"] != epoch:
         raise CheckpointError(f"{bad}: its sampler's seed and epoch are not this run's")
-    if not (size is None or _is_count(size, 1)) or position["kind"] not in ("epoch", "preemption"):
+    if not (size is None or is_count(size, 1)) or position["kind"] not in ("epoch", "preemption"):
         raise CheckpointError(f"{bad}: its world size or kind is not valid")
 
 
