@@ -412,7 +412,11 @@ def test_asha_stops_a_bad_trial_and_a_killed_s3_search_resumes_never_running_wha
         "--grace-period",
         "1",
     )
-    env = ray_env  # made after the S3 fixture: it holds the AWS_* variables of the server
+    # ray_env is made after the S3 fixture: it holds the AWS_* variables of the server. No
+    # wait for a stopped trial's thread: a trial actor reused after the early stop (Tune's
+    # reuse_actors) then fails to reset every time, as it did whenever the stopped trial's
+    # Train run took over 2 s to end, and the third trial never runs.
+    env = {**ray_env, "TUNE_FUNCTION_THREAD_TIMEOUT_S": "0"}
 
     def tune_result(trial: str) -> bytes | None:
         """Tune's own result.json of a trial, as its driver last synced it to the store."""
@@ -654,3 +658,30 @@ def test_tunes_own_trial_progress_lines_are_not_printed(capsys):
     assert "Trial t0 completed" in capsys.readouterr().out  # what Tune's own does
     quiet_progress().on_trial_complete(0, [], Trial())
     assert capsys.readouterr().out == ""
+
+
+def test_a_trial_tune_ended_on_its_own_fails_the_search_and_only_a_stop_interrupts_it(
+    tmp_path,
+):
+    """A trial that Tune ended before its last epoch with no error of its own (as one whose
+    reused actor failed to reset did) is an error of a finished search, not the unfinished
+    trial of an interrupted one: "interrupted" is what a Ctrl-C or a lost claim leaves."""
+    from raytrain_mnist.driver.events import log_event
+    from raytrain_mnist.driver.searching import run as tune_run
+    from raytrain_mnist.driver.searching.result import NOT_RUN_OUT, collect_trials
+
+    session = tune_run.Session(
+        sink=log_event,
+        plan={"t1": {"lr": 0.05}},
+        searched=["lr"],
+        train=TrainConfig(epochs=2),
+        metric="val_accuracy",
+        runs_root=str(tmp_path),
+        ended={},
+    )
+    plan = [("t1", {"lr": 0.05})]
+    [trial] = collect_trials(plan, session, "max")
+    assert (trial["status"], trial["error"]) == ("error", NOT_RUN_OUT)
+    session.stop_trials()  # Ctrl-C
+    [trial] = collect_trials(plan, session, "max")
+    assert (trial["status"], trial["error"]) == ("unfinished", None)

@@ -25,6 +25,8 @@ PLOT_FILE = "val_accuracy.png"
 FINISHED: Status = "finished"
 INTERRUPTED: Status = "interrupted"
 FAILED: Status = "failed"
+#: The error of a trial that Tune ended before its last epoch without one of its own.
+NOT_RUN_OUT = "Tune ended the trial before its last epoch (see the search's log)"
 
 
 @dataclass(frozen=True)
@@ -112,7 +114,9 @@ def _summary(name: str, values: dict, session: Session, mode: str) -> dict:
     if record is not None:
         state, history = record["status"], record["history"]
     else:
-        state = "error" if name in session.errors else "unfinished"
+        # Only a stopped search leaves a trial unfinished; one Tune ended on its own, with
+        # no error of the trial's, failed all the same (the next search trains it again).
+        state = "unfinished" if session.interrupted and name not in session.errors else "error"
         history = session.history(name)
     scored = [h for h in history if h[metric] is not None]
     best_row = None
@@ -132,7 +136,7 @@ def _summary(name: str, values: dict, session: Session, mode: str) -> dict:
         # The trial's Train run knows what it kept: the best of those by the metric.
         "best_checkpoint": Run(session.runs_root, name).best_checkpoint(metric, mode),
         "history": history,
-        "error": session.errors.get(name) if state == "error" else None,
+        "error": session.errors.get(name, NOT_RUN_OUT) if state == "error" else None,
     }
 
 

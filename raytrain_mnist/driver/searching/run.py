@@ -154,6 +154,11 @@ class Session:
         self.errors.pop(name, None)
         self.sink(TrialEnded(name, status, last, self.metric, history[-1][self.metric]))
 
+    @property
+    def interrupted(self) -> bool:
+        """A Ctrl-C or a lost claim stopped the search: its unfinished trials resume."""
+        return self.stop.is_set() or (self.claim is not None and self.claim.lost.is_set())
+
     def stop_trials(self) -> None:
         """Ctrl-C: Tune stops the trials at its next step; their committed checkpoints stay."""
         self.sink(Stopping("stopping the trials; each keeps its last committed checkpoint"))
@@ -238,9 +243,7 @@ def search_stop():
             return False
 
         def stop_all(self):
-            session = current_session()
-            lost = session.claim is not None and session.claim.lost.is_set()
-            return session.stop.is_set() or lost
+            return current_session().interrupted
 
     return SearchStop()
 
@@ -330,7 +333,11 @@ class TuneRun:
             callbacks=[trial_events(), quiet_progress()],
             raise_on_failed_trial=False,
             verbose=0,
-            reuse_actors=True,
+            # A new actor per trial. Tune reuses one only if the last trial's thread ends
+            # within 2 s of its stop (TUNE_FUNCTION_THREAD_TIMEOUT_S); a trial the scheduler
+            # stops is still inside its Train run's epoch then, so the next trial on that
+            # actor failed to reset and never ran (a search "interrupted" by nobody).
+            reuse_actors=False,
         )
 
 
