@@ -31,6 +31,7 @@ from raytrain_mnist.fields import (
 )
 from raytrain_mnist.run_settings import (
     BACKEND_CHOICES,
+    CUDA_GRAPHS_CHOICES,
     DATASET_CHOICES,
     INIT_METHOD_CHOICES,
     NAME_MAX,
@@ -57,6 +58,7 @@ __all__ = [
     "AMP_CHOICES",
     "BACKEND_CHOICES",
     "CHECKPOINT_METRIC",
+    "CUDA_GRAPHS_CHOICES",
     "DATASET_CHOICES",
     "DEFAULT_EPOCHS",
     "DEFAULT_RECIPE",
@@ -95,6 +97,7 @@ __all__ = [
     "finite_number",
     "flag_fields",
     "flags_of",
+    "graph_blocker",
     "option",
     "parse_workers",
     "recipe_config",
@@ -298,6 +301,39 @@ class FitConfig:
             raise ConfigError("--backend nccl needs --use-gpu; on CPU use --backend gloo")
         if tc.compile and self.run.address is None and not os.environ.get("RAY_ADDRESS"):
             check_compiler(r.use_gpu)  # a local run trains here; a cluster's workers check
+        blocked = graph_blocker(t.optimizer, r.use_gpu, self.run.resolved_backend, tc.compile)
+        if tc.cuda_graphs == "on" and blocked:
+            raise ConfigError(
+                f"--cuda-graphs on cannot capture this run's step: {blocked}; "
+                "use --cuda-graphs auto (it captures where it can) or off"
+            )
+
+    @property
+    def captures_step(self) -> bool:
+        """Each worker's training step is one CUDA graph (``--cuda-graphs``)."""
+        tc, r = self.run.torch, self.run
+        blocked = graph_blocker(
+            self.train.optimizer, r.scaling.use_gpu, r.resolved_backend, tc.compile
+        )
+        return tc.cuda_graphs != "off" and blocked is None
+
+
+def graph_blocker(optimizer: str, gpu: bool, backend: str | None, compiled: bool) -> str | None:
+    """Why a run's training step cannot be captured in one CUDA graph, or None when it can:
+    the one rule, for the driver's check of ``--cuda-graphs on`` and the workers' choice
+    (``backend``: the process group's, None without one)."""
+    if not gpu:
+        return "it trains on CPUs (a CUDA graph needs --use-gpu)"
+    if backend not in (None, "nccl"):
+        return (
+            "its workers talk over Gloo, which copies through host memory and cannot run "
+            "inside a CUDA graph (NCCL needs one GPU per worker)"
+        )
+    if optimizer != "adamw":
+        return "the captured step's optimizer is fused AdamW, not SGD (--optimizer adamw)"
+    if compiled:
+        return "--compile's model is compiled, not captured"
+    return None
 
 
 def _check_batch_splits(batch_size: int, workers: WorkerRange) -> None:

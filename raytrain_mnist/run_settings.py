@@ -28,6 +28,7 @@ INIT_METHOD_CHOICES = ("env", "tcp")
 DATASET_CHOICES = ("auto", "mnist", "sample")
 PLACEMENT_CHOICES = ("PACK", "SPREAD", "STRICT_SPREAD")
 PROGRESS_CHOICES = ("auto", "bar", "lines", "off")
+CUDA_GRAPHS_CHOICES = ("auto", "on", "off")
 #: Longest run name: a file name, with room for the ``.previous-N`` of ``--fresh``.
 NAME_MAX = 200
 
@@ -147,11 +148,21 @@ class TorchSettings:
         "($CXX or g++), a C one on GPU",
     )
 
+    # How a run executes too: the captured step is the eager step's kernels, replayed.
+    cuda_graphs: str = _opt(
+        "auto",
+        "capture each worker's whole training step in one CUDA graph and replay it: auto = "
+        "where it can be (GPUs with NCCL, one per worker, AdamW, no --compile); workers on "
+        "Gloo and CPUs run eagerly (docs/gpu.md)",
+        CUDA_GRAPHS_CHOICES,
+    )
+
     def __post_init__(self) -> None:
         if not isinstance(self.compile, bool):
             raise ConfigError(f"--compile is on or off (true or false), got {self.compile!r}")
         check_choice("backend", self.backend, BACKEND_CHOICES)
         check_choice("init-method", self.init_method, INIT_METHOD_CHOICES)
+        check_choice("cuda-graphs", self.cuda_graphs, CUDA_GRAPHS_CHOICES)
         if self.socket_ifname is not None and not self.socket_ifname.strip():
             raise ConfigError("--socket-ifname must name a network interface, e.g. eth0")
 
@@ -283,6 +294,7 @@ class RunSettings:
         "cpus_per_worker", "backend", "init_method", "dataset", "data_dir", "storage_path",
         "name", "fresh", "address", "max_failures", "max_preemptions", "keep_checkpoints",
         "placement_strategy", "no_tensorboard", "mlflow", "mlflow_uri", "socket_ifname", "compile",
+        "cuda_graphs",
     )  # fmt: skip
 
     def __post_init__(self) -> None:

@@ -36,7 +36,6 @@ from raytrain_mnist.config import (
     DEFAULT_RECIPE,
     RECIPES,
     FitConfig,
-    RunSettings,
     check_data_fits,
     epochs_for,
     flags_of,
@@ -303,7 +302,7 @@ def _build(ctx: _Fit) -> None:
     ctx.emit(
         Note(
             f"{'resuming' if ctx.prior else 'starting'} run '{run.name}': "
-            f"{_workers_text(cfg)} x {ctx.cpus_per_worker} CPU{_gpu_text(cfg.run)}, "
+            f"{_workers_text(cfg)} x {ctx.cpus_per_worker} CPU{_gpu_text(cfg)}, "
             f"{data.train_size} train / {data.test_size} test images from {data.source}{sized}"
         )
     )
@@ -322,6 +321,7 @@ def _build(ctx: _Fit) -> None:
         "cpus_per_worker": ctx.cpus_per_worker,
         "progress": None if cfg.run.output.progress == "off" else ctx.channel,
         "compile": cfg.run.torch.compile,
+        "cuda_graphs": cfg.run.torch.cuda_graphs,
     }
     ctx.trainer = build_trainer(
         cfg.run,
@@ -538,8 +538,12 @@ def _workers_text(cfg: FitConfig) -> str:
     )
 
 
-def _gpu_text(run: RunSettings) -> str:
-    return f", {run.scaling.gpus:g} GPU, {run.backend_description}" if run.scaling.use_gpu else ""
+def _gpu_text(cfg: FitConfig) -> str:
+    run = cfg.run
+    if not run.scaling.use_gpu:
+        return ""
+    step = "each step one CUDA graph" if cfg.captures_step else "eager steps"
+    return f", {run.scaling.gpus:g} GPU, {run.backend_description}, {step}"
 
 
 def _summary(ctx: _Fit, metrics: dict, wall_s: float) -> dict:

@@ -7,9 +7,11 @@ Each of those is a named helper below it. The loop is plain PyTorch around five 
 ``prepare_model`` (DDP), ``prepare_data_loader`` (the DistributedSampler), ``report``
 (metrics + checkpoint, every epoch) and ``get_preemption_info`` (a just-in-time checkpoint
 when a node is preempted: :mod:`.preempt`). The data lives where the model lives: on a GPU,
-the uint8 tensors are moved there once and every batch is gathered there. ``train_step``,
-``train_one_epoch`` and ``evaluate`` take objects, not globals, and work without Ray. Rank
-0's progress stream to the driver is :mod:`.feed`.
+the uint8 tensors are moved there once, every batch is made there from the loader's order
+(:mod:`.batches`), and where the run can (NCCL or one worker, AdamW) the whole step
+(:mod:`.step`) is one CUDA graph (:mod:`.graphs`). ``train_step``, ``train_one_epoch`` and
+``evaluate`` take objects, not globals, and work without Ray. Rank 0's progress stream to
+the driver is :mod:`.feed`.
 """
 
 from __future__ import annotations
@@ -29,26 +31,21 @@ import ray.train
 import ray.train.torch
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 from torch import nn
-from torch.utils.data import DataLoader, TensorDataset
+from torch.utils.data import DataLoader
 
 from raytrain_mnist import compat
-from raytrain_mnist.config import TrainConfig
+from raytrain_mnist.config import TrainConfig, graph_blocker
 from raytrain_mnist.data import MnistData
-from raytrain_mnist.nn import checkpoint as ckpt
-from raytrain_mnist.nn.model import ConvNet, normalize
-from raytrain_mnist.nn.optim import (
-    StepRecipe,
-    amp_context,
-    build_optimizer,
-    grad_scaler,
-    shift_images,
-)
+from raytrain_mnist.nn.model import ConvNet
+from raytrain_mnist.nn.optim import StepRecipe, amp_context, build_optimizer, grad_scaler
 from raytrain_mnist.nn.score import all_reduce_sum, evaluate
 from raytrain_mnist.toolchain import check_compiler
+from raytrain_mnist.worker.batches import BatchedTensorDataset as BatchedTensorDataset
+from raytrain_mnist.worker.batches import epoch_batches, make_train_loader, set_epoch
 from raytrain_mnist.worker.endpoll import EndPoll
 from raytrain_mnist.worker.feed import ProgressFeed
+from raytrain_mnist.worker.graphs import CAPTURE, EAGER, side_stream
 from raytrain_mnist.worker.preempt import JustInTime
 from raytrain_mnist.worker.resume import (
     Done,
@@ -60,28 +57,10 @@ from raytrain_mnist.worker.resume import (
     resume_point,
     resume_state,
 )
+from raytrain_mnist.worker.step import DeviceSteps, accumulate, set_up_cudnn, train_step
 
 logger = logging.getLogger(__name__)
 _NO_CONTEXT = contextlib.nullcontext()
-
-
-class BatchedTensorDataset(TensorDataset):
-    """A TensorDataset that serves a whole batch with one gather per tensor.
-
-    DataLoader calls ``__getitems__`` with the batch's indices when it exists; the default
-    path indexes each sample and stacks them again, which costs more than the model on CPU.
-    Pair it with ``collate_fn=tuple``. Tensors on a GPU are gathered there: only the indices
-    travel.
-    """
-
-    def __getitems__(self, indices: list[int]) -> list[torch.Tensor]:
-        index = torch.as_tensor(indices)
-        device = self.tensors[0].device
-        if device.type == "cuda":
-            # From pageable memory a copy waits for the GPU to drain its queue; from pinned
-            # memory it is queued behind the previous step, and the host runs ahead.
-            index = index.pin_memory().to(device, non_blocking=True)
-        return [t[index] for t in self.tensors]
 
 
 def keep_freed_memory() -> bool:
@@ -116,76 +95,6 @@ def keep_freed_memory() -> bool:
     return all(applied)  # musl's mallopt exists and returns 0: nothing changed
 
 
-def make_train_loader(
-    images: torch.Tensor, labels: torch.Tensor, batch_size: int, seed: int
-) -> DataLoader:
-    """A shuffled loader over in-memory uint8 tensors (on the CPU or a GPU); one batch is one
-    gather, on the tensors' device. The order depends on the seed only, not the device."""
-    return DataLoader(
-        BatchedTensorDataset(images, labels),
-        batch_size=batch_size,
-        shuffle=True,
-        drop_last=True,  # every rank runs the same number of steps (DDP needs that)
-        collate_fn=tuple,
-        generator=torch.Generator().manual_seed(seed),
-    )
-
-
-def set_epoch(loader: DataLoader, epoch: int, seed: int) -> None:
-    """Make epoch ``epoch``'s order a function of (seed, epoch), so a resumed run sees the
-    same order as an uninterrupted one."""
-    if hasattr(loader.sampler, "set_epoch"):  # DistributedSampler, when world size > 1
-        loader.sampler.seed = seed  # Ray builds it with seed 0; ours decides the order
-        loader.sampler.set_epoch(epoch)
-    else:
-        loader.generator.manual_seed(seed + epoch)
-
-
-def train_step(
-    model: nn.Module,
-    images: torch.Tensor,
-    labels: torch.Tensor,
-    optimizer: torch.optim.Optimizer,
-    scheduler,
-    scaler: torch.amp.GradScaler,
-    autocast,
-    recipe: StepRecipe = StepRecipe(),
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """One optimizer step on one batch of uint8 ``images``, shifted and the loss smoothed as
-    ``recipe`` says; returns the (detached) loss and logits, in the precision autocast gave
-    them. With label smoothing the step minimises the smoothed cross-entropy and returns the
-    plain one, comparable to ``val_loss``.
-
-    With fp16 the scaler multiplies the loss before backward; when any gradient comes out
-    inf or NaN, ``scaler.step`` skips the optimizer step and ``scaler.update`` lowers the
-    scale, so an overflow costs one batch instead of poisoning the weights.
-    """
-    with autocast:
-        logits = model(normalize(shift_images(images, recipe.max_shift)))
-        loss = F.cross_entropy(logits, labels, label_smoothing=recipe.label_smoothing)
-    optimizer.zero_grad(set_to_none=True)
-    scaler.scale(loss).backward()  # DDP all-reduces gradients during backward
-    scaler.step(optimizer)
-    scaler.update()
-    scheduler.step()
-    if recipe.label_smoothing:
-        loss = F.cross_entropy(logits.detach().float(), labels)
-    return loss.detach(), logits.detach()
-
-
-def epoch_batches(loader, start: EpochStart | None):
-    """The epoch's batches from ``start``: the loader's order (its sampler's epoch and seed,
-    set by :func:`set_epoch`) with the done batches skipped, then the RNG put back, so the
-    next draw (a shift) is the one the uninterrupted run made at that step."""
-    batches = iter(loader)
-    if start is not None:
-        for _ in range(start.step):  # one gather each: cheaper than rebuilding the sampler
-            next(batches)
-        if start.rng is not None:
-            ckpt.set_rng_state(start.rng)
-    return batches
-
-
 def train_one_epoch(
     model: nn.Module,
     loader,
@@ -203,23 +112,23 @@ def train_one_epoch(
     done before ``start``), the CPU seconds (user + system) all ranks' processes spent on
     them, and when the first step had finished (unix time). ``on_step(steps, sums)`` is
     called after every step with the epoch's steps done and this rank's running (loss sum,
-    correct, count) on the device."""
+    correct, count) on the device. ``loader`` is a DataLoader, or on CUDA a rank's
+    :class:`DeviceSteps`: the loader's order, the batches and the step (maybe captured)
+    made on the device; the step's parts are then its own."""
     model.train()
     cpu_started = time.process_time()
-    # Running sums stay on the device: reading them (.item()) would sync every step.
-    sums = torch.zeros(3, dtype=torch.float64, device=device)  # loss, correct, count
     carried = start.sums if start is not None and start.sums is not None else [0.0] * 4
+    if isinstance(loader, DeviceSteps):
+        sums, trained = loader.sums.zero_(), loader.epoch(start)
+    else:
+        sums = torch.zeros(3, dtype=torch.float64, device=device)  # loss, correct, count
+        trained = _loader_steps(
+            model, loader, optimizer, scheduler, scaler, autocast, recipe, start, sums
+        )
     sums += torch.tensor(carried[:3], dtype=torch.float64, device=device)
     skipped = steps = 0 if start is None else start.step
     first_step_at = None
-    for images, labels in epoch_batches(loader, start):
-        loss, logits = train_step(
-            model, images, labels, optimizer, scheduler, scaler, autocast, recipe
-        )
-        n = labels.numel()
-        sums[0] += loss.double() * n
-        sums[1] += (logits.argmax(1) == labels).sum()
-        sums[2] += n  # a Python number: no host-to-device copy
+    for _ in trained:
         steps += 1
         if first_step_at is None:  # once per epoch: start-up ends at the first real step
             if device.type == "cuda":
@@ -239,6 +148,16 @@ def train_one_epoch(
         "cpu_s": cpu_s,
         "first_step_at": first_step_at,
     }
+
+
+def _loader_steps(model, loader, optimizer, scheduler, scaler, autocast, recipe, start, sums):
+    """The epoch's steps on the loader's batches (from ``start``): one per iteration."""
+    for images, labels in epoch_batches(loader, start):
+        loss, logits = train_step(
+            model, images, labels, optimizer, scheduler, scaler, autocast, recipe
+        )
+        accumulate(sums, loss, logits, labels)
+        yield
 
 
 def broadcast_buffers(module: nn.Module) -> None:
@@ -280,7 +199,9 @@ def _backend() -> str | None:
     return dist.get_backend() if dist.is_available() and dist.is_initialized() else None
 
 
-def _worker_placement(device: torch.device, compiled: bool = False) -> list[dict[str, Any]]:
+def _worker_placement(
+    device: torch.device, compiled: bool = False, captured: bool = False
+) -> list[dict[str, Any]]:
     """Where and how every rank runs, gathered once so rank 0 can report it."""
     ctx = ray.train.get_context()
     me = {
@@ -291,6 +212,7 @@ def _worker_placement(device: torch.device, compiled: bool = False) -> list[dict
         "device": str(device),
         "backend": _backend(),
         "compiled": compiled,
+        "step": "captured" if captured else "eager",  # one CUDA graph, or kernel by kernel
     }
     if device.type == "cuda":
         me["gpu"] = torch.cuda.get_device_name(device)
@@ -320,12 +242,13 @@ class Training:
     sync_bn: bool
     recipe: StepRecipe = StepRecipe()  # the images' shifts, the loss's label smoothing
     compiled: bool = False  # the module is torch.compiled (training steps only)
+    device_steps: DeviceSteps | None = None  # on CUDA: batches made there, the step maybe captured
 
     def train_one_epoch(self, on_step=None, start: EpochStart | None = None) -> dict[str, float]:
-        """:func:`train_one_epoch` over this rank's loader."""
+        """:func:`train_one_epoch` over this rank's loader (its device steps, on CUDA)."""
         return train_one_epoch(
             self.model,
-            self.loader,
+            self.device_steps or self.loader,
             self.optimizer,
             self.scheduler,
             self.scaler,
@@ -335,6 +258,11 @@ class Training:
             self.recipe,
             start,
         )
+
+    @property
+    def captured(self) -> bool:
+        """The whole step is one CUDA graph (:mod:`.graphs`), replayed every step."""
+        return self.device_steps is not None and self.device_steps.run.captured
 
     def evaluate(
         self, images: torch.Tensor, labels: torch.Tensor, rank: int, world_size: int
@@ -350,8 +278,9 @@ class Training:
 
     @property
     def lr(self) -> float:
-        """The learning rate the schedule has reached."""
-        return self.optimizer.param_groups[0]["lr"]
+        """The learning rate the schedule has reached (a captured step's, read from the
+        device: once an epoch)."""
+        return float(self.scheduler.get_last_lr()[0])
 
 
 def set_up_worker(rank: int, cpus_per_worker: int) -> torch.device:
@@ -363,24 +292,36 @@ def set_up_worker(rank: int, cpus_per_worker: int) -> torch.device:
     torch.set_num_threads(cpus_per_worker)
     device = ray.train.torch.get_device()
     if device.type == "cuda":
-        torch.backends.cudnn.benchmark = True  # fixed shapes: the fastest kernels, found once
+        set_up_cudnn()
     return device
 
 
 def prepare_training(
-    cfg: TrainConfig, data: MnistData, device: torch.device, world_size: int, compile=False
+    cfg: TrainConfig,
+    data: MnistData,
+    device: torch.device,
+    world_size: int,
+    compile=False,
+    cuda_graphs: str = "auto",
 ) -> Training:
     """The model (DDP when ``world_size`` > 1), this rank's loader, the optimizer and its
     schedule, the scaler and the autocast context: freshly initialised, the same on every
     rank. With ``compile`` the ConvNet is compiled in place before DDP wraps it (PyTorch's
-    advice for DDP): its state_dict keeps the eager names, so checkpoints are the same."""
+    advice for DDP): its state_dict keeps the eager names, so checkpoints are the same.
+    ``cuda_graphs`` (RunSettings.torch.cuda_graphs): on CUDA the step is captured in one
+    CUDA graph unless it is "off" or :func:`~raytrain_mnist.config.graph_blocker` says why
+    it cannot be."""
     torch.manual_seed(cfg.seed)  # same initial weights on every rank
     sync_bn = use_sync_bn(cfg.sync_bn, device, world_size)
     module = build_model(sync_bn)
     if compile:
         check_compiler(device.type == "cuda")  # a cluster's worker may lack one
         module.compile()  # lazily: the first forward compiles
-    model = ray.train.torch.prepare_model(module)
+    blocked = graph_blocker(cfg.optimizer, device.type == "cuda", _backend(), compile)
+    captured = cuda_graphs != "off" and blocked is None
+    # A captured DDP is built on a side stream, as its warm-up runs (PyTorch's rule).
+    with side_stream(device) if captured else _NO_CONTEXT:
+        model = ray.train.torch.prepare_model(module)
     # The global batch: each step takes cfg.batch_size images over all ranks, whatever
     # the world size (a resize changes only the per-worker share).
     loader = make_train_loader(
@@ -388,8 +329,25 @@ def prepare_training(
     )
     # Ray's sampler and order; batches come from the data's device, so nothing to move.
     loader = ray.train.torch.prepare_data_loader(loader, move_to_device=False)
-    optimizer, scheduler = build_optimizer(model, cfg, len(loader))
-    return Training(
+    return assemble_training(cfg, model, loader, data, device, sync_bn, compile, captured)
+
+
+def assemble_training(
+    cfg: TrainConfig,
+    model: nn.Module,
+    loader: DataLoader,
+    data: MnistData,
+    device: torch.device,
+    sync_bn: bool = False,
+    compiled: bool = False,
+    captured: bool = False,
+) -> Training:
+    """The rest of :func:`prepare_training`, Ray's part done (``model`` on ``device``, DDP
+    or not; ``loader`` this rank's): the optimizer and schedule, the scaler, the autocast
+    context; on CUDA (``data`` there) the batches made on the device and the step, captured
+    in one CUDA graph when ``captured``."""
+    optimizer, scheduler = build_optimizer(model, cfg, len(loader), captured=captured)
+    training = Training(
         model=model,
         module=getattr(model, "module", model),
         loader=loader,
@@ -400,8 +358,12 @@ def prepare_training(
         device=device,
         sync_bn=sync_bn,
         recipe=StepRecipe.of(cfg),
-        compiled=compile,
+        compiled=compiled,
     )
+    if device.type == "cuda":
+        mode = CAPTURE if captured else EAGER
+        training.device_steps = DeviceSteps(training, data.train_images, data.train_labels, mode)
+    return training
 
 
 def epoch_record(
@@ -454,8 +416,8 @@ def _both(*hooks):
 def train_func_per_worker(config: dict[str, Any]) -> None:
     """Ray Train's entry point. ``config``: ``train`` (TrainConfig as a dict), ``data``
     (ObjectRef of :class:`MnistData`), ``cpus_per_worker`` (its torch threads), and
-    optionally ``progress`` (an actor whose ``put`` takes rank 0's progress dicts) and
-    ``compile`` (RunSettings.torch.compile)."""
+    optionally ``progress`` (an actor whose ``put`` takes rank 0's progress dicts),
+    ``compile`` and ``cuda_graphs`` (RunSettings.torch's)."""
     started_at = time.time()  # tells the driver which worker-group start a report came from
     cfg = TrainConfig.from_dict(config["train"])
     ctx = ray.train.get_context()
@@ -465,11 +427,18 @@ def train_func_per_worker(config: dict[str, Any]) -> None:
     data: MnistData = to_device(ray.get(config["data"]), device)
 
     state = resume_state()
-    training = prepare_training(cfg, data, device, world_size, config.get("compile", False))
+    training = prepare_training(
+        cfg,
+        data,
+        device,
+        world_size,
+        config.get("compile", False),
+        config.get("cuda_graphs", "auto"),
+    )
     prepared_at = time.time()  # the driver's start-up timeline: "model prepared"
     done = Done() if state is None else Done(*restore(training, state))
     start, resumed = resume_point(state, rank)
-    placement = _worker_placement(device, training.compiled)
+    placement = _worker_placement(device, training.compiled, training.captured)
     if rank == 0:
         _log_start(training, cfg, device, world_size, resumed)
     feed = ProgressFeed(
@@ -559,10 +528,11 @@ def _log_start(
             written_by,
         )
     logger.info(
-        "%d worker(s) on %s, process group %s, SyncBatchNorm %s, AMP %s",
+        "%d worker(s) on %s, process group %s, SyncBatchNorm %s, AMP %s, %s",
         world_size,
         device.type,
         _backend() or "none",
         "on" if training.sync_bn else "off",
         cfg.amp,
+        "the step captured in one CUDA graph" if training.captured else "eager steps",
     )

@@ -76,6 +76,7 @@ def _trial(config: dict, setup: TrialSetup, data: list) -> None:
         "data": data[0],
         "cpus_per_worker": setup.cpus_per_worker,
         "compile": cfg.run.torch.compile,
+        "cuda_graphs": cfg.run.torch.cuda_graphs,
     }
     trainer = build_trainer(
         cfg.run,
