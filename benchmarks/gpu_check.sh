@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Everything the GPU path claims, checked in one command on a machine with an NVIDIA GPU and
-# no Ray: install the offline Ray bundle, run tests/test_gpu.py (and the CPU AMP tests, on
-# that machine's torch), then the GPU benchmark. Finishes in under 9 minutes on one H200.
+# no Ray: install the offline Ray bundle, run tests/test_gpu.py (and, on that machine's torch,
+# the CPU tests of the captured step's parts and of AMP), then the GPU benchmark. Each part
+# has a cap that keeps the whole under the device tool's 10 minutes a command.
 #
 #   make gpu-bundle                      # here: build/gpu-wheels + data/mnist-gz (ignored)
 #   bash benchmarks/gpu_check.sh         # there, from the checkout (docs/gpu.md: the command)
@@ -29,14 +30,15 @@ nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader ||
 python3 -c 'import torch; print("torch", torch.__version__, "cuda", torch.version.cuda,
   "devices", torch.cuda.device_count())'
 
-say "tests: tests/test_gpu.py tests/test_amp.py"
-timeout -s INT -k 20 270 python3 -m pytest tests/test_gpu.py tests/test_amp.py -v -p no:cacheprovider \
+say "tests: tests/test_gpu.py tests/test_device_batches.py tests/test_amp.py"
+timeout -s INT -k 20 285 python3 -m pytest tests/test_gpu.py tests/test_device_batches.py \
+  tests/test_amp.py -v -p no:cacheprovider \
   --junitxml="$LOGS/pytest-gpu.xml" 2>&1 | tee "$LOGS/pytest-gpu.log"
 TESTS=${PIPESTATUS[0]}
 say "tests exited $TESTS"
 
-say "benchmark: plain over 5 seeds, fit-1, fit-2-shared, fit-1-warm (one epoch)"
-timeout -s INT -k 20 300 python3 -m benchmarks.gpu --data-dir "$DATA" --junit "$LOGS/pytest-gpu.xml" \
+say "benchmark: plain over 5 seeds, plain-eager, fit-1, fit-2-shared, fit-1-warm (one epoch)"
+timeout -s INT -k 20 255 python3 -m benchmarks.gpu --data-dir "$DATA" --junit "$LOGS/pytest-gpu.xml" \
   --out "$RESULTS" 2>&1 | tee "$LOGS/bench-gpu.log"
 BENCH=${PIPESTATUS[0]}
 say "benchmark exited $BENCH"

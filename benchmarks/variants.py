@@ -17,7 +17,6 @@ seconds since the command started, read from ``BENCH_T0``): the same end points
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import os
 import time
@@ -43,20 +42,21 @@ def _emit(epochs: list[dict], first_step_s: float, moments: dict | None = None) 
 
 def _product_loop(args, rank: int = 0, world: int = 1, sampler=None) -> None:
     """Plain PyTorch around the product's own loader, train step and evaluation; on a GPU
-    with the data resident there, as in a fit worker."""
+    with the data resident there, as in a fit worker: the batches made on the device and,
+    unless --cuda-graphs off, the whole step captured in one CUDA graph."""
     import torch
 
-    from raytrain_mnist.config import TrainConfig
+    from raytrain_mnist.config import TrainConfig, graph_blocker
     from raytrain_mnist.data import load_mnist
     from raytrain_mnist.nn.model import ConvNet
-    from raytrain_mnist.nn.optim import StepRecipe, build_optimizer
     from raytrain_mnist.nn.score import evaluate
     from raytrain_mnist.worker.loop import (
+        assemble_training,
         keep_freed_memory,
         make_train_loader,
         set_epoch,
+        set_up_cudnn,
         to_device,
-        train_one_epoch,
     )
 
     moments = {"imported_s": _now()}
@@ -64,7 +64,7 @@ def _product_loop(args, rank: int = 0, world: int = 1, sampler=None) -> None:
     torch.set_num_threads(args.threads)
     device = torch.device(args.device)
     if device.type == "cuda":
-        torch.backends.cudnn.benchmark = True  # as fit's workers do
+        set_up_cudnn()  # as fit's workers do
     # fit's default recipe (optimizer, schedule, label smoothing, shifts) at these sizes.
     cfg = TrainConfig(epochs=args.epochs, batch_size=args.batch_size, seed=args.seed)
     data = to_device(load_mnist(args.data_dir, args.dataset), device)
@@ -73,6 +73,9 @@ def _product_loop(args, rank: int = 0, world: int = 1, sampler=None) -> None:
     model = ConvNet().to(device)
     if args.compile:  # as fit's --compile: the inner module, in place, before DDP
         model.compile()
+    backend = torch.distributed.get_backend() if world > 1 else None
+    blocked = graph_blocker(cfg.optimizer, device.type == "cuda", backend, args.compile)
+    captured = args.cuda_graphs != "off" and blocked is None
     loader = make_train_loader(
         data.train_images, data.train_labels, cfg.batch_size // world, cfg.seed
     )
@@ -88,24 +91,16 @@ def _product_loop(args, rank: int = 0, world: int = 1, sampler=None) -> None:
             collate_fn=tuple,
             sampler=DistributedSampler(loader.dataset, seed=cfg.seed),
         )
-    optimizer, scheduler = build_optimizer(model, cfg, len(loader))
-    scaler = torch.amp.GradScaler(device.type, enabled=False)
-    module = getattr(model, "module", model)
+    # The optimizer, schedule, scaler and autocast (fit's default: off) as fit's workers
+    # assemble them, and on a GPU the device steps.
+    training = assemble_training(cfg, model, loader, data, device, captured=captured)
+    module = training.module
     moments["model_prepared_s"] = _now()
     epochs, first_step = [], None
     for epoch in range(cfg.epochs):
         set_epoch(loader, epoch, cfg.seed)
         started, started_at = time.perf_counter(), time.time()
-        train = train_one_epoch(
-            model,
-            loader,
-            optimizer,
-            scheduler,
-            scaler,
-            contextlib.nullcontext(),
-            device,
-            recipe=StepRecipe.of(cfg),
-        )
+        train = training.train_one_epoch()
         seconds = time.perf_counter() - started
         if first_step is None:
             first_step = train["first_step_at"] - _t0()
@@ -121,6 +116,9 @@ def _product_loop(args, rank: int = 0, world: int = 1, sampler=None) -> None:
                 "first_step_in_epoch_s": train["first_step_at"] - started_at,
                 "steps": train["train_steps"],
                 "cpu_s_per_step": train["cpu_s"] / train["train_steps"],
+                # The warm-up and capture of a captured step (its first epoch's first step).
+                "capture_s": training.device_steps.run.prepare_s if training.device_steps else 0,
+                "step": "captured" if training.captured else "eager",
                 "val_accuracy": val["val_accuracy"],
                 "eval_done_s": _now(),
             }
@@ -257,6 +255,12 @@ def main() -> None:
     parser.add_argument("--dataset", default="mnist", choices=["mnist", "sample"])
     parser.add_argument(
         "--compile", action="store_true", help="plain and torchrun: torch.compile the ConvNet"
+    )
+    parser.add_argument(
+        "--cuda-graphs",
+        default="auto",
+        choices=["auto", "off"],
+        help="plain on cuda: capture the step in one CUDA graph (auto) or not",
     )
     args = parser.parse_args()
     globals()[args.variant](args)
