@@ -97,7 +97,7 @@ def test_auto_captures_the_step_where_it_can_and_the_start_line_says_which(
     train, settings, captured
 ):
     from raytrain_mnist.config import FitConfig, TrainConfig
-    from raytrain_mnist.driver.fitting import _gpu_text
+    from raytrain_mnist.driver.fitting import gpu_text as _gpu_text
 
     cfg = FitConfig(TrainConfig(**train), RunSettings.from_flags(**settings))
     assert cfg.captures_step is captured

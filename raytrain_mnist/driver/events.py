@@ -49,7 +49,7 @@ STARTUP = {
     "first_step": "first optimizer step done",
 }
 #: The moments of its teardown, from the last epoch's report to the summary
-#: (``timeline["teardown_s"]``), in the order a fit stops (:func:`~.fitting._train`).
+#: (``timeline["teardown_s"]``), in the order a fit stops (:func:`~.fitting.on_trainer.train`).
 TEARDOWN = {
     "last_report": "last epoch evaluated (rank 0): checkpoint saved, reported",
     "checkpoint_committed": "its checkpoint committed (controller)",

@@ -1,0 +1,141 @@
+"""A ``fit --service``: the run trained by a warm service's workers
+(:mod:`raytrain_mnist.driver.service`) instead of a TorchTrainer of its own."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+
+from raytrain_mnist.config import (
+    FitConfig,
+)
+from raytrain_mnist.driver import cluster
+from raytrain_mnist.driver.events import EventSink, Note, Phase, Stopping
+from raytrain_mnist.driver.fitting.stages import (
+    Fit,
+    FitResult,
+    Plotting,
+    gpu_text,
+    let_go_of_ray,
+    open_run,
+    prepare,
+    record_end,
+    result_of,
+    start_timeline,
+    summarize,
+    write_files,
+)
+from raytrain_mnist.driver.monitor import (
+    RunMonitor,
+)
+from raytrain_mnist.driver.relay import INTERRUPTED, on_a_thread, relay
+from raytrain_mnist.driver.runs import RUN_FILE
+from raytrain_mnist.errors import UserError
+
+logger = logging.getLogger(__name__)
+
+
+def fit_on_service(
+    cfg: FitConfig,
+    emit: EventSink,
+    poll_s: float,
+    started_at: float | None,
+    invocation: Sequence[str] | None,
+) -> FitResult:
+    """``fit --service``: the same run (its name, claim, identity, files, resume) trained by
+    a warm service's workers (:mod:`~raytrain_mnist.driver.service`) instead of a new
+    TorchTrainer. This command connects to the service's Ray, checks the service can honour
+    the run, claims it, sends the request and follows it; Ctrl-C cancels the request."""
+    from raytrain_mnist.driver.service import ServiceClient
+
+    _, timeline = start_timeline(started_at)
+    address = ServiceClient.address_of(cfg.run.scaling.service, cfg.run.address)
+    emit(Phase(f"connecting to Ray at {address}", timeline.mark("ray_starting")))
+    with cluster.connect(address, cluster.Request(0, 1, False), dashboard=False):
+        try:
+            client = ServiceClient(cfg.run.scaling.service)
+            cfg = client.fitted(cfg)
+            ctx = prepare(cfg, emit, poll_s, started_at, service=client)
+            ctx.timeline, ctx.address, ctx.disconnects = timeline, address, True
+            ctx.cpus_per_worker = client.info["cpus_per_worker"]
+            ctx.phase("Ray ready", "ray_ready")
+            with ctx.run.claim(ctx.cfg.run.storage.fresh):
+                ctx.run.held.handled = True
+                finished = open_run(ctx)
+                if finished is not None:
+                    return finished
+                _request(ctx, client)
+                write_files(ctx)
+                let_go_of_ray(ctx)
+                record_end(ctx)
+        finally:
+            import ray
+
+            ray.shutdown()  # this command's part in the cluster ends; the service lives on
+    return result_of(ctx, invocation)
+
+
+def _request(ctx: Fit, client) -> None:
+    """Send the run to the service and follow it to its end (or Ctrl-C's cancel)."""
+    cfg, run, data = ctx.cfg, ctx.run, ctx.data
+    ctx.emit(
+        Note(
+            f"{'resuming' if ctx.prior else 'starting'} run '{run.name}' on service "
+            f"'{client.name}': {cfg.run.scaling.num_workers} worker(s) x "
+            f"{ctx.cpus_per_worker} CPU{gpu_text(cfg)}, {data.train_size} train / "
+            f"{data.test_size} test images from {data.source}"
+        )
+    )
+    run.write_json(RUN_FILE, ctx.identity)
+    from raytrain_mnist.driver.tracking import EpochLog
+
+    # TensorBoard's writer imports torch (a second or more): opened while the request trains.
+    opening = on_a_thread(lambda: EpochLog(run.dir, cfg), name="tracking")
+    ctx.plotting = Plotting()
+    request_id = client.submit(cfg, run, run.latest_checkpoint())
+    ctx.phase("request sent", "trainer_started")
+    try:
+        ctx.tracker = opening()
+    except BaseException:  # a bad --mlflow-uri: the run stops before its first epoch
+        client.cancel(request_id, "its tracking could not be opened")
+        raise
+
+    def on_epoch(metrics: dict) -> None:
+        ctx.tracker.log(metrics)
+        ctx.plotting.start()
+
+    ctx.monitor = RunMonitor(
+        client.channel(request_id), cfg.train.epochs, ctx.prior, ctx.emit, ctx.timeline,
+        on_epoch=on_epoch, poll_s=ctx.poll_s,
+    )  # fmt: skip
+    held = run.held
+    with ctx.monitor:
+        outcome = relay(
+            lambda: client.follow(request_id, ctx.emit, lambda: _all_seen(ctx)),
+            lambda reason, running: _cancel(ctx, client, request_id, reason),
+            name="request",
+            watch=lambda: held.reason if held is not None and held.lost.is_set() else None,
+        )
+    ctx.timeline.mark("fit_returned")
+    ctx.trainer_ended = True
+    ended = outcome.value if outcome.stopped is None else None
+    if outcome.stopped is None and ended is not None and ended["state"] == "failed":
+        ctx.error = UserError(ended["error"] or "the request failed")
+    elif outcome.error is not None and outcome.stopped is None:
+        ctx.error = outcome.error
+    summarize(ctx)
+
+
+def _cancel(ctx: Fit, client, request_id: str, reason: str) -> None:
+    if reason == INTERRUPTED:
+        ctx.emit(Stopping("cancelling the request; the last committed checkpoint is kept"))
+    else:
+        ctx.emit(
+            Stopping(f"{reason}: cancelling the request; the last committed checkpoint is kept")
+        )
+    client.cancel(request_id, reason)
+
+
+def _all_seen(ctx: Fit) -> bool:
+    history = ctx.monitor.history
+    return bool(history) and history[-1]["epoch"] >= ctx.cfg.train.epochs
