@@ -272,6 +272,8 @@ class FitConfig:
     auto_epochs: bool = False
     #: The ``--recipe`` ``train`` started from (its flags may have changed some values).
     recipe: str = DEFAULT_RECIPE
+    #: ``--num-workers`` was not given: a run on a service (``--service``) takes its count.
+    auto_workers: bool = False
 
     def __post_init__(self) -> None:
         t, r = self.train, self.run.scaling

@@ -31,6 +31,7 @@ import numpy as np
 import torch
 
 from raytrain_mnist.errors import EXIT_USAGE, UserError
+from raytrain_mnist.paths import default_cache_dir
 
 logger = logging.getLogger(__name__)
 
@@ -73,10 +74,6 @@ class MnistData:
     @property
     def test_size(self) -> int:
         return len(self.test_labels)
-
-
-def default_cache_dir() -> Path:
-    return Path(os.environ.get("RAYTRAIN_MNIST_CACHE", Path.home() / ".cache" / "raytrain_mnist"))
 
 
 def load_mnist(

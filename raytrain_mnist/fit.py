@@ -62,15 +62,19 @@ def build_parser() -> ArgumentParser:
 
 def parse_config(argv: Sequence[str] | None = None) -> FitConfig:
     # argparse keeps a value already in the namespace: None marks "--epochs not given".
-    args = parse_with_recipe(build_parser(), argv, argparse.Namespace(epochs=None))
-    auto_epochs = args.epochs is None
+    given = argparse.Namespace(epochs=None, num_workers=None)
+    args = parse_with_recipe(build_parser(), argv, given)
+    auto_epochs, auto_workers = args.epochs is None, args.num_workers is None
     if auto_epochs:
         args.epochs = RECIPES[args.recipe]["epochs"]
+    if auto_workers:
+        args.num_workers = RunSettings().scaling.num_workers
     return FitConfig(
         train=dataclass_from_args(TrainConfig, args),
         run=dataclass_from_args(RunSettings, args),
         auto_epochs=auto_epochs,
         recipe=args.recipe,
+        auto_workers=auto_workers,
     )
 
 

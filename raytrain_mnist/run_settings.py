@@ -57,6 +57,12 @@ class ScalingSettings:
         "GPUs per worker with --use-gpu (default 1): a fraction such as 0.25 puts "
         "several workers on one GPU (their traffic then goes over Gloo), or a whole number",
     )
+    service: Optional[str] = _opt(
+        None,
+        "train on the warm service of this name (`raytrain-mnist service start`) instead of "
+        "starting workers: the run pays for its training only; its workers, GPU and data set "
+        "are the service's",
+    )
     cpus_per_worker: Optional[int] = _opt(
         None,
         "CPUs (and torch threads) per worker; default: this machine's cores / workers "
@@ -76,6 +82,8 @@ class ScalingSettings:
             check_int("cpus-per-worker", self.cpus_per_worker, 1)
         self._check_gpus_per_worker()
         check_choice("placement-strategy", self.placement_strategy, PLACEMENT_CHOICES)
+        if self.service is not None:
+            check_run_name(self.service, "--service")
 
     def _check_gpus_per_worker(self) -> None:
         f = self.gpus_per_worker
@@ -292,7 +300,7 @@ class RunSettings:
     flag_order = (
         "num_workers", "resize_check_s", "progress", "use_gpu", "gpus_per_worker",
         "cpus_per_worker", "backend", "init_method", "dataset", "data_dir", "storage_path",
-        "name", "fresh", "address", "max_failures", "max_preemptions", "keep_checkpoints",
+        "name", "fresh", "address", "service", "max_failures", "max_preemptions", "keep_checkpoints",
         "placement_strategy", "no_tensorboard", "mlflow", "mlflow_uri", "socket_ifname", "compile",
         "cuda_graphs",
     )  # fmt: skip

@@ -344,6 +344,7 @@ _SLOW_FIXTURES = frozenset(
         "gpu_ray",  # test_gpu
         "one_worker_nccl",  # test_gpu
         "iam_s3",  # test_iam
+        "service",  # test_service
     }
 )
 

@@ -24,7 +24,7 @@ GUIDES = [
     REPO / "benchmarks" / "README.md",
 ]
 MAX_BYTES = 16 * 1024
-COMMANDS = ("fit", "tune", "evaluate", "runs", "predict", "export", "submit", "serve")
+COMMANDS = ("fit", "tune", "evaluate", "runs", "predict", "export", "submit", "serve", "service")
 #: What ends a command on a shell line: a pipe, a redirection, a list.
 _SHELL_OPERATORS = ("|", "||", "&&", ";", ">", ">>", "<", "2>", "&")
 

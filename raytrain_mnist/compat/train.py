@@ -193,7 +193,7 @@ def __getattr__(name: str) -> Any:
     return classes[name]
 
 
-def poll_workers_every(seconds: float) -> bool:
+def poll_workers_every(seconds: float, exact: bool = False) -> bool:
     """In a Ray Train worker: the run's controller polls its workers every ``seconds`` once
     its current wait is over (fire and forget). Ray 2.60's ``TrainController`` reads
     ``RAY_TRAIN_HEALTH_CHECK_INTERVAL_S`` once, into ``_health_check_interval_s``; a report is
@@ -201,21 +201,23 @@ def poll_workers_every(seconds: float) -> bool:
     even when its train function has returned, so a run's end is seen one more whole interval
     later. The worker's train context holds the controller's handle (``controller_actor``),
     and Ray's ``__ray_call__`` (a DeveloperAPI) runs a function on the actor instance. Returns
-    whether the call was sent; nothing changes otherwise."""
+    whether the call was sent; nothing changes otherwise. The interval only shortens,
+    unless ``exact`` (a service sets Ray's back between two requests)."""
     try:
         from ray.train.v2._internal.execution.context import get_train_context
 
         controller = get_train_context().controller_actor
-        controller.__ray_call__.remote(_set_poll_interval, seconds)
+        controller.__ray_call__.remote(_set_poll_interval, seconds, exact)
     except Exception:  # another Ray Train: the controller keeps its own poll
         return False
     return True
 
 
-def _set_poll_interval(controller, seconds: float) -> None:
+def _set_poll_interval(controller, seconds: float, exact: bool = False) -> None:
     """In the controller's process (:func:`poll_workers_every`)."""
     if isinstance(getattr(controller, "_health_check_interval_s", None), float):
-        controller._health_check_interval_s = min(controller._health_check_interval_s, seconds)
+        now = controller._health_check_interval_s
+        controller._health_check_interval_s = float(seconds) if exact else min(now, seconds)
 
 
 def quiet_train_report_log() -> None:
@@ -227,3 +229,33 @@ def quiet_train_report_log() -> None:
     except ImportError:
         return
     logging.getLogger(context.__file__).setLevel(logging.WARNING)
+
+
+def checkpoint_manager_snapshot(results: list, latest: str, reports: int) -> bytes:
+    """Ray Train's ``checkpoint_manager_snapshot.json`` of a run whose checkpoints a warm
+    service filed (``driver/runs/filing.py``): ``results`` as (folder name, metrics, report
+    index) in the manager's order, ``latest`` the latest's folder, ``reports`` the reports
+    made. Built with Ray 2.60's own models (``_CheckpointManagerState``, private, in
+    ``train/v2/_internal/execution/checkpoint/checkpoint_manager.py``), so the file carries
+    its schema and ``ray_version``: Ray refuses a snapshot of another version, and a plain
+    ``fit`` resuming the run loads it as one of its own."""
+    from ray.train.v2._internal.execution.checkpoint.checkpoint_manager import (
+        _CheckpointManagerState,
+        _TrainingResultState,
+    )
+
+    states = {
+        name: _TrainingResultState(checkpoint_dir_name=name, metrics=m) for name, m, _ in results
+    }
+    state = _CheckpointManagerState(
+        checkpoint_results=list(states.values()),
+        checkpoint_report_indices=[index for _, _, index in results],
+        latest_checkpoint_result=states[latest],
+        pending_training_results=[],
+        pending_validation_specs=[],
+        current_report_index=reports,
+        validated_checkpoint_dir_names=[],
+        timed_out_validation_checkpoint_dir_names=[],
+        failed_validation_checkpoint_dir_names=[],
+    )
+    return state.json().encode()

@@ -313,7 +313,7 @@ class RunMonitor:
 
     def _phase(self, key: str, text: str, at: float | None) -> None:
         """Moment ``key`` at ``at`` (driver clock) into the timeline; its phase line (once)."""
-        if at is None:
+        if at is None or at < self.timeline.t0:  # a warm service's: before this command
             return
         elapsed = self.timeline.mark(key, at)
         if key in STARTUP and key not in self._shown:

@@ -20,6 +20,8 @@ from raytrain_mnist import compat
 #: Seconds between the controller's polls for the run's last moments (Ray's 2 s otherwise:
 #: polling this often all along costs training throughput, benchmarks/README.md).
 END_POLL_S = 0.1
+#: Ray's own interval, which a service's next request starts at again.
+SLOW_POLL_S = float(os.environ.get("RAY_TRAIN_HEALTH_CHECK_INTERVAL_S", "2"))
 #: Asked this much earlier than an interval before the end: step times vary.
 MARGIN_S = 0.5
 
@@ -30,7 +32,7 @@ class EndPoll:
 
     def __init__(self, steps_per_epoch: int, interval_s: float | None = None) -> None:
         if interval_s is None:
-            interval_s = float(os.environ.get("RAY_TRAIN_HEALTH_CHECK_INTERVAL_S", "2"))
+            interval_s = SLOW_POLL_S
         self.steps_per_epoch, self.interval_s = steps_per_epoch, interval_s
         self.asked = False
         self._epochs_after = 0

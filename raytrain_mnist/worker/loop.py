@@ -21,6 +21,7 @@ import ctypes
 import dataclasses
 import functools
 import logging
+import math
 import os
 import sys
 import time
@@ -419,39 +420,73 @@ def train_func_per_worker(config: dict[str, Any]) -> None:
     optionally ``progress`` (an actor whose ``put`` takes rank 0's progress dicts),
     ``compile`` and ``cuda_graphs`` (RunSettings.torch's)."""
     started_at = time.time()  # tells the driver which worker-group start a report came from
-    cfg = TrainConfig.from_dict(config["train"])
-    ctx = ray.train.get_context()
-    rank, world_size = ctx.get_world_rank(), ctx.get_world_size()
-    device = set_up_worker(rank, config["cpus_per_worker"])
+    worker = WorkerSetup.start(config["cpus_per_worker"], started_at)
     # The object store, not a download per worker; then onto the GPU, once.
-    data: MnistData = to_device(ray.get(config["data"]), device)
-
-    state = resume_state()
-    training = prepare_training(
-        cfg,
+    data: MnistData = to_device(ray.get(config["data"]), worker.device)
+    train_run(
+        TrainConfig.from_dict(config["train"]),
         data,
-        device,
-        world_size,
-        config.get("compile", False),
-        config.get("cuda_graphs", "auto"),
+        worker,
+        resume_state(),
+        progress=config.get("progress"),
+        compile=config.get("compile", False),
+        cuda_graphs=config.get("cuda_graphs", "auto"),
     )
+
+
+@dataclasses.dataclass(frozen=True)
+class WorkerSetup:
+    """What a worker-group start sets up once, for every run it trains (one for ``fit``,
+    one per request for a service: :mod:`.service`)."""
+
+    rank: int
+    world_size: int
+    device: torch.device
+    started_at: float  # unix time the train function began: names this worker-group start
+
+    @classmethod
+    def start(cls, cpus_per_worker: int, started_at: float) -> WorkerSetup:
+        ctx = ray.train.get_context()
+        rank = ctx.get_world_rank()
+        device = set_up_worker(rank, cpus_per_worker)
+        return cls(rank, ctx.get_world_size(), device, started_at)
+
+
+def train_run(
+    cfg: TrainConfig,
+    data: MnistData,
+    worker: WorkerSetup,
+    state: dict[str, Any] | None,
+    progress=None,
+    compile: bool = False,
+    tags: dict[str, Any] | None = None,
+    on_step=None,
+    finite: bool = False,
+    cuda_graphs: str = "auto",
+) -> Done:
+    """Train ``cfg`` from a fresh model (or the checkpoint ``state``) to its last epoch,
+    reporting every epoch: the body of :func:`train_func_per_worker`. ``progress``: rank
+    0's stream (:class:`~.feed.ProgressFeed`'s actor); ``tags``: added to every report (a
+    service's request id); ``on_step(steps, sums)``: called after every step on every rank
+    (a service's cancel check); ``finite``: a NaN or infinite loss ends the run
+    (:class:`Diverged`) instead of being reported. Returns what was trained."""
+    rank, world_size, device = worker.rank, worker.world_size, worker.device
+    training = prepare_training(cfg, data, device, world_size, compile, cuda_graphs)
     prepared_at = time.time()  # the driver's start-up timeline: "model prepared"
     done = Done() if state is None else Done(*restore(training, state))
     start, resumed = resume_point(state, rank)
     placement = _worker_placement(device, training.compiled, training.captured)
     if rank == 0:
         _log_start(training, cfg, device, world_size, resumed)
-    feed = ProgressFeed(
-        config.get("progress") if rank == 0 else None, cfg.batch_size, len(training.loader)
-    )
-    feed.ready(world_size, started_at, device=device.type, backend=_backend(),
+    feed = ProgressFeed(progress if rank == 0 else None, cfg.batch_size, len(training.loader))
+    feed.ready(world_size, worker.started_at, device=device.type, backend=_backend(),
                prepared_at=prepared_at, **resumed)  # fmt: skip
-    keys = {"started_at": started_at, "world_size": world_size}
+    keys = {"started_at": worker.started_at, "world_size": world_size, "tags": tags or {}}
     save = jit_saver(training, cfg, done, keys, rank)
     send = functools.partial(feed.send, steps_per_epoch=len(training.loader))
     jit = JustInTime(rank, world_size, save, ray.train.get_preemption_info, send, device=device)
     end = EndPoll(len(training.loader)) if rank == 0 else None
-    on_step = _both(feed.on_step, jit.on_step, end and end.on_step)
+    step_hooks = _both(feed.on_step, jit.on_step, end and end.on_step, on_step)
     for epoch in range(done.epoch, cfg.epochs):
         set_epoch(training.loader, epoch, cfg.seed)
         if end is not None:
@@ -460,15 +495,34 @@ def train_func_per_worker(config: dict[str, Any]) -> None:
         keys["carried_cpu_s"] = start.sums[3] if start is not None and start.sums else 0.0
         started = time.perf_counter()
         feed.epoch_start(epoch + 1)
-        train = training.train_one_epoch(on_step=on_step, start=start)
+        train = training.train_one_epoch(on_step=step_hooks, start=start)
         start = None
         train_s = time.perf_counter() - started
+        if finite:
+            check_finite(train, epoch + 1, cfg)
         run_keys = {"resumed_from_epoch": resumed["resumed_from_epoch"],
-                    "started_at": started_at, "workers": placement}  # fmt: skip
+                    "started_at": worker.started_at, "workers": placement,
+                    **keys["tags"]}  # fmt: skip
         train.update(jit.end_epoch())
         if end is not None and epoch + 1 == cfg.epochs:
             end.now()  # the last evaluation and report follow: if the steps had not asked
         _end_epoch(training, cfg, data, done, train, (started, train_s), rank, run_keys)
+    return done
+
+
+class Diverged(ValueError):
+    """The training loss is not a number: the run cannot go on from here."""
+
+
+def check_finite(train: dict[str, Any], epoch: int, cfg: TrainConfig) -> None:
+    """Refuse to report (and checkpoint) an epoch whose loss, summed over every rank, is
+    NaN or infinite: every rank sees the same sums, so every rank raises together."""
+    loss = train["train_loss"]
+    if not math.isfinite(loss):
+        raise Diverged(
+            f"training diverged: the loss of epoch {epoch} is {loss} (lr {cfg.lr:g}); "
+            "lower --lr, or try --amp off"
+        )
 
 
 def _end_epoch(

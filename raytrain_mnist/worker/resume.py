@@ -169,6 +169,7 @@ def jit_saver(training: Training, cfg: TrainConfig, done: Done, keys: dict, rank
             CHECKPOINT_METRIC: float("nan"),  # ranked below every evaluated checkpoint
             "world_size": world_size,
             "started_at": keys["started_at"],
+            **keys.get("tags", {}),
         }
         report_epoch(metrics, state)
 

@@ -54,7 +54,7 @@ def data_identity(data) -> dict[str, Any]:
     }
 
 
-def fit_identity(cfg: FitConfig, data) -> dict[str, Any]:
+def fit_identity(cfg: FitConfig, data, data_id: dict | None = None) -> dict[str, Any]:
     """A fit run's identity record: what ``run.json`` holds and a resume must match.
 
     The worker count is not part of it (the batch is global: a run may resume on another
@@ -64,7 +64,8 @@ def fit_identity(cfg: FitConfig, data) -> dict[str, Any]:
     return {
         "train": cfg.train.to_dict(),
         "dataset": cfg.run.data.dataset,
-        "data": data_identity(data),
+        # A warm service's data is held by the service: it tells its identity (data_id).
+        "data": data_identity(data) if data_id is None else data_id,
     }
 
 

@@ -1,0 +1,168 @@
+"""A warm training service's worker loop: one Ray Train worker group that trains request
+after request (the driver's side, the queue and the filing of checkpoints, is
+:mod:`raytrain_mnist.driver.service`).
+
+Rank 0 takes the next request from the service's queue (an actor) and hands it to the
+other ranks over the process group; every rank then trains it with the very loop ``fit``
+runs (:func:`~.loop.train_run`): a fresh model, optimizer, scaler and RNG from the
+request's seed, the same reports with the same checkpoints, every epoch. What is
+expensive and shared is built once per worker-group start: the processes, the process
+group, the data on the device. A request is data (the queue's ``REQUEST_KEYS``), never code.
+
+A request ends in one of three ways, each on every rank at the same step: it finishes,
+its requester cancels it (rank 0 asks the queue every :data:`CANCEL_EVERY` steps and
+broadcasts the answer), or its loss stops being a number (:class:`~.loop.Diverged`, the
+sums are all-reduced). Anything else (a worker lost) is Ray Train's to handle: the group
+restarts, and the queue hands the request in flight out again, to resume from the last
+checkpoint filed into its run.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Any
+
+import ray
+import ray.train
+import torch
+import torch.distributed as dist
+
+from raytrain_mnist import compat
+from raytrain_mnist.config import TrainConfig
+from raytrain_mnist.data import MnistData
+from raytrain_mnist.nn import checkpoint as ckpt
+from raytrain_mnist.worker.endpoll import SLOW_POLL_S
+from raytrain_mnist.worker.loop import Diverged, WorkerSetup, to_device, train_run
+
+logger = logging.getLogger(__name__)
+
+#: What rank 0 hands the other ranks when the service stops.
+STOP = "stop"
+#: Seconds rank 0 waits for a request before it asks again (the ranks meet between asks).
+IDLE_WAIT_S = 1.0
+#: Steps between two looks at whether the request was cancelled (a broadcast of one
+#: number; far below a second at any step time this model has).
+CANCEL_EVERY = 8
+
+
+class RequestChannel:
+    """Rank 0's end of one request's stream through the service's queue, shaped like a
+    fit's run channel for :class:`~.feed.ProgressFeed` (``put.remote(item)``)."""
+
+    def __init__(self, queue, request_id: str) -> None:
+        self._queue, self._id = queue, request_id
+        self.put = self
+
+    def remote(self, item: dict):
+        return self._queue.put.remote(self._id, item)
+
+
+class Cancelled(Exception):
+    """The request's requester cancelled it (Ctrl-C, SIGTERM, its lease lapsed)."""
+
+
+class CancelCheck:
+    """The per-step hook that ends a request on every rank at the same step once its
+    requester cancelled it: rank 0 keeps one question to the queue in flight and, every
+    :data:`CANCEL_EVERY` steps, broadcasts what it last heard."""
+
+    def __init__(self, queue, request_id: str, worker: WorkerSetup) -> None:
+        self._queue, self._id, self._worker = queue, request_id, worker
+        self._asked = None
+        self._flag = torch.zeros(1, dtype=torch.int32, device=worker.device)
+
+    def on_step(self, steps: int, sums=None) -> None:
+        if steps % CANCEL_EVERY == 0:
+            self.check()
+
+    def check(self) -> None:
+        """Raise :class:`Cancelled` on every rank once rank 0 has heard so."""
+        if self._worker.rank == 0:
+            if self._asked is None:
+                self._asked = self._queue.cancelled.remote(self._id)
+            ready, _ = ray.wait([self._asked], timeout=0)
+            if ready:
+                self._flag.fill_(int(ray.get(self._asked)))
+                self._asked = None
+        if self._worker.world_size > 1:
+            dist.broadcast(self._flag, src=0)
+        if self._flag.item():
+            raise Cancelled(self._id)
+
+
+def serve_requests(config: dict[str, Any]) -> None:
+    """The service's Ray Train entry point. ``config``: ``data`` (ObjectRef of
+    :class:`MnistData`), ``queue`` (the service's queue actor), ``cpus_per_worker``."""
+    started_at = time.time()
+    worker = WorkerSetup.start(config["cpus_per_worker"], started_at)
+    data: MnistData = to_device(ray.get(config["data"]), worker.device)
+    queue = config["queue"]
+    if worker.rank == 0:
+        ray.get(queue.group_started.remote(started_at, worker.world_size, worker.device.type))
+    while True:
+        request = _next_request(queue, worker)
+        if request == STOP:
+            return
+        if request is not None:
+            _serve(request, data, worker, queue)
+
+
+def _next_request(queue, worker: WorkerSetup) -> dict | str | None:
+    """Rank 0 asks the queue (waiting up to :data:`IDLE_WAIT_S`); every rank gets its
+    answer: a request, :data:`STOP`, or None (ask again)."""
+    answer = None
+    if worker.rank == 0:
+        answer = ray.get(queue.take.remote(IDLE_WAIT_S))
+    if worker.world_size > 1:
+        box = [answer]
+        dist.broadcast_object_list(box, src=0, device=_object_device(worker))
+        answer = box[0]
+    return answer
+
+
+def _object_device(worker: WorkerSetup) -> torch.device | None:
+    # NCCL moves pickled objects through the device; Gloo through the host.
+    return worker.device if dist.get_backend() == "nccl" else None
+
+
+def _serve(request: dict, data: MnistData, worker: WorkerSetup, queue) -> None:
+    """Train one request on every rank; rank 0 tells the queue how it ended."""
+    request_id = request["id"]
+    cancel = CancelCheck(queue, request_id, worker)
+    status, error = "finished", None
+    try:
+        cfg = TrainConfig.from_dict(request["train"])
+        state = _resume_state(request.get("resume_from"))
+        cancel.check()  # cancelled while it waited for its turn
+        train_run(
+            cfg,
+            data,
+            worker,
+            state,
+            progress=RequestChannel(queue, request_id) if request["progress"] else None,
+            compile=request["compile"],
+            cuda_graphs=request["cuda_graphs"],
+            tags={"request_id": request_id},
+            on_step=cancel.on_step,
+            finite=True,
+        )
+    except Cancelled:
+        status = "cancelled"
+    except (Diverged, ckpt.CheckpointError) as exc:
+        status, error = "failed", str(exc)
+    finally:
+        # The next request starts at Ray's interval: fast polls cost throughput.
+        compat.poll_workers_every(SLOW_POLL_S, exact=True)
+    if worker.rank == 0:
+        logger.info("request %s %s", request_id, status)
+        ray.get(queue.done.remote(request_id, status, error))
+
+
+def _resume_state(path: str | None) -> dict[str, Any] | None:
+    """The state of the checkpoint a request resumes from (a path or URI inside its run,
+    checked by the requester before it sent the request), read by every rank."""
+    if path is None:
+        return None
+    with ray.train.Checkpoint(path).as_directory() as directory:
+        return ckpt.load(directory)

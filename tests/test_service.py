@@ -1,0 +1,330 @@
+"""The warm training service end to end on real Ray (CPU, Gloo): `service start` as a user
+runs it, `fit --service` from several shells, Ctrl-C, SIGKILL, a worker killed, bad requests.
+
+One service serves the whole module (its start is the Ray run this file pays for once): two
+workers of one CPU on tiny MNIST, its own local Ray, in a subprocess like a user's shell.
+Every request is a `fit --service` subprocess too. Everything waits on events (lines a
+command prints, files a run holds), never on time.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from raytrain_mnist.driver.runs import Run
+from raytrain_mnist.nn import checkpoint as ckpt
+from tests.conftest import MARKER_VAR, REPO, kill_marked, marked, run_cli_here, wait_for
+
+NAME = "svc"
+#: The training flags of every request here: tiny data, batches of 32 over two workers.
+TRAIN = ["--batch-size", "32", "--lr", "0.05", "--progress", "lines"]
+
+
+@pytest.fixture(scope="module")
+def service(tmp_path_factory, tiny_mnist, sample_digits):
+    """`raytrain-mnist service start` in the foreground, as a user's shell runs it; stopped
+    by `service stop` after the module's last test, which checks nothing of it is left."""
+    import shutil
+    import tempfile
+    import uuid
+
+    root = tmp_path_factory.mktemp("service")
+    ray_tmp = Path(tempfile.mkdtemp(prefix="rs", dir="/tmp"))
+    env = {
+        **os.environ,
+        "PYTHONUNBUFFERED": "1",
+        "RAY_TMPDIR": str(ray_tmp),
+        MARKER_VAR: uuid.uuid4().hex,
+        "RAYTRAIN_MNIST_CACHE": str(root / "cache"),  # where the service registers itself
+        # A requester killed with SIGKILL is given up on after this much silence.
+        "RAYTRAIN_MNIST_REQUEST_LEASE_S": "4",
+    }
+    storage = root / "runs"
+    command = [sys.executable, "-m", "raytrain_mnist", "service", "start", "--name", NAME,
+               "--num-workers", "2", "--cpus-per-worker", "1", "--dataset", "mnist",
+               "--data-dir", str(tiny_mnist), "--storage-path", str(storage)]  # fmt: skip
+    driver = subprocess.Popen(
+        command,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        cwd=REPO,
+        env=env,
+        start_new_session=True,
+    )
+    seen = []
+    try:
+        for line in driver.stdout:
+            seen.append(line)
+            if f"service '{NAME}' ready" in line:
+                break
+        assert driver.poll() is None, "".join(seen)
+        yield {"env": env, "storage": storage, "driver": driver, "seen": seen}
+        stopped = subprocess.run(
+            [sys.executable, "-m", "raytrain_mnist", "service", "stop", "--name", NAME],
+            capture_output=True, text=True, cwd=REPO, env=env, timeout=120,
+        )  # fmt: skip
+        assert stopped.returncode == 0, stopped.stdout + stopped.stderr
+        rest, _ = driver.communicate(timeout=120)
+        assert driver.returncode == 0, "".join(seen) + rest
+        assert f"service '{NAME}' stopped after" in rest, rest
+        assert "Traceback" not in "".join(seen) + rest
+        wait_for(lambda: not marked(env[MARKER_VAR]) or None, "the service's processes to end", 30)
+    finally:
+        if driver.poll() is None:
+            os.killpg(driver.pid, signal.SIGKILL)
+            driver.wait(timeout=30)
+        kill_marked(env[MARKER_VAR])
+        shutil.rmtree(ray_tmp, ignore_errors=True)
+
+
+def _fit(service, name: str, *extra: str) -> list[str]:
+    return [sys.executable, "-m", "raytrain_mnist", "fit", "--service", NAME, "--storage-path",
+            str(service["storage"]), "--name", name, *TRAIN, *extra]  # fmt: skip
+
+
+def _run(service, name: str, *extra: str, timeout: float = 300) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        _fit(service, name, *extra),
+        capture_output=True, text=True, cwd=REPO, env=service["env"], timeout=timeout,
+    )  # fmt: skip
+
+
+def _start(service, name: str, *extra: str) -> subprocess.Popen:
+    return subprocess.Popen(
+        _fit(service, name, *extra), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+        text=True, cwd=REPO, env=service["env"], start_new_session=True,
+    )  # fmt: skip
+
+
+def _until(proc: subprocess.Popen, text: str, seen: list[str]) -> None:
+    """Read ``proc``'s output until a line holds ``text``."""
+    for line in proc.stdout:
+        seen.append(line)
+        if text in line:
+            return
+    raise AssertionError(f"{text!r} never came: " + "".join(seen))
+
+
+def _weights(run_dir: Path) -> dict[str, torch.Tensor]:
+    run = Run.at(run_dir)
+    with run.local_copy(run.latest_checkpoint()) as directory:
+        return ckpt.load(directory)["model"]
+
+
+def _same(a: dict, b: dict) -> bool:
+    return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+# --------------------------------------------------------------------------- runs
+
+
+def test_a_service_run_is_an_ordinary_run_and_the_same_request_gives_the_same_weights(
+    service, tiny_mnist
+):
+    """Through the service, `fit` prints what it prints without one and leaves an ordinary
+    run: summary, run.json and the checkpoints in Ray Train's own record, so `runs` and
+    `evaluate` read it; the same name again is already finished, `--fresh` trains it again
+    from a fresh model and optimizer: the very same weights, as two plain fits give."""
+    storage = service["storage"]
+    first = _run(service, "same", "--epochs", "3")
+    assert first.returncode == 0, first.stdout + first.stderr
+    out = first.stdout
+    assert "starting run 'same' on service 'svc': 2 worker(s)" in out, out
+    assert "epoch   3/3" in out and "best checkpoint: " in out, out
+    summary = json.loads((storage / "same" / "summary.json").read_text())
+    losses = [h["train_loss"] for h in summary["history"]]
+    assert summary["status"] == "finished" and losses[-1] < losses[0], summary
+    run = Run(str(storage), "same")
+    assert run.latest_checkpoint() == summary["latest_checkpoint"]
+    kept = [m["epoch"] for _, m in run.checkpoints()]
+    assert len(kept) == 2 and 3 in kept, kept  # --keep-checkpoints 2, the latest among them
+    before = _weights(storage / "same")
+
+    listed = run_cli_here("runs", "--storage-path", str(storage))
+    assert listed.returncode == 0 and "same" in listed.stdout and "finished" in listed.stdout
+    scored = run_cli_here("evaluate", str(storage / "same"), "--data-dir", str(tiny_mnist),
+                          "--dataset", "mnist", "--json")  # fmt: skip
+    assert scored.returncode == 0, scored.stderr
+    assert json.loads(scored.stdout)["accuracy"] == pytest.approx(summary["best_val_accuracy"])
+
+    again = _run(service, "same", "--epochs", "3")
+    assert again.returncode == 0 and "already finished" in again.stdout, again.stdout
+    fresh = _run(service, "same", "--epochs", "3", "--fresh")
+    assert fresh.returncode == 0, fresh.stdout + fresh.stderr
+    assert _same(before, _weights(storage / "same"))
+    assert (storage / "same.previous-1").is_dir()
+
+
+def test_requests_from_two_shells_queue_in_order_and_the_waiting_one_says_its_place(service):
+    """A second shell's request waits behind the first and says so; Ctrl-C on the first
+    cancels it (exit 130, resumable) and the second trains next."""
+    storage = service["storage"]
+    first, seen = _start(service, "first", "--epochs", "100"), []
+    second, waited = None, []
+    try:
+        _until(first, "first step", seen)
+        second = _start(service, "second", "--epochs", "1")
+        _until(second, "waiting for service 'svc': number 1 in its queue", waited)
+        first.send_signal(signal.SIGINT)
+        rest, _ = first.communicate(timeout=120)
+        after, _ = second.communicate(timeout=300)
+    finally:
+        for proc in (first, second):
+            if proc is not None and proc.poll() is None:
+                os.killpg(proc.pid, signal.SIGKILL)
+    assert first.returncode == 130, "".join(seen) + rest
+    assert second.returncode == 0, "".join(waited) + after
+    a = Run(str(storage), "first").latest_metrics()
+    b = json.loads((storage / "second" / "summary.json").read_text())
+    # FIFO: the second request trained once the first had stopped.
+    assert b["history"][0]["first_step_at"] > a["evaluated_at"]
+
+
+def test_ctrl_c_cancels_the_request_and_the_same_command_resumes_it(service):
+    """Ctrl-C on a `fit --service` cancels its request (exit 130, the resume line); the
+    service goes on serving, and the same command resumes the run from its checkpoint."""
+    proc, seen = _start(service, "stopped", "--epochs", "8"), []
+    try:
+        _until(proc, "epoch   1/8", seen)
+        proc.send_signal(signal.SIGINT)
+        rest, _ = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    out = "".join(seen) + rest
+    assert proc.returncode == 130, out
+    assert (
+        "interrupted after " in out
+        and "--service svc" in out
+        and "raytrain-mnist: interrupted" in out
+    )
+    resumed = _run(service, "stopped", "--epochs", "8")
+    assert resumed.returncode == 0, resumed.stdout + resumed.stderr
+    summary = json.loads((service["storage"] / "stopped" / "summary.json").read_text())
+    assert summary["resumed_from_epoch"] >= 1 and summary["epochs_completed"] == 8
+
+
+def test_a_killed_worker_restarts_the_group_and_the_request_resumes_exactly(service):
+    """SIGKILL a worker mid-request: Ray Train restarts the service's worker group, the queue
+    hands it the request again and it resumes from the checkpoint filed last; the weights
+    are those of the same request never interrupted."""
+    storage = service["storage"]
+    proc, seen = _start(service, "killed", "--epochs", "3"), []
+    try:
+        _until(proc, "epoch   1/3", seen)
+        run = Run(str(storage), "killed")
+        workers = wait_for(lambda: run.latest_metrics().get("workers"), "a committed epoch")
+        os.kill(workers[1]["pid"], signal.SIGKILL)
+        rest, _ = proc.communicate(timeout=300)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    out = "".join(seen) + rest
+    assert proc.returncode == 0, out
+    assert "workers restarted from the checkpoint of epoch" in out, out
+    reference = _run(service, "unkilled", "--epochs", "3")
+    assert reference.returncode == 0, reference.stdout + reference.stderr
+    assert _same(_weights(storage / "killed"), _weights(storage / "unkilled"))
+
+
+def test_a_requester_killed_with_sigkill_loses_its_request_once_its_lease_lapses(service):
+    proc, seen = _start(service, "orphan", "--epochs", "50"), []
+    try:
+        _until(proc, "epoch   1/50", seen)
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait(timeout=30)
+        # The service drops the silent request (4 s here) and takes the next one.
+        after = _run(service, "after-orphan", "--epochs", "1", timeout=240)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    assert after.returncode == 0, after.stdout + after.stderr
+    run = Run(str(service["storage"]), "orphan")
+    epochs = run.latest_metrics()["epoch"]
+    assert 1 <= epochs < 50  # cancelled, its checkpoints kept: resumable
+
+
+def test_a_diverging_request_fails_alone_in_one_line(service):
+    bad = _run(service, "diverges", "--epochs", "2", "--lr", "1e6", "--optimizer", "sgd")
+    assert bad.returncode == 1, bad.stdout + bad.stderr
+    err = [line for line in bad.stderr.splitlines() if line.strip()]
+    assert err[-1].startswith("raytrain-mnist: error: training failed: training diverged"), err
+    assert "Traceback" not in bad.stderr
+    ok = _run(service, "after-divergence", "--epochs", "1")
+    assert ok.returncode == 0, ok.stdout + ok.stderr
+
+
+@pytest.mark.parametrize(
+    ("flags", "message"),
+    [
+        (["--num-workers", "4"], "service 'svc' runs 2 worker(s)"),
+        (["--use-gpu"], "--use-gpu: service 'svc' trains on CPUs"),
+        (["--dataset", "sample"], "--dataset sample: service 'svc' holds its own data"),
+        (["--storage-path", "/tmp/elsewhere"], "writes only under"),
+    ],
+)
+def test_what_the_service_cannot_honour_is_refused_in_one_line(service, flags, message):
+    bad = _run(service, "refused", "--epochs", "1", *flags)
+    assert bad.returncode == 2, bad.stdout + bad.stderr
+    err = [line for line in bad.stderr.splitlines() if line.strip()]
+    assert len(err) == 1 and message in err[0], bad.stderr
+    assert not (service["storage"] / "refused").exists()
+
+
+def test_the_queue_refuses_a_request_that_writes_outside_its_roots_or_escapes(service):
+    """A request is data the queue checks again: a client that skips `fit`'s checks (its own
+    Ray driver) still cannot make the service write elsewhere."""
+    script = f"""
+import json, ray
+from raytrain_mnist.driver import cluster, service
+cluster._connect_to(service.ServiceClient.address_of({NAME!r}, None))
+queue = service.find_queue({NAME!r})
+train = {{"epochs": 1}}
+from raytrain_mnist.config import TrainConfig
+train = TrainConfig(epochs=1).to_dict()
+base = dict(train=train, resume_from=None, progress=False, compile=False, cuda_graphs="auto")
+answers = [
+    ray.get(queue.submit.remote({{**base, "storage": "/tmp/elsewhere", "name": "x"}}, 2)),
+    ray.get(queue.submit.remote({{**base, "storage": {str(service["storage"])!r}, "name": "../x"}}, 2)),
+    ray.get(queue.submit.remote({{**base, "storage": {str(service["storage"])!r}, "name": "x",
+                                  "resume_from": "/etc"}}, 2)),
+    ray.get(queue.submit.remote({{**base, "storage": {str(service["storage"])!r}, "name": "x",
+                                  "code": "import os"}}, 2)),
+]
+print(json.dumps(answers))
+"""
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                          cwd=REPO, env=service["env"], timeout=120)  # fmt: skip
+    assert done.returncode == 0, done.stdout + done.stderr
+    answers = json.loads(done.stdout.strip().splitlines()[-1])
+    assert all("refused" in a for a in answers), answers
+    assert "outside the service's storage roots" in answers[0]["refused"]
+    assert "not a plain name" in answers[1]["refused"]
+
+
+def test_service_status_shows_its_workers_queue_and_what_it_served(service):
+    done = subprocess.run(
+        [sys.executable, "-m", "raytrain_mnist", "service", "status", "--name", NAME, "--json"],
+        capture_output=True, text=True, cwd=REPO, env=service["env"], timeout=120,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stdout + done.stderr
+    info = json.loads(done.stdout)
+    assert info["workers"] == 2 and info["device"] == "cpu" and info["backend"] == "gloo"
+    assert info["queue"] == 0 and info["served"] >= 1
+    assert "workers:" in done.stderr and "served:" in done.stderr
+
+
+def test_no_service_of_that_name_is_one_line(tmp_path):
+    bad = run_cli_here("fit", "--service", "nowhere", "--storage-path", str(tmp_path))
+    assert bad.returncode == 1, bad.stderr
+    assert bad.stderr.startswith("raytrain-mnist: error: --service nowhere: no service")
+    assert bad.stderr.count("\n") == 1
