@@ -33,6 +33,8 @@ K8S = REPO / "k8s"
 KUBERAY = REPO.parent / "shared" / "kuberay" / "v1.7.0"
 DOC = REPO / "docs" / "kubernetes.md"
 DOCKERFILE = K8S / "Dockerfile"
+#: The training service's RayJob, on the standing cluster (no cluster spec of its own).
+SERVICE_JOB = K8S / "rayjob-service.yaml"
 PYPROJECT = tomllib.loads((REPO / "pyproject.toml").read_text())
 
 #: kind -> (manifest, the CRD file that defines the kind)
@@ -501,6 +503,26 @@ def test_rayjob_runs_fit_on_its_own_cluster_and_cleans_up():
     assert room >= run.max_workers
 
 
+def test_the_training_service_job_runs_on_the_standing_cluster(crds):
+    """k8s/rayjob-service.yaml: a RayJob on k8s/raycluster.yaml's cluster (clusterSelector)
+    whose entrypoint the service command's own parser takes: four GPU workers, full MNIST,
+    the runs in the bucket."""
+    job = yaml.safe_load(SERVICE_JOB.read_text())
+    assert problems(job, crds["RayJob"]) == []
+    spec = job["spec"]
+    cluster = load("RayCluster")["metadata"]["name"]
+    assert spec["clusterSelector"] == {"ray.io/cluster": cluster}
+    assert "rayClusterSpec" not in spec and "backoffLimit" not in spec
+    words = shlex.split(spec["entrypoint"])
+    assert words[:4] == ["python", "-m", "raytrain_mnist.service", "start"], words
+    options = load_command("service").parse(words[3:])
+    scaling = options.run.scaling
+    assert (options.name, scaling.num_workers, scaling.use_gpu) == ("mnist", 4, True)
+    assert options.run.data.dataset == "mnist" and options.roots == ()
+    assert options.run.storage.storage_path.startswith("s3://")
+    assert len(job["metadata"]["name"]) <= MAX_NAME
+
+
 # --------------------------------------------------------------------------- the service
 
 
@@ -596,4 +618,5 @@ def test_guide_commands_parse_and_links_lead_somewhere():
 def test_the_manifests_are_what_the_guide_applies():
     """Nothing in k8s/ that the guide and this file do not cover."""
     files = {p.name for p in K8S.iterdir()}
-    assert files == {p.name for p, _ in MANIFESTS.values()} | {DOCKERFILE.name}
+    assert files == {p.name for p, _ in MANIFESTS.values()} | {DOCKERFILE.name, SERVICE_JOB.name}
+    assert f"kubectl apply -f k8s/{SERVICE_JOB.name}" in DOC.read_text()
