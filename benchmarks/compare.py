@@ -17,6 +17,9 @@ Variants (same ConvNet, data, global batch size, optimizer, CPU threads):
     fit-submit    fit-N as a job: `raytrain-mnist submit -- fit ...` to a third such head
                   with its dashboard (the Jobs API), timed from the submit command's start
                   to its exit, with the job's start and end from the Jobs API
+    fit-service   `fit --service` on a warm service (`raytrain-mnist service start`, one
+                  worker with every core, the data loaded once) that this benchmark starts
+                  before the repeats and stops after them: the run pays for its training
     NAME=VAR=VALUE,...   (--env-variant) fit-N with these variables set in its
                   environment: Ray's knobs side by side, e.g. the controller's poll
                   ``poll-2s=RAY_TRAIN_HEALTH_CHECK_INTERVAL_S=2``
@@ -482,6 +485,8 @@ def measure_variant(name: str, args, env: dict, storage: Path) -> dict:
         extra = ["--cpus-per-worker", str(max(1, cores // workers))]
         if name == "fit-submit":
             return measure_submit(args, env, storage, run_name, extra)
+        if name == "fit-service":
+            return measure_service(args, env, storage, run_name)
         if name in WARM_VARIANTS:
             extra += ["--address", args.warm_addresses[name]]
         command = fit_command(args, workers, storage, run_name, extra)
@@ -520,6 +525,57 @@ def measure_variant(name: str, args, env: dict, storage: Path) -> dict:
         ]
     result, _, wall, peak, _ = run_measured(command, env)
     return loop_row(_parse_result(result.stdout), wall, peak)
+
+
+SERVICE = "bench"
+
+
+@contextlib.contextmanager
+def warm_service(args, env: dict, storage: Path):
+    """``raytrain-mnist service start`` (one worker, every core, its own local Ray), as a
+    user starts one, ready before the repeats; stopped with ``service stop`` after them (and
+    by its marker, whatever is left). Yields the environment its requests run in."""
+    import shutil
+    import signal
+
+    marker, tmp = uuid.uuid4().hex, Path(tempfile.mkdtemp(prefix="rtbs", dir="/tmp"))
+    service_env = {**env, HEAD_MARKER: marker, "RAY_TMPDIR": str(tmp),
+                   "RAYTRAIN_MNIST_CACHE": str(tmp / "cache")}  # fmt: skip
+    command = [sys.executable, "-m", "raytrain_mnist", "service", "start", "--name", SERVICE,
+               "--num-workers", "1", "--cpus-per-worker", str(args.cores), "--dataset",
+               args.dataset, "--data-dir", args.data_dir, "--storage-path", str(storage)]  # fmt: skip
+    driver = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                              text=True, env=service_env, start_new_session=True)  # fmt: skip
+    try:
+        for line in driver.stdout:
+            if f"service '{SERVICE}' ready" in line:
+                break
+        else:
+            raise RuntimeError("the benchmark's service ended before it was ready")
+        yield service_env
+        subprocess.run([sys.executable, "-m", "raytrain_mnist", "service", "stop", "--name",
+                        SERVICE], env=service_env, capture_output=True, timeout=300)  # fmt: skip
+        driver.wait(timeout=120)
+    finally:
+        if driver.poll() is None:
+            os.killpg(driver.pid, signal.SIGKILL)
+        needle = f"{HEAD_MARKER}={marker}".encode()
+        for pid in psutil.pids():
+            with contextlib.suppress(psutil.Error, OSError):
+                if needle in Path(f"/proc/{pid}/environ").read_bytes().split(b"\0"):
+                    os.kill(pid, signal.SIGKILL)
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def measure_service(args, env: dict, storage: Path, run_name: str) -> dict:
+    """``fit --service`` with the benchmark's training flags (the data, workers and threads
+    are the service's), timed from its command's start to its exit."""
+    command = [sys.executable, "-m", "raytrain_mnist.fit", "--service", SERVICE, "--epochs",
+               str(args.epochs), "--batch-size", str(args.batch_size), "--storage-path",
+               str(storage), "--name", run_name]  # fmt: skip
+    _, start, wall, peak, _ = run_measured(command, args.service_env)
+    summary = json.loads((storage / run_name / "summary.json").read_text())
+    return fit_row(summary, start, wall, peak)
 
 
 def measure_submit(args, env: dict, storage: Path, run_name: str, extra: list[str]) -> dict:
@@ -563,7 +619,8 @@ def memory_breakdown(args, env: dict, storage: Path) -> dict:
 
 
 VARIANTS = [
-    "plain", "torchrun", "fit-1", "fit-N", "fit-warm", "fit-preload", "fit-submit", "ray-example"
+    "plain", "torchrun", "fit-1", "fit-N", "fit-warm", "fit-preload", "fit-submit",
+    "fit-service", "ray-example",
 ]  # fmt: skip
 #: The variants that run against a head of their own, and how it is started (warm_head).
 WARM_VARIANTS = {
@@ -587,6 +644,10 @@ RATIOS = [
     ("fit_preload_vs_fit_warm_startup", "fit-preload", "fit-warm", "startup_s"),
     ("fit_submit_vs_plain_wall", "fit-submit", "plain", "wall_s"),
     ("fit_submit_vs_fit_warm_startup", "fit-submit", "fit-warm", "startup_s"),
+    ("fit_service_vs_plain_wall", "fit-service", "plain", "wall_s"),
+    ("fit_service_vs_plain_time_to_99", "fit-service", "plain", "time_to_99_s"),
+    ("fit_service_vs_plain_images_per_s", "fit-service", "plain", "images_per_s"),
+    ("fit_service_vs_fit_warm_startup", "fit-service", "fit-warm", "startup_s"),
 ]
 
 
@@ -675,6 +736,8 @@ def main(argv=None) -> int:
             for name, options in WARM_VARIANTS.items()
             if name in variants
         }
+        if "fit-service" in variants:
+            args.service_env = heads.enter_context(warm_service(args, env, Path(storage)))
         for repeat in range(args.repeats):
             for variant in variants:  # interleaved, so drift hits every variant alike
                 load = os.getloadavg()[0]  # the machine's state: shared machines drift
@@ -783,6 +846,10 @@ def render_markdown(result: dict) -> str:
         "fit_preload_vs_fit_warm_startup": "",
         "fit_submit_vs_plain_wall": "",
         "fit_submit_vs_fit_warm_startup": "",
+        "fit_service_vs_plain_wall": "≤ 1.05",
+        "fit_service_vs_plain_time_to_99": "",
+        "fit_service_vs_plain_images_per_s": "",
+        "fit_service_vs_fit_warm_startup": "",
     }
     lines += [
         "",
