@@ -41,6 +41,10 @@ logger = logging.getLogger(__name__)
 STOP = "stop"
 #: Seconds rank 0 waits for a request before it asks again (the ranks meet between asks).
 IDLE_WAIT_S = 1.0
+#: The controller's poll while a request trains: its reports are committed at the poll
+#: after them, and the last report's fast poll (:mod:`.endpoll`) takes effect only after
+#: the wait under way. Ray's 2 s between requests (polling costs throughput).
+REQUEST_POLL_S = 0.5
 #: Steps between two looks at whether the request was cancelled (a broadcast of one
 #: number; far below a second at any step time this model has).
 CANCEL_EVERY = 8
@@ -131,6 +135,7 @@ def _serve(request: dict, data: MnistData, worker: WorkerSetup, queue) -> None:
     request_id = request["id"]
     cancel = CancelCheck(queue, request_id, worker)
     status, error = "finished", None
+    compat.poll_workers_every(REQUEST_POLL_S, exact=True)
     try:
         cfg = TrainConfig.from_dict(request["train"])
         state = _resume_state(request.get("resume_from"))

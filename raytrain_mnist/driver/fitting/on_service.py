@@ -65,14 +65,36 @@ def fit_on_service(
                 if finished is not None:
                     return finished
                 _request(ctx, client)
-                write_files(ctx)
-                let_go_of_ray(ctx)
+                _disconnect(ctx)
                 record_end(ctx)
         finally:
             import ray
 
-            ray.shutdown()  # this command's part in the cluster ends; the service lives on
+            if ray.is_initialized():  # stopped before _disconnect: a refusal, an error
+                ray.shutdown()
     return result_of(ctx, invocation)
+
+
+def _disconnect(ctx: Fit) -> None:
+    """As a fit on its own trainer ends (:func:`~.on_trainer.train`): the files are
+    written on a thread of their own while this driver leaves the cluster (the service
+    lives on), no thread collecting garbage meanwhile."""
+    import gc
+
+    import ray
+
+    files = on_a_thread(lambda: write_files(ctx), name="files")
+    collecting = gc.isenabled()
+    try:
+        let_go_of_ray(ctx)
+        gc.disable()
+        ray.shutdown()  # this command's part in the cluster ends here
+        ctx.timeline.mark("ray_shut_down")
+    finally:
+        if collecting:
+            gc.enable()
+    files()
+    ctx.timeline.mark("files_written")
 
 
 def _request(ctx: Fit, client) -> None:
@@ -111,7 +133,7 @@ def _request(ctx: Fit, client) -> None:
     held = run.held
     with ctx.monitor:
         outcome = relay(
-            lambda: client.follow(request_id, ctx.emit, lambda: _all_seen(ctx)),
+            lambda: client.follow(request_id, ctx.emit, cfg.train.epochs),
             lambda reason, running: _cancel(ctx, client, request_id, reason),
             name="request",
             watch=lambda: held.reason if held is not None and held.lost.is_set() else None,
@@ -134,8 +156,3 @@ def _cancel(ctx: Fit, client, request_id: str, reason: str) -> None:
             Stopping(f"{reason}: cancelling the request; the last committed checkpoint is kept")
         )
     client.cancel(request_id, reason)
-
-
-def _all_seen(ctx: Fit) -> bool:
-    history = ctx.monitor.history
-    return bool(history) and history[-1]["epoch"] >= ctx.cfg.train.epochs

@@ -8,7 +8,6 @@ import dataclasses
 import json
 import logging
 import time
-from collections.abc import Callable
 from dataclasses import dataclass
 
 from raytrain_mnist.driver import cluster
@@ -133,13 +132,13 @@ class ServiceClient:
         """The request's stream, as the run monitor drains a fit's channel."""
         return _Stream(self.queue, request_id)
 
-    def follow(self, request_id: str, emit: EventSink, all_seen: Callable[[], bool]) -> dict:
+    def follow(self, request_id: str, emit: EventSink, epochs: int) -> dict:
         """Wait for the request to end, saying its place while it waits; a finished one
-        until ``all_seen()`` (its last epoch came through the stream, which the controller
-        fills after the workers' end). Returns its final state."""
+        until its last epoch (``epochs``) is in its stream too: the controller puts it
+        there after the workers' end. Returns its final state."""
         import ray
 
-        place = None
+        place, deadline = None, None
         while True:
             try:
                 state = ray.get(self.queue.state.remote(request_id), timeout=30)
@@ -150,13 +149,14 @@ class ServiceClient:
             if state["state"] == WAITING and state["place"] != place:
                 place = state["place"]
                 emit(Note(f"waiting for service '{self.name}': number {place} in its queue"))
+            if state["state"] == FINISHED and state["epoch"] < epochs:
+                deadline = deadline or time.monotonic() + 30  # the last commit, on its way
+                if time.monotonic() < deadline:
+                    time.sleep(0.02)
+                    continue
             if state["state"] in ENDED:
-                break
+                return state
             time.sleep(0.05)
-        deadline = time.monotonic() + 30
-        while state["state"] == FINISHED and not all_seen() and time.monotonic() < deadline:
-            time.sleep(0.02)
-        return state
 
     def cancel(self, request_id: str, reason: str) -> None:
         import ray

@@ -198,6 +198,7 @@ class ServiceQueue:
                 "filed": request.get("resume_from"),
                 "keep": int(keep),
                 "error": None,
+                "epoch": 0,
             }
             self._waiting.append(request_id)
             self._cond.notify_all()
@@ -217,14 +218,16 @@ class ServiceQueue:
             return entry["dropped"], list(entry["items"])
 
     def state(self, request_id: str) -> dict:
-        """The request's state, its place in the queue (1 = next) and its error."""
+        """The request's state, its place in the queue (1 = next), its error and the last
+        epoch committed (the controller's stream, which trails the workers' end)."""
         with self._cond:
             entry = self._requests.get(request_id)
             if entry is None:
                 return {"state": CANCELLED, "place": None, "error": "unknown request"}
             entry["seen"] = time.monotonic()
             place = self._waiting.index(request_id) + 1 if request_id in self._waiting else None
-            return {"state": entry["state"], "place": place, "error": entry["error"]}
+            return {"state": entry["state"], "place": place, "error": entry["error"],
+                    "epoch": entry["epoch"]}  # fmt: skip
 
     def cancel(self, request_id: str, reason: str = "cancelled by its requester") -> None:
         with self._cond:
@@ -253,6 +256,8 @@ class ServiceQueue:
         entry = self._requests.get(request_id)
         if entry is not None:
             entry["items"].append({**item, "received": time.time()})
+            if "progress" not in item:  # a committed epoch (the controller's)
+                entry["epoch"] = max(entry["epoch"], int(item.get("epoch") or 0))
 
     def _expire(self) -> None:
         """Cancel what nobody asks about any more, and forget what ended long ago."""
@@ -309,6 +314,8 @@ def within_roots(storage: str, roots: list[str]) -> bool:
     """Whether the storage path ``storage`` lies under one of ``roots`` (paths resolved,
     URIs compared by prefix)."""
     where = storage_root(storage).rstrip("/")
+    if ".." in where.split("/"):  # a URI is not resolved: no way up out of a root
+        return False
     return any(where == r.rstrip("/") or where.startswith(r.rstrip("/") + "/") for r in roots)
 
 
