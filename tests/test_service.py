@@ -9,11 +9,13 @@ command prints, files a run holds), never on time.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
 import subprocess
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -105,6 +107,19 @@ def _start(service, name: str, *extra: str) -> subprocess.Popen:
     )  # fmt: skip
 
 
+@contextlib.contextmanager
+def _running(service, name: str, *extra: str) -> Iterator[tuple[subprocess.Popen, list[str]]]:
+    """A `fit --service` started in its own session, and the lines read from it so far;
+    killed on the way out if it is still running (a failed assertion)."""
+    proc = _start(service, name, *extra)
+    try:
+        yield proc, []
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait(timeout=30)
+
+
 def _until(proc: subprocess.Popen, text: str, seen: list[str]) -> None:
     """Read ``proc``'s output until a line holds ``text``."""
     for line in proc.stdout:
@@ -168,19 +183,13 @@ def test_requests_from_two_shells_queue_in_order_and_the_waiting_one_says_its_pl
     """A second shell's request waits behind the first and says so; Ctrl-C on the first
     cancels it (exit 130, resumable) and the second trains next."""
     storage = service["storage"]
-    first, seen = _start(service, "first", "--epochs", "100"), []
-    second, waited = None, []
-    try:
+    with _running(service, "first", "--epochs", "100") as (first, seen):
         _until(first, "first step", seen)
-        second = _start(service, "second", "--epochs", "1")
-        _until(second, "waiting for service 'svc': number 1 in its queue", waited)
-        first.send_signal(signal.SIGINT)
-        rest, _ = first.communicate(timeout=120)
-        after, _ = second.communicate(timeout=300)
-    finally:
-        for proc in (first, second):
-            if proc is not None and proc.poll() is None:
-                os.killpg(proc.pid, signal.SIGKILL)
+        with _running(service, "second", "--epochs", "1") as (second, waited):
+            _until(second, "waiting for service 'svc': number 1 in its queue", waited)
+            first.send_signal(signal.SIGINT)
+            rest, _ = first.communicate(timeout=120)
+            after, _ = second.communicate(timeout=300)
     assert first.returncode == 130, "".join(seen) + rest
     assert second.returncode == 0, "".join(waited) + after
     a = Run(str(storage), "first").latest_metrics()
@@ -192,14 +201,10 @@ def test_requests_from_two_shells_queue_in_order_and_the_waiting_one_says_its_pl
 def test_ctrl_c_cancels_the_request_and_the_same_command_resumes_it(service):
     """Ctrl-C on a `fit --service` cancels its request (exit 130, the resume line); the
     service goes on serving, and the same command resumes the run from its checkpoint."""
-    proc, seen = _start(service, "stopped", "--epochs", "8"), []
-    try:
+    with _running(service, "stopped", "--epochs", "8") as (proc, seen):
         _until(proc, "epoch   1/8", seen)
         proc.send_signal(signal.SIGINT)
         rest, _ = proc.communicate(timeout=120)
-    finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
     out = "".join(seen) + rest
     assert proc.returncode == 130, out
     assert (
@@ -219,16 +224,12 @@ def test_a_killed_worker_restarts_the_group_and_the_request_resumes_exactly(serv
     are those of the same request never interrupted. The kill follows the first committed
     epoch at once, five epochs before the request could end."""
     storage = service["storage"]
-    proc, seen = _start(service, "killed", "--epochs", "6"), []
-    try:
+    with _running(service, "killed", "--epochs", "6") as (proc, seen):
         _until(proc, "epoch   1/6", seen)
         run = Run(str(storage), "killed")
         workers = wait_for(lambda: run.latest_metrics().get("workers"), "a committed epoch")
         os.kill(workers[1]["pid"], signal.SIGKILL)
         rest, _ = proc.communicate(timeout=300)
-    finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
     out = "".join(seen) + rest
     assert proc.returncode == 0, out
     assert "workers restarted from the checkpoint of epoch" in out, out
@@ -238,16 +239,12 @@ def test_a_killed_worker_restarts_the_group_and_the_request_resumes_exactly(serv
 
 
 def test_a_requester_killed_with_sigkill_loses_its_request_once_its_lease_lapses(service):
-    proc, seen = _start(service, "orphan", "--epochs", "50"), []
-    try:
+    with _running(service, "orphan", "--epochs", "50") as (proc, seen):
         _until(proc, "epoch   1/50", seen)
         os.killpg(proc.pid, signal.SIGKILL)
         proc.wait(timeout=30)
-        # The service drops the silent request (4 s here) and takes the next one.
-        after = _run(service, "after-orphan", "--epochs", "1", timeout=240)
-    finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
+    # The service drops the silent request (4 s here) and takes the next one.
+    after = _run(service, "after-orphan", "--epochs", "1", timeout=240)
     assert after.returncode == 0, after.stdout + after.stderr
     run = Run(str(service["storage"]), "orphan")
     epochs = run.latest_metrics()["epoch"]

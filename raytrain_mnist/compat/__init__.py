@@ -23,6 +23,7 @@ Train's controller and run callbacks), :mod:`.serve` (Serve's HTTP and gRPC serv
 | :func:`session_logs_dir` | ``ray._private.worker.global_worker.node`` | a failed run points at Ray's default log folder |
 | :func:`auto_address` | ``ray._private.services.get_ray_address_from_environment`` | ``--address auto`` cannot be checked before ``ray.init``, which waits minutes on a stopped cluster |
 | :func:`gcs_refuses_token` | ``ray.core.generated.gcs_service_pb2_grpc`` (the GCS's gRPC stubs) | a cluster that requires a token is found out by ``ray.init`` after 20 s of C++ warnings |
+| :func:`dead_jobs` | ``ray._private.state.state.job_table`` | a warm service cancels the request of a requester that is only slow to ask (a loaded machine) once its lease lapses, not only of one that is gone |
 | :func:`autoscaler_ceiling` | ``ray._private.state.state.get_max_resources_from_cluster_config`` | placement checks cannot count nodes an autoscaler would add |
 | :func:`controller_callback_base` | ``ray.train.v2._internal.execution.callback.ControllerCallback`` | Ctrl-C cannot abort a run's controller: the run stops only with the Ray that runs it |
 | :func:`worker_group_callback_base` | ``ray.train.v2._internal.execution.callback.WorkerGroupCallback`` | ``summary.json``'s timeline has no "worker group started" moment |
@@ -44,6 +45,7 @@ from raytrain_mnist.compat.cluster import (
     alive_node_addresses,
     auto_address,
     autoscaler_ceiling,
+    dead_jobs,
     gcs_refuses_token,
     lean_local_ray,
     quiet_job_sdk,
@@ -77,6 +79,7 @@ __all__ = [
     "autoscaler_ceiling",
     "checkpoint_manager_snapshot",
     "controller_callback_base",
+    "dead_jobs",
     "gcs_refuses_token",
     "lean_local_ray",
     "lighter_run_callbacks",

@@ -178,3 +178,18 @@ JOB_SDK_LOGGERS = {
 def quiet_job_sdk() -> None:
     for name, level in JOB_SDK_LOGGERS.items():
         logging.getLogger(name).setLevel(level)
+
+
+def dead_jobs(job_ids: set[str]) -> set[str] | None:
+    """Which of the Ray jobs ``job_ids`` (hex ids) the GCS has marked dead: a driver that
+    exited, or was killed, is marked when its raylet sees its connection close. In a
+    process connected to Ray (a warm service's queue asks about its requesters). Ray 2.60
+    has no public call for the job table without the dashboard: ``ray._private.state``'s
+    ``job_table()``. None when it cannot be asked (the caller then goes by time alone)."""
+    try:
+        from ray._private.state import state
+
+        table = state.job_table()
+    except Exception:
+        return None
+    return {j["JobID"] for j in table if j.get("IsDead") and j.get("JobID") in job_ids}

@@ -121,9 +121,9 @@ class ServiceClient:
             "compile": cfg.run.torch.compile,
             "cuda_graphs": cfg.run.torch.cuda_graphs,
         }
-        answer = ray.get(
-            self.queue.submit.remote(request, cfg.run.checkpoint.keep_checkpoints), timeout=60
-        )
+        job = ray.get_runtime_context().get_job_id()  # the queue asks the GCS if it is alive
+        keep = cfg.run.checkpoint.keep_checkpoints
+        answer = ray.get(self.queue.submit.remote(request, keep, job), timeout=60)
         if "refused" in answer:
             raise UserError(f"service '{self.name}' refused the run: {answer['refused']}")
         return answer["id"]

@@ -11,6 +11,7 @@ import uuid
 from pathlib import Path
 from typing import Any
 
+from raytrain_mnist import compat
 from raytrain_mnist.config import TrainConfig
 from raytrain_mnist.driver.runs import LEASE_TTL_S, is_safe_name, storage_root
 from raytrain_mnist.errors import UserError
@@ -69,6 +70,7 @@ class ServiceQueue:
         self._served = 0
         self._started = time.time()
         self._group: dict[str, Any] = {}
+        self._jobs_asked = float("-inf")  # when _expire last asked the GCS about requesters
 
     # ------------------------------------------------------------ the service's side
 
@@ -172,10 +174,11 @@ class ServiceQueue:
 
     # ------------------------------------------------------------ the requester's side
 
-    def submit(self, request: dict, keep: int) -> dict:
+    def submit(self, request: dict, keep: int, requester: str | None = None) -> dict:
         """Queue ``request`` (:data:`REQUEST_KEYS`, checked
         here again: the queue trusts no client); returns its id and place, or the one-line
-        reason it is refused."""
+        reason it is refused. ``requester``: the requesting driver's Ray job id (hex),
+        which tells a requester that is gone from one that is slow to ask."""
         try:
             request = _checked_request(request, self._info["storage_roots"])
         except (UserError, ValueError, TypeError, KeyError) as exc:
@@ -199,6 +202,7 @@ class ServiceQueue:
                 "keep": int(keep),
                 "error": None,
                 "epoch": 0,
+                "requester": requester if isinstance(requester, str) else None,
             }
             self._waiting.append(request_id)
             self._cond.notify_all()
@@ -260,14 +264,24 @@ class ServiceQueue:
                 entry["epoch"] = max(entry["epoch"], int(item.get("epoch") or 0))
 
     def _expire(self) -> None:
-        """Cancel what nobody asks about any more, and forget what ended long ago."""
+        """Cancel what nobody asks about any more, and forget what ended long ago. A
+        request silent past its lease is cancelled once its requester's job is dead (or
+        cannot be asked about): a requester on a loaded machine may be slow, not gone."""
         now = time.monotonic()
+        silent = {}
         for request_id, entry in list(self._requests.items()):
-            silent = now - entry["seen"]
+            quiet = now - entry["seen"]
             if entry["state"] in ENDED:
-                if silent > 10 * REQUEST_LEASE_S:
+                if quiet > 10 * REQUEST_LEASE_S:
                     del self._requests[request_id]
-            elif silent > REQUEST_LEASE_S:
+            elif quiet > REQUEST_LEASE_S:
+                silent[request_id] = entry["requester"]
+        if not silent or now - self._jobs_asked < 1.0:  # the GCS, at most once a second
+            return
+        self._jobs_asked = now
+        dead = compat.dead_jobs({job for job in silent.values() if job})
+        for request_id, job in silent.items():
+            if dead is None or job is None or job in dead:
                 self._cancel(request_id, "its requester went silent (its lease lapsed)")
 
 
