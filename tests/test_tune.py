@@ -9,6 +9,7 @@ found by that directory and stopped.
 from __future__ import annotations
 
 import csv
+import dataclasses
 import io
 import json
 import os
@@ -685,3 +686,34 @@ def test_a_trial_tune_ended_on_its_own_fails_the_search_and_only_a_stop_interrup
     session.stop_trials()  # Ctrl-C
     [trial] = collect_trials(plan, session, "max")
     assert (trial["status"], trial["error"]) == ("unfinished", None)
+
+
+def test_a_trial_that_ended_on_its_own_counts_the_epochs_its_train_run_committed(tmp_path):
+    """Tune can end a trial without its last report (after a preemption: the Train run
+    committed its last epoch, Tune's results stop one short). A trial that ended on its own
+    is recorded from its Train run's latest checkpoint: finished, every epoch."""
+    from raytrain_mnist import compat
+    from raytrain_mnist.driver.events import log_event
+    from raytrain_mnist.driver.searching import run as tune_run
+    from tests.test_checkpoint import CFG, _resume_state
+
+    train = dataclasses.replace(CFG, epochs=2)
+    state = _resume_state(train)
+    history = [{"epoch": e, "val_accuracy": 0.5 + e / 10, "val_loss": 1.0 / e} for e in (1, 2)]
+    state.update(epoch=2, history=history, position=ckpt.boundary_position(train.to_dict(), 2, 1))
+    run_dir = tmp_path / "t1"
+    (run_dir / "checkpoint_2").mkdir(parents=True)
+    ckpt.save(run_dir / "checkpoint_2", state)
+    snapshot = compat.checkpoint_manager_snapshot(
+        [("checkpoint_2", history[1], 1)], "checkpoint_2", 2
+    )
+    (run_dir / "checkpoint_manager_snapshot.json").write_bytes(snapshot)
+    session = tune_run.Session(
+        sink=log_event, plan={"t1": {}}, searched=[], train=train, metric="val_accuracy",
+        runs_root=str(tmp_path), ended={},
+        seen={"t1": {1: {"epoch": 1, "val_accuracy": 0.6, "val_loss": 1.0}}},  # Tune's: epoch 1
+    )  # fmt: skip
+    session.trial_ended("t1")
+    record = session.ended["t1"]
+    assert record["status"] == "finished" and [h["epoch"] for h in record["history"]] == [1, 2]
+    assert json.loads((run_dir / "trial.json").read_text()) == record

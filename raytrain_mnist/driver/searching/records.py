@@ -129,17 +129,23 @@ def _checkpoint_history(runs_root: str, name: str, train: dict, metric: str) -> 
 
 
 def trial_history(
-    runs_root: str, name: str, train: dict, seen: dict[int, dict], metric: str
+    runs_root: str,
+    name: str,
+    train: dict,
+    seen: dict[int, dict],
+    metric: str,
+    through_run: bool = False,
 ) -> list[dict]:
     """Trial ``name``'s epochs: those Tune reported in this search (``seen``, by epoch), after
     those its checkpoint holds when it resumed (its first epoch here was not epoch 1); up to
-    the last epoch reported here. Epochs 1 to N, or [] when they do not join up."""
+    the last epoch reported here, or with ``through_run`` up to the last its Train run
+    committed. Epochs 1 to N, or [] when they do not join up."""
     reported = sorted(seen)
-    if reported == list(range(1, len(reported) + 1)) and reported:
+    if reported == list(range(1, len(reported) + 1)) and reported and not through_run:
         return [seen[e] for e in reported]
     merged = {e["epoch"]: e for e in _checkpoint_history(runs_root, name, train, metric)}
     merged.update(seen)
-    last = reported[-1] if reported else max(merged, default=0)
+    last = reported[-1] if reported and not through_run else max(merged, default=0)
     history = [merged[e] for e in sorted(merged) if e <= last]
     if [e["epoch"] for e in history] != list(range(1, len(history) + 1)):
         logger.warning("trial %s: its epochs do not join up (%s)", name, sorted(merged))

@@ -138,6 +138,13 @@ class Session:
         the scheduler stopped it); one stopped with the search resumes instead."""
         epochs = self.train.epochs
         history = self.history(name)
+        if (history[-1]["epoch"] if history else 0) < epochs and name not in self.stopped:
+            # Tune can end a trial without its last report (seen after a preemption: the Train
+            # run committed epoch 8, Tune's results stop at 7; the controller hands reports to
+            # the trial over a queue of its own). A trial that ended on its own: its Train
+            # run's record of what it committed is the one that counts.
+            history = trial_history(self.runs_root, name, self.train_of(name),
+                                    self.seen.get(name, {}), self.metric, through_run=True)  # fmt: skip
         last = history[-1]["epoch"] if history else 0
         if last >= epochs:
             status = TRIAL_FINISHED
