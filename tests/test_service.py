@@ -62,12 +62,9 @@ def service(tmp_path_factory, tiny_mnist, sample_digits):
         env=env,
         start_new_session=True,
     )
-    seen = []
+    seen: list[str] = []
     try:
-        for line in driver.stdout:
-            seen.append(line)
-            if f"service '{NAME}' ready" in line:
-                break
+        _until(driver, f"service '{NAME}' ready", seen)
         assert driver.poll() is None, "".join(seen)
         yield {"env": env, "storage": storage, "driver": driver, "seen": seen}
         stopped = subprocess.run(

@@ -10,12 +10,11 @@ from raytrain_mnist.config import (
     FitConfig,
 )
 from raytrain_mnist.driver import cluster
-from raytrain_mnist.driver.events import EventSink, Note, Phase, Stopping
+from raytrain_mnist.driver.events import EventSink, Phase, Stopping
 from raytrain_mnist.driver.fitting.stages import (
     Fit,
     FitResult,
     Plotting,
-    gpu_text,
     let_go_of_ray,
     open_run,
     prepare,
@@ -99,15 +98,8 @@ def _disconnect(ctx: Fit) -> None:
 
 def _request(ctx: Fit, client) -> None:
     """Send the run to the service and follow it to its end (or Ctrl-C's cancel)."""
-    cfg, run, data = ctx.cfg, ctx.run, ctx.data
-    ctx.emit(
-        Note(
-            f"{'resuming' if ctx.prior else 'starting'} run '{run.name}' on service "
-            f"'{client.name}': {cfg.run.scaling.num_workers} worker(s) x "
-            f"{ctx.cpus_per_worker} CPU{gpu_text(cfg)}, {data.train_size} train / "
-            f"{data.test_size} test images from {data.source}"
-        )
-    )
+    cfg, run = ctx.cfg, ctx.run
+    ctx.announce(f" on service '{client.name}'")
     run.write_json(RUN_FILE, ctx.identity)
     from raytrain_mnist.driver.tracking import EpochLog
 
@@ -122,21 +114,16 @@ def _request(ctx: Fit, client) -> None:
         client.cancel(request_id, "its tracking could not be opened")
         raise
 
-    def on_epoch(metrics: dict) -> None:
-        ctx.tracker.log(metrics)
-        ctx.plotting.start()
-
     ctx.monitor = RunMonitor(
         client.channel(request_id), cfg.train.epochs, ctx.prior, ctx.emit, ctx.timeline,
-        on_epoch=on_epoch, poll_s=ctx.poll_s,
+        on_epoch=ctx.on_epoch, poll_s=ctx.poll_s,
     )  # fmt: skip
-    held = run.held
     with ctx.monitor:
         outcome = relay(
             lambda: client.follow(request_id, ctx.emit, cfg.train.epochs),
             lambda reason, running: _cancel(ctx, client, request_id, reason),
             name="request",
-            watch=lambda: held.reason if held is not None and held.lost.is_set() else None,
+            watch=ctx.claim_lost,
         )
     ctx.timeline.mark("fit_returned")
     ctx.trainer_ended = True

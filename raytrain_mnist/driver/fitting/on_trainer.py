@@ -8,18 +8,13 @@ import logging
 import time
 from collections.abc import Callable
 
-from raytrain_mnist.config import (
-    RECIPES,
-)
 from raytrain_mnist.driver import cluster
-from raytrain_mnist.driver.events import Note, Stopping
+from raytrain_mnist.driver.events import Stopping
 from raytrain_mnist.driver.fitting.stages import (
     Fit,
     Plotting,
-    gpu_text,
     let_go_of_ray,
     summarize,
-    workers_text,
     write_files,
 )
 from raytrain_mnist.driver.monitor import (
@@ -104,20 +99,7 @@ def _build(ctx: Fit) -> None:
     import ray
 
     cfg, data, run = ctx.cfg, ctx.data, ctx.run
-    full_epochs = RECIPES[cfg.recipe]["epochs"]
-    sized = (
-        f"; {cfg.train.epochs} epochs, as many steps as "
-        f"{full_epochs} on full MNIST (--epochs sets them)"
-        if cfg.auto_epochs and cfg.train.epochs != full_epochs
-        else ""
-    )
-    ctx.emit(
-        Note(
-            f"{'resuming' if ctx.prior else 'starting'} run '{run.name}': "
-            f"{workers_text(cfg)} x {ctx.cpus_per_worker} CPU{gpu_text(cfg)}, "
-            f"{data.train_size} train / {data.test_size} test images from {data.source}{sized}"
-        )
-    )
+    ctx.announce()
     run.write_json(RUN_FILE, ctx.identity)
     from raytrain_mnist.driver.tracking import EpochLog
     from raytrain_mnist.driver.trainer import build_trainer
@@ -154,12 +136,6 @@ def _monitor(ctx: Fit) -> None:
     monitor's thread has ended, with what is left in the channel drained."""
     import ray
 
-    held = ctx.run.held
-
-    def on_epoch(metrics: dict) -> None:
-        ctx.tracker.log(metrics)
-        ctx.plotting.start()  # matplotlib is imported while the run trains, not at its end
-
     ctx.phase("workers starting", "trainer_started")
     ctx.monitor = RunMonitor(
         ctx.channel,
@@ -167,7 +143,7 @@ def _monitor(ctx: Fit) -> None:
         ctx.prior,
         ctx.emit,
         ctx.timeline,
-        on_epoch=on_epoch,
+        on_epoch=ctx.on_epoch,
         poll_s=ctx.poll_s,
     )
     with ctx.monitor:
@@ -176,7 +152,7 @@ def _monitor(ctx: Fit) -> None:
                 ctx.trainer.fit,
                 lambda reason, running: _stop(ctx, reason, running),
                 name="trainer.fit",
-                watch=lambda: held.reason if held is not None and held.lost.is_set() else None,
+                watch=ctx.claim_lost,
                 stop_wait_s=_STOP_WAIT_S,
             )
             ctx.result = outcome.value if outcome.stopped is None else None

@@ -24,7 +24,7 @@ from raytrain_mnist.config import (
     flags_of,
 )
 from raytrain_mnist.driver import runs
-from raytrain_mnist.driver.events import Event, EventSink, Phase, Status
+from raytrain_mnist.driver.events import Event, EventSink, Note, Phase, Status
 from raytrain_mnist.driver.monitor import (
     RunMonitor,
     Timeline,
@@ -129,6 +129,36 @@ class Fit:
         elapsed = time.time() - self.timeline.t0 if key is None else self.timeline.mark(key)
         self.emit(Phase(text, elapsed))
 
+    def claim_lost(self) -> str | None:
+        """Why this fit's claim was taken from it, else None (it goes on)."""
+        held = self.run.held
+        return held.reason if held is not None and held.lost.is_set() else None
+
+    def on_epoch(self, metrics: dict) -> None:
+        """A committed epoch: to tracking; matplotlib is imported while the run trains."""
+        self.tracker.log(metrics)
+        self.plotting.start()
+
+    def announce(self, on: str = "") -> None:
+        """The start line: the run, where it trains (``on``: " on service 'S'"), its workers
+        and data, and how a run on the sample was sized."""
+        cfg, data = self.cfg, self.data
+        full_epochs = RECIPES[cfg.recipe]["epochs"]
+        sized = (
+            f"; {cfg.train.epochs} epochs, as many steps as "
+            f"{full_epochs} on full MNIST (--epochs sets them)"
+            if cfg.auto_epochs and cfg.train.epochs != full_epochs
+            else ""
+        )
+        self.emit(
+            Note(
+                f"{'resuming' if self.prior else 'starting'} run '{self.run.name}'{on}: "
+                f"{workers_text(cfg)} x {self.cpus_per_worker} CPU{gpu_text(cfg)}, "
+                f"{data.train_size} train / {data.test_size} test images from "
+                f"{data.source}{sized}"
+            )
+        )
+
 
 def start_timeline(started_at: float | None) -> tuple[float, Timeline]:
     """The call's perf_counter and the timeline, from the command's start when known."""
@@ -205,8 +235,7 @@ def write_files(ctx: Fit) -> None:
     its own while Ray shuts down (:func:`train`): it touches nothing of Ray, and marks no
     moment."""
     run, summary = ctx.run, ctx.summary
-    held = run.held
-    ctx.lost = held.reason if held is not None and held.lost.is_set() else None
+    ctx.lost = ctx.claim_lost()
     title = f"{run.name}: {ctx.cfg.run.scaling.num_workers} worker(s), {ctx.data.kind}"
     png = ctx.plotting.draw(summary["history"], title) if summary["history"] else None
     summary["timeline"] = ctx.timeline.to_dict(ctx.monitor.clock)
