@@ -137,9 +137,9 @@ def run(cfg: FitConfig) -> int:
     result = fit_and_show(cfg)
     emit_result(result.summary)  # --json: summary.json's fields
     if result.status == "failed":
+        logs = f" (worker logs: {result.worker_logs})" if result.worker_logs else ""
         raise UserError(
-            f"training failed: {result.error}; resume with: {result.resume_command} "
-            f"(worker logs: {result.worker_logs})",
+            f"training failed: {result.error}; resume with: {result.resume_command}{logs}",
             EXIT_FAILURE,
         )
     if result.status == "interrupted":

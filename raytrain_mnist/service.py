@@ -229,6 +229,7 @@ def format_status(info: dict) -> str:
         ("restarts", info.get("restarts", 0)),
         ("uptime", f"{info.get('uptime_s', 0)} s"),
         ("ray", info.get("address")),
+        ("worker logs", info.get("logs") or "-"),
     ]
     if info.get("stopping"):
         rows.append(("stopping", info["stopping"]))

@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import shlex
 import signal
 import subprocess
 import sys
@@ -49,24 +50,11 @@ def service(tmp_path_factory, tiny_mnist, sample_digits):
         # A requester killed with SIGKILL is given up on after this much silence.
         "RAYTRAIN_MNIST_REQUEST_LEASE_S": "4",
     }
-    storage = root / "runs"
-    command = [sys.executable, "-m", "raytrain_mnist", "service", "start", "--name", NAME,
-               "--num-workers", "2", "--cpus-per-worker", "1", "--dataset", "mnist",
-               "--data-dir", str(tiny_mnist), "--storage-path", str(storage)]  # fmt: skip
-    driver = subprocess.Popen(
-        command,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-        cwd=REPO,
-        env=env,
-        start_new_session=True,
-    )
-    seen: list[str] = []
+    service = {"env": env, "storage": root / "runs", "data": tiny_mnist}
     try:
-        _until(driver, f"service '{NAME}' ready", seen)
-        assert driver.poll() is None, "".join(seen)
-        yield {"env": env, "storage": storage, "driver": driver, "seen": seen}
+        _start_service(service)
+        yield service
+        driver, seen = service["driver"], service["seen"]
         stopped = subprocess.run(
             [sys.executable, "-m", "raytrain_mnist", "service", "stop", "--name", NAME],
             capture_output=True, text=True, cwd=REPO, env=env, timeout=120,
@@ -78,11 +66,32 @@ def service(tmp_path_factory, tiny_mnist, sample_digits):
         assert "Traceback" not in "".join(seen) + rest
         wait_for(lambda: not marked(env[MARKER_VAR]) or None, "the service's processes to end", 30)
     finally:
-        if driver.poll() is None:
+        driver = service.get("driver")
+        if driver is not None and driver.poll() is None:
             os.killpg(driver.pid, signal.SIGKILL)
             driver.wait(timeout=30)
         kill_marked(env[MARKER_VAR])
         shutil.rmtree(ray_tmp, ignore_errors=True)
+
+
+def _start_service(service: dict) -> None:
+    """`raytrain-mnist service start` in the foreground, on a Ray of its own, until it says
+    it is ready: two workers of one CPU on tiny MNIST."""
+    command = [sys.executable, "-m", "raytrain_mnist", "service", "start", "--name", NAME,
+               "--num-workers", "2", "--cpus-per-worker", "1", "--dataset", "mnist",
+               "--data-dir", str(service["data"]), "--storage-path", str(service["storage"])]  # fmt: skip
+    service["seen"] = []
+    service["driver"] = driver = subprocess.Popen(
+        command,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        cwd=REPO,
+        env=service["env"],
+        start_new_session=True,
+    )
+    _until(driver, f"service '{NAME}' ready", service["seen"])
+    assert driver.poll() is None, "".join(service["seen"])
 
 
 def _fit(service, name: str, *extra: str) -> list[str]:
@@ -316,6 +325,40 @@ def test_service_status_shows_its_workers_queue_and_what_it_served(service):
     assert info["workers"] == 2 and info["device"] == "cpu" and info["backend"] == "gloo"
     assert info["queue"] == 0 and info["served"] >= 1
     assert "workers:" in done.stderr and "served:" in done.stderr
+
+
+def test_the_service_driver_killed_ends_its_request_resumable_by_a_new_start(service):
+    """SIGKILL the service's driver mid-request: its Ray goes with it (it started that Ray),
+    the requester ends in one line that gives its resume command; `service start` again with
+    the same name serves, and that very command resumes the run from its last filed
+    checkpoint. Last in the module: the service after it is the new one."""
+    with _running(service, "driver-lost", "--epochs", "8") as (proc, seen):
+        _until(proc, "epoch   1/8", seen)
+        service["driver"].kill()
+        rest, _ = proc.communicate(timeout=180)
+    service["driver"].wait(timeout=60)
+    out = "".join(seen) + rest
+    assert proc.returncode == 1, out
+    last = rest.strip().splitlines()[-1]
+    prefix = "raytrain-mnist: error: training failed: service 'svc' went away; resume with: "
+    assert last.startswith(prefix) and "Traceback" not in out, out
+    assert "(worker logs: " in last, last  # the service's, on its node
+    resume = shlex.split(last[len(prefix) :].split(" (worker logs: ")[0])
+    epochs = Run(str(service["storage"]), "driver-lost").latest_metrics()["epoch"]
+    assert 1 <= epochs < 8
+
+    left = marked(service["env"][MARKER_VAR])  # the killed service's Ray, on its way out
+
+    _start_service(service)
+    resumed = subprocess.run(resume, capture_output=True, text=True, cwd=REPO,
+                             env=service["env"], timeout=300)  # fmt: skip
+    assert resumed.returncode == 0, resumed.stdout + resumed.stderr
+    assert f"resumed from the checkpoint of epoch {epochs}" in resumed.stdout, resumed.stdout
+    summary = json.loads((service["storage"] / "driver-lost" / "summary.json").read_text())
+    assert summary["status"] == "finished" and summary["epochs_completed"] == 8
+    # Nothing of the killed service outlives it: its Ray's reaper ends what was left.
+    wait_for(lambda: not set(left) & set(marked(service["env"][MARKER_VAR])) or None,
+             "the killed service's processes to end", 180)  # fmt: skip
 
 
 def test_no_service_of_that_name_is_one_line(tmp_path):

@@ -130,6 +130,7 @@ def _request(ctx: Fit, client) -> None:
     ended = outcome.value if outcome.stopped is None else None
     if outcome.stopped is None and ended is not None and ended["state"] == "failed":
         ctx.error = UserError(ended["error"] or "the request failed")
+        ctx.logs = client.info.get("logs")  # the service's workers' logs, on its node
     elif outcome.error is not None and outcome.stopped is None:
         ctx.error = outcome.error
     summarize(ctx)

@@ -139,6 +139,7 @@ def run_service(
             "storage_roots": spec.roots,
             "address": ray.get_runtime_context().gcs_address,
             "pid": os.getpid(),
+            "logs": cluster.worker_logs_dir(),  # on the service's node
         }
         try:
             queue = start_queue(info)
