@@ -38,6 +38,18 @@ LOCAL_TRAIN_ENV = {
 }
 
 
+#: Ray settings for this process as a driver, on any Ray (set before ``ray.init``; a value
+#: the user set wins). At ``ray.shutdown()`` a driver's core worker waits for its last task
+#: events (the state of its own calls, for the dashboard's task list) to reach the GCS: 0.25 s
+#: of every command's teardown here (benchmarks/README.md), for records nobody reads.
+DRIVER_ENV = {"RAY_task_events_shutdown_flush_timeout_ms": "0"}
+
+
+def _as_driver() -> None:
+    for key, value in DRIVER_ENV.items():
+        os.environ.setdefault(key, value)
+
+
 def _worker_logs_to_driver() -> bool:
     """Worker and controller output stays in Ray's log files unless asked for: the driver
     prints every epoch and every failure itself, in one line each."""
@@ -131,6 +143,7 @@ def _connect_to(address: str) -> None:
     import ray
 
     head = _find_head(address)
+    _as_driver()
     if not head.address.startswith("ray://"):
         _choose_token(head.address, address)
         _check_a_node_here(head, address)
@@ -322,6 +335,7 @@ def start_local(
 
     for key, value in LOCAL_TRAIN_ENV.items():
         os.environ.setdefault(key, value)
+    _as_driver()
     if "RAY_AUTH_MODE" not in os.environ:  # a mode the user set wins
         compat.token_auth_chosen()  # Ray's default, made explicit: no warning that it chose
     if log_to_driver is None:

@@ -75,24 +75,23 @@ def fit_on_service(
 
 
 def _disconnect(ctx: Fit) -> None:
-    """As a fit on its own trainer ends (:func:`~.on_trainer.train`): the files are
-    written on a thread of their own while this driver leaves the cluster (the service
-    lives on), no thread collecting garbage meanwhile."""
+    """This driver leaves the cluster (the service lives on), then writes the files. Not on
+    two threads as a fit on its own trainer does (:func:`~.on_trainer.train`): leaving takes
+    tens of milliseconds, and the drawing, which holds the GIL, would only slow it."""
     import gc
 
     import ray
 
-    files = on_a_thread(lambda: write_files(ctx), name="files")
     collecting = gc.isenabled()
     try:
         let_go_of_ray(ctx)
-        gc.disable()
+        gc.disable()  # no collection while Ray shuts down (let_go_of_ray says why)
         ray.shutdown()  # this command's part in the cluster ends here
         ctx.timeline.mark("ray_shut_down")
     finally:
         if collecting:
             gc.enable()
-    files()
+    write_files(ctx)
     ctx.timeline.mark("files_written")
 
 
@@ -108,6 +107,9 @@ def _request(ctx: Fit, client) -> None:
     ctx.plotting = Plotting()
     request_id = client.submit(cfg, run, run.latest_checkpoint())
     ctx.phase("request sent", "trainer_started")
+    # matplotlib too, now: a fit on its own trainer waits for its first epoch (its start-up
+    # is CPU-bound), but a request trains at once, and a one-epoch run's end would wait for it.
+    ctx.plotting.start()
     try:
         ctx.tracker = opening()
     except BaseException:  # a bad --mlflow-uri: the run stops before its first epoch
