@@ -16,6 +16,7 @@ from raytrain_mnist.driver.service.queue import (
     ENDED,
     FAILED,
     FINISHED,
+    LONG_POLL_S,
     WAITING,
     find_queue,
     registry_file,
@@ -138,10 +139,11 @@ class ServiceClient:
         there after the workers' end. Returns its final state."""
         import ray
 
-        place, deadline = None, None
+        place, deadline, state = None, None, None
         while True:
+            asked = time.monotonic()
             try:
-                state = ray.get(self.queue.state.remote(request_id), timeout=30)
+                state = ray.get(self.queue.state.remote(request_id, state, LONG_POLL_S), timeout=30)
             except ray.exceptions.RayActorError:
                 return {"state": FAILED, "error": f"service '{self.name}' went away"}
             except ray.exceptions.GetTimeoutError:
@@ -152,11 +154,11 @@ class ServiceClient:
             if state["state"] == FINISHED and state["epoch"] < epochs:
                 deadline = deadline or time.monotonic() + 30  # the last commit, on its way
                 if time.monotonic() < deadline:
-                    time.sleep(0.02)
-                    continue
+                    continue  # the commit changes the state: the long poll hears it
             if state["state"] in ENDED:
                 return state
-            time.sleep(0.05)
+            if time.monotonic() - asked < 0.05:  # answered at once: the queue's polls are full
+                time.sleep(0.2)
 
     def cancel(self, request_id: str, reason: str) -> None:
         import ray

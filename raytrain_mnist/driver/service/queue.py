@@ -8,6 +8,7 @@ import os
 import threading
 import time
 import uuid
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -23,6 +24,10 @@ logger = logging.getLogger(__name__)
 NAMESPACE = "raytrain_mnist"
 #: How long a request outlives its requester's silence (the requester asks every poll).
 REQUEST_LEASE_S = float(os.environ.get("RAYTRAIN_MNIST_REQUEST_LEASE_S", LEASE_TTL_S))
+#: Seconds a long poll (a requester's state, rank 0's cancel question) may wait for news.
+LONG_POLL_S = 1.0
+#: Threads of the queue's 32 that long polls may hold at once (:meth:`ServiceQueue._waited`).
+MAX_WAITERS = 16
 #: What a request's state can be; the last three end it.
 WAITING, RUNNING, FINISHED, FAILED, CANCELLED = (
     "waiting",
@@ -71,6 +76,7 @@ class ServiceQueue:
         self._started = time.time()
         self._group: dict[str, Any] = {}
         self._jobs_asked = float("-inf")  # when _expire last asked the GCS about requesters
+        self._waiters = 0  # threads in a long poll (_waited)
 
     # ------------------------------------------------------------ the service's side
 
@@ -133,11 +139,33 @@ class ServiceQueue:
                     return None
                 self._cond.wait(left)
 
-    def cancelled(self, request_id: str) -> bool:
+    def cancelled(self, request_id: str, wait_s: float = 0.0) -> bool:
+        """Whether the request is to stop: at once when it is, else after up to ``wait_s``
+        (rank 0 keeps one such question in flight: one call a second, not one a step)."""
         with self._cond:
-            self._expire()
-            entry = self._requests.get(request_id)
-            return entry is None or bool(entry["cancel"]) or self._stopping == "cancel"
+            return self._waited(wait_s, lambda: self._is_cancelled(request_id), bool)
+
+    def _is_cancelled(self, request_id: str) -> bool:
+        self._expire()
+        entry = self._requests.get(request_id)
+        return entry is None or bool(entry["cancel"]) or self._stopping == "cancel"
+
+    def _waited(self, wait_s: float, answer: Callable[[], Any], ready: Callable[[Any], bool]):
+        """``answer()`` once ``ready`` of it or ``wait_s`` passed, in the lock. Long polls
+        take at most :data:`MAX_WAITERS` of the actor's threads: past that, they answer at
+        once (what rank 0 and the controller call never waits for a thread)."""
+        deadline = time.monotonic() + min(max(float(wait_s), 0.0), 5.0)
+        value = answer()
+        if ready(value) or self._waiters >= MAX_WAITERS:
+            return value
+        self._waiters += 1
+        try:
+            while not ready(value) and (left := deadline - time.monotonic()) > 0:
+                self._cond.wait(min(left, 1.0))  # the lease of silent requesters, each second
+                value = answer()
+        finally:
+            self._waiters -= 1
+        return value
 
     def done(self, request_id: str, status: str, error: str | None = None) -> None:
         """Rank 0: the request ended on every rank."""
@@ -221,21 +249,27 @@ class ServiceQueue:
                 entry["dropped"] = acknowledged
             return entry["dropped"], list(entry["items"])
 
-    def state(self, request_id: str) -> dict:
+    def state(self, request_id: str, known: dict | None = None, wait_s: float = 0.0) -> dict:
         """The request's state, its place in the queue (1 = next), its error and the last
-        epoch committed (the controller's stream, which trails the workers' end)."""
+        epoch committed (the controller's stream, which trails the workers' end). Given the
+        state the requester ``known``, waits up to ``wait_s`` for another (a long poll:
+        the requester hears of a change at once, without asking 20 times a second)."""
         with self._cond:
-            entry = self._requests.get(request_id)
-            if entry is None:
-                return {"state": CANCELLED, "place": None, "error": "unknown request"}
-            entry["seen"] = time.monotonic()
-            place = self._waiting.index(request_id) + 1 if request_id in self._waiting else None
-            return {"state": entry["state"], "place": place, "error": entry["error"],
-                    "epoch": entry["epoch"]}  # fmt: skip
+            return self._waited(wait_s, lambda: self._state(request_id), lambda s: s != known)
+
+    def _state(self, request_id: str) -> dict:
+        entry = self._requests.get(request_id)
+        if entry is None:
+            return {"state": CANCELLED, "place": None, "error": "unknown request"}
+        entry["seen"] = time.monotonic()
+        place = self._waiting.index(request_id) + 1 if request_id in self._waiting else None
+        return {"state": entry["state"], "place": place, "error": entry["error"],
+                "epoch": entry["epoch"]}  # fmt: skip
 
     def cancel(self, request_id: str, reason: str = "cancelled by its requester") -> None:
         with self._cond:
             self._cancel(request_id, reason)
+            self._cond.notify_all()
 
     # ------------------------------------------------------------ inside the lock
 
@@ -262,6 +296,7 @@ class ServiceQueue:
             entry["items"].append({**item, "received": time.time()})
             if "progress" not in item:  # a committed epoch (the controller's)
                 entry["epoch"] = max(entry["epoch"], int(item.get("epoch") or 0))
+            self._cond.notify_all()  # the long polls (a state, an epoch, an end)
 
     def _expire(self) -> None:
         """Cancel what nobody asks about any more, and forget what ended long ago. A
