@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import shutil
+import subprocess
 import sys
 from pathlib import Path
 
@@ -64,6 +65,28 @@ def test_every_epoch_becomes_tensorboard_scalars(trained_run, tmp_path):
         assert [value for _, value in scalars[key]] == pytest.approx(
             [h[key] for h in history], rel=1e-6
         )  # stored as float32
+    # The run's settings, as a table in TensorBoard's Text tab (the tag torch's writer gives).
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    events = EventAccumulator(str(run_dir))
+    events.Reload()
+    (text,) = events.Tensors("config/text_summary")
+    table = text.tensor_proto.string_val[0].decode()
+    assert table.startswith("| setting | value |") and "| train.lr |" in table, table
+
+
+def test_the_event_file_is_written_without_torch(tmp_path):
+    """The driver of a `fit --service` never imports torch (its import would compete with
+    the request's training): TensorBoard's files are written by tensorboard alone."""
+    script = (
+        "import sys; from raytrain_mnist.driver.tracking import EpochLog; "
+        f"log = EpochLog({str(tmp_path)!r}, {{'train': {{'lr': 0.1}}}}); "
+        "log.log({'epoch': 1, 'train_loss': 0.5}); log.close(); "
+        "assert 'torch' not in sys.modules, 'torch imported'"
+    )
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
+    assert _scalars(tmp_path) == {"train_loss": [(1, 0.5)]}
 
 
 def test_lr_and_unknown_keys(tmp_path):

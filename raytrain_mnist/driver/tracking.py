@@ -123,9 +123,7 @@ class EpochLog:
                 "TensorBoard: %s is not a local directory; no event files are written", self.run_dir
             )
             return None
-        from torch.utils.tensorboard import SummaryWriter
-
-        writer = SummaryWriter(log_dir=self.run_dir)
+        writer = _EventFile(self.run_dir)
         if self.config is not None:
             params = flat_params(self.config)
             table = "\n".join(f"| {key} | {value} |" for key, value in sorted(params.items()))
@@ -160,6 +158,57 @@ class EpochLog:
             self._tb.close()
         if self._mlflow is not None:
             self._mlflow.finish(summary, (summary or {}).get("best_checkpoint"))
+
+
+class _EventFile:
+    """A TensorBoard event file, written by tensorboard's own ``EventFileWriter`` as torch's
+    ``SummaryWriter`` writes it (the same file name, events and text summary), without
+    torch: the driver of a ``fit --service`` never imports torch, whose import (1.8
+    CPU-seconds here) would run beside the request's training."""
+
+    def __init__(self, log_dir: str) -> None:
+        from tensorboard.summary.writer.event_file_writer import EventFileWriter
+
+        self.log_dir = log_dir
+        self._writer = EventFileWriter(log_dir)
+
+    def add_scalar(self, tag: str, value: float, step: int) -> None:
+        from tensorboard.compat.proto.summary_pb2 import Summary
+
+        self._add(Summary.Value(tag=tag, simple_value=float(value)), step)
+
+    def add_text(self, tag: str, text: str, step: int) -> None:
+        """Shown in TensorBoard's Text tab, under ``TAG/text_summary`` as torch names it."""
+        from tensorboard.compat.proto.summary_pb2 import Summary, SummaryMetadata
+        from tensorboard.compat.proto.tensor_pb2 import TensorProto
+        from tensorboard.compat.proto.tensor_shape_pb2 import TensorShapeProto
+        from tensorboard.plugins.text.plugin_data_pb2 import TextPluginData
+
+        metadata = SummaryMetadata(
+            plugin_data=SummaryMetadata.PluginData(
+                plugin_name="text", content=TextPluginData(version=0).SerializeToString()
+            )
+        )
+        tensor = TensorProto(
+            dtype="DT_STRING",
+            string_val=[text.encode("utf-8")],
+            tensor_shape=TensorShapeProto(dim=[TensorShapeProto.Dim(size=1)]),
+        )
+        self._add(Summary.Value(tag=f"{tag}/text_summary", metadata=metadata, tensor=tensor), step)
+
+    def _add(self, value, step: int) -> None:
+        from tensorboard.compat.proto.event_pb2 import Event
+        from tensorboard.compat.proto.summary_pb2 import Summary
+
+        self._writer.add_event(
+            Event(summary=Summary(value=[value]), step=step, wall_time=time.time())
+        )
+
+    def flush(self) -> None:
+        self._writer.flush()
+
+    def close(self) -> None:
+        self._writer.close()
 
 
 class _Mlflow:
