@@ -160,6 +160,13 @@ class EpochLog:
             self._mlflow.finish(summary, (summary or {}).get("best_checkpoint"))
 
 
+def warm_up() -> None:
+    """Import what TensorBoard's event file needs (:class:`_EventFile`), so that a thread
+    can pay for it ahead of opening one."""
+    from tensorboard.compat.proto import event_pb2, summary_pb2  # noqa: F401
+    from tensorboard.summary.writer.event_file_writer import EventFileWriter  # noqa: F401
+
+
 class _EventFile:
     """A TensorBoard event file, written by tensorboard's own ``EventFileWriter`` as torch's
     ``SummaryWriter`` writes it (the same file name, events and text summary), without

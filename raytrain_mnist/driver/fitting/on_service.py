@@ -51,6 +51,10 @@ def fit_on_service(
     address = ServiceClient.address_of(cfg.run.scaling.service, cfg.run.address)
     emit(Phase(f"connecting to Ray at {address}", timeline.mark("ray_starting")))
     with cluster.connect(address, cluster.Request(0, 1, False), dashboard=False):
+        # The imports of the run's end and tracking (matplotlib, tensorboard), now, while
+        # this command waits on the service and its claim: a request trains at once, on
+        # cores they would otherwise share with it (after ray.init: beside it, they slow it).
+        on_a_thread(_warm_up, name="imports")
         try:
             client = ServiceClient(cfg.run.scaling.service)
             cfg = client.fitted(cfg)
@@ -72,6 +76,16 @@ def fit_on_service(
             if ray.is_initialized():  # stopped before _disconnect: a refusal, an error
                 ray.shutdown()
     return result_of(ctx, invocation)
+
+
+def _warm_up() -> None:
+    try:
+        from raytrain_mnist.driver import plots, tracking
+
+        plots.warm_up()
+        tracking.warm_up()
+    except Exception:  # drawing or opening raises it again, where it is needed
+        logger.debug("warming up imports failed", exc_info=True)
 
 
 def _disconnect(ctx: Fit) -> None:
@@ -107,9 +121,7 @@ def _request(ctx: Fit, client) -> None:
     ctx.plotting = Plotting()
     request_id = client.submit(cfg, run, run.latest_checkpoint())
     ctx.phase("request sent", "trainer_started")
-    # matplotlib too, now: a fit on its own trainer waits for its first epoch (its start-up
-    # is CPU-bound), but a request trains at once, and a one-epoch run's end would wait for it.
-    ctx.plotting.start()
+    ctx.plotting.start()  # its import is under way (_warm_up), unlike a fit's own trainer's
     try:
         ctx.tracker = opening()
     except BaseException:  # a bad --mlflow-uri: the run stops before its first epoch
