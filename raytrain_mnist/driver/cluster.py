@@ -45,8 +45,9 @@ LOCAL_TRAIN_ENV = {
 DRIVER_ENV = {"RAY_task_events_shutdown_flush_timeout_ms": "0"}
 
 
-def _as_driver() -> None:
-    for key, value in DRIVER_ENV.items():
+def _set_defaults(env: dict[str, str]) -> None:
+    """``env`` into this process's environment, where the user set none of it."""
+    for key, value in env.items():
         os.environ.setdefault(key, value)
 
 
@@ -143,7 +144,7 @@ def _connect_to(address: str) -> None:
     import ray
 
     head = _find_head(address)
-    _as_driver()
+    _set_defaults(DRIVER_ENV)
     if not head.address.startswith("ray://"):
         _choose_token(head.address, address)
         _check_a_node_here(head, address)
@@ -333,9 +334,7 @@ def start_local(
     its eleven processes cost seconds of a start-up that is CPU-bound)."""
     import ray
 
-    for key, value in LOCAL_TRAIN_ENV.items():
-        os.environ.setdefault(key, value)
-    _as_driver()
+    _set_defaults({**LOCAL_TRAIN_ENV, **DRIVER_ENV})
     if "RAY_AUTH_MODE" not in os.environ:  # a mode the user set wins
         compat.token_auth_chosen()  # Ray's default, made explicit: no warning that it chose
     if log_to_driver is None:

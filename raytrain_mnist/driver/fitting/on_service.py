@@ -121,7 +121,6 @@ def _request(ctx: Fit, client) -> None:
     ctx.plotting = Plotting()
     request_id = client.submit(cfg, run, run.latest_checkpoint())
     ctx.phase("request sent", "trainer_started")
-    ctx.plotting.start()  # its import is under way (_warm_up), unlike a fit's own trainer's
     try:
         ctx.tracker = opening()
     except BaseException:  # a bad --mlflow-uri: the run stops before its first epoch
