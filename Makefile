@@ -36,13 +36,17 @@ test-fast: $(STAMP)
 
 install: $(STAMP)
 
-# Reinstall whenever pyproject.toml or this recipe changes.
+# Reinstall whenever pyproject.toml or this recipe changes. pip would compile every installed
+# module to bytecode on one core, half of a fresh install's time; compileall does it on all
+# cores (CONTRIBUTING.md, Timing). It must be done at install: where PYTHONDONTWRITEBYTECODE is
+# set, each new process would compile torch and Ray again as it imports them. Its status is
+# ignored, as pip ignores it: some packages ship files that are not Python 3.
 $(STAMP): pyproject.toml Makefile
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install --quiet --upgrade pip
-	# --no-compile: Python compiles each module on its first import instead of pip compiling
-	# all of torch, Ray and MLflow up front (half of a fresh install's time; CONTRIBUTING.md).
 	$(BIN)/python -m pip install --quiet --no-compile -e '.[dev,mlflow,export,s3]'
+	$(BIN)/python -m compileall -q -j 0 "$$($(BIN)/python -c \
+		'import sysconfig; print(sysconfig.get_paths()["purelib"])')" >/dev/null 2>&1 || true
 	touch $(STAMP)
 
 gpu-bundle: $(GPU_WHEELS)/wheels.tar.xz $(MNIST_FILES:%=$(MNIST_GZ)/%.gz)
