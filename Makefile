@@ -23,10 +23,9 @@ MNIST_FILES := train-images-idx3-ubyte train-labels-idx1-ubyte t10k-images-idx3-
 fit: $(STAMP)
 	$(BIN)/python -m raytrain_mnist.fit $(ARGS)
 
-# Three pytest-xdist workers on two cores (a Ray test waits more than it computes; the third
-# fills the cores' idle time: CONTRIBUTING.md, Timing), one work unit per xdist group
-# (tests/conftest.py: in parallel), sent in the order collected.
-PARALLEL := -n 3 --dist loadgroup --no-loadscope-reorder
+# Two pytest-xdist workers, one work unit per xdist group (tests/conftest.py: in parallel),
+# sent in the order collected.
+PARALLEL := -n 2 --dist loadgroup --no-loadscope-reorder
 
 test: $(STAMP)
 	$(BIN)/python -m pytest $(PARALLEL) $(ARGS)
@@ -37,8 +36,8 @@ test-fast: $(STAMP)
 install: $(STAMP)
 
 # Reinstall whenever pyproject.toml or this recipe changes. pip would compile every installed
-# module to bytecode on one core, half of a fresh install's time; compileall does it on all
-# cores (CONTRIBUTING.md, Timing). It must be done at install: where PYTHONDONTWRITEBYTECODE is
+# module to bytecode on one core, near half of a fresh install's time; compileall does it on
+# all cores (CONTRIBUTING.md, Timing). It must be done at install: where PYTHONDONTWRITEBYTECODE is
 # set, each new process would compile torch and Ray again as it imports them. Its status is
 # ignored, as pip ignores it: some packages ship files that are not Python 3.
 $(STAMP): pyproject.toml Makefile
