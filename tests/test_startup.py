@@ -202,6 +202,11 @@ def test_a_run_on_its_own_ray_starts_no_process_that_serves_nothing(timed_fit):
     assert not any("log_monitor.py" in t for t in titles), sorted(titles)
     # Nor an autoscaler monitor: nothing to scale, and Ray's shutdown waited 1 s for it.
     assert not any("autoscaler/_private/monitor.py" in t for t in titles), sorted(titles)
+    # Nor a dashboard process: without a dashboard Ray starts one to report usage statistics
+    # only (0.7 s of `ray.init`). The dashboard agent, which Ray Train's workers report to,
+    # runs.
+    assert not any("dashboard/dashboard.py" in t for t in titles), sorted(titles)
+    assert any("dashboard/agent.py" in t for t in titles), sorted(titles)
 
 
 def test_a_port_another_ray_holds_does_not_hold_up_the_start(timed_fit):

@@ -18,7 +18,7 @@ Train's controller and run callbacks), :mod:`.serve` (Serve's HTTP and gRPC serv
 |---|---|---|
 | :func:`single_node_ray` | ``ray._private.ray_constants.ENABLE_RAY_CLUSTER`` | a local Ray's servers listen on every interface |
 | :func:`store_on_master_addr` | ``torch.distributed.rendezvous._create_c10d_store`` | rank 0's TCPStore listens on every interface |
-| :func:`lean_local_ray` | ``ray._private.parameter.RayParams`` | every local Ray we start runs an autoscaler monitor with nothing to scale, which holds ``ray.shutdown`` 1 s, and a log monitor that publishes worker output nobody reads (2.5 CPU-seconds a start); beside another Ray on the machine its ``ray.init`` waits 3.4 s for the dashboard agent's fixed port |
+| :func:`lean_local_ray` | ``ray._private.parameter.RayParams``, ``ray._private.node.Node.start_api_server`` | every local Ray we start runs an autoscaler monitor with nothing to scale, which holds ``ray.shutdown`` 1 s, a log monitor that publishes worker output nobody reads (2.5 CPU-seconds a start), and without a dashboard a dashboard process all the same (0.7 s of ``ray.init``); beside another Ray on the machine its ``ray.init`` waits 3.4 s for the dashboard agent's fixed port |
 | :func:`token_auth_chosen` | ``ray._raylet.Config.initialize`` | every local Ray we start prints Ray's WARNING that it chose token authentication |
 | :func:`session_logs_dir` | ``ray._private.worker.global_worker.node`` | a failed run points at Ray's default log folder |
 | :func:`auto_address` | ``ray._private.services.get_ray_address_from_environment`` | ``--address auto`` cannot be checked before ``ray.init``, which waits minutes on a stopped cluster |

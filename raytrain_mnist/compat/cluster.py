@@ -39,7 +39,14 @@ def lean_local_ray(log_monitor: bool = False) -> Iterator[None]:
     workers' log lines to drivers that ask (``log_to_driver``), 2.5 CPU-seconds a start.
     Where another Ray on the machine holds 52365, the agent retries the bind for 3.4 s and
     ``ray.init`` waits for it (2.2 s alone, 5.2 s beside a ``ray start --head``,
-    2026-12-04); the agent publishes the port it got, where the dashboard looks it up."""
+    2026-12-04); the agent publishes the port it got, where the dashboard looks it up.
+
+    And with ``include_dashboard=False`` no dashboard process at all (``Node.
+    start_api_server``): Ray starts one anyway, to run nothing but its usage-statistics
+    reporter (``--modules-to-load=UsageStatsHead``); it made ``ray.init`` 0.7 s slower and
+    cost 0.6 CPU-seconds a start (benchmarks/README.md, "What a Ray start costs"). A Ray
+    we start without a dashboard so reports no usage statistics."""
+    from ray._private.node import Node
     from ray._private.parameter import RayParams
 
     original = RayParams.__init__
@@ -47,10 +54,20 @@ def lean_local_ray(log_monitor: bool = False) -> Iterator[None]:
     if not log_monitor:
         options["include_log_monitor"] = False
     RayParams.__init__ = functools.partialmethod(original, **options)
+    start_api_server = Node.start_api_server
+
+    def no_dashboard_unless_asked(self, *, include_dashboard, raise_on_failure):
+        if include_dashboard is not False:
+            start_api_server(
+                self, include_dashboard=include_dashboard, raise_on_failure=raise_on_failure
+            )
+
+    Node.start_api_server = no_dashboard_unless_asked
     try:
         yield
     finally:
         RayParams.__init__ = original
+        Node.start_api_server = start_api_server
 
 
 def token_auth_chosen() -> None:
