@@ -1,0 +1,36 @@
+"""benchmarks/suite_cpu.py: each test's processes go to a cgroup of its own, and the report
+sums them by test and by file. Here on plain folders (the cgroup files written by hand)."""
+
+from __future__ import annotations
+
+import os
+from types import SimpleNamespace
+
+from benchmarks import suite_cpu
+
+
+def test_a_test_moves_its_process_to_a_cgroup_of_its_own_and_the_report_sums_by_file(
+    tmp_path, monkeypatch, capsys
+):
+    monkeypatch.setenv("RAYTRAIN_MNIST_SUITE_CPU", str(tmp_path))
+    suite_cpu.pytest_runtest_setup(SimpleNamespace(nodeid="tests/test_a.py::test_x[s3]@group"))
+    group = tmp_path / "tests_test_a.py__test_x_s3_"
+    assert (group / "cgroup.procs").read_text() == str(os.getpid())
+    (group / "cpuacct.usage").write_text("2500000000")  # what the kernel counts: ns
+    for name, ns in (("tests_test_a.py__test_y", "500000000"), ("tests_test_b.py__t", "1")):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "cpuacct.usage").write_text(ns)
+    seconds = suite_cpu.usage(tmp_path)
+    assert seconds["tests_test_a.py__test_x_s3_"] == 2.5
+    assert suite_cpu.by_file(seconds) == {"tests_test_a.py": 3.0, "tests_test_b.py": 1e-9}
+    assert suite_cpu.main(["--top", "1"]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith("3 CPU-seconds in 3 tests")
+    assert "     3.0  tests_test_a.py\n" in out and "tests_test_b.py" not in out
+
+
+def test_where_it_cannot_make_a_cgroup_the_test_runs_on_and_says_why(tmp_path, monkeypatch, capsys):
+    (tmp_path / "file").write_text("")
+    monkeypatch.setenv("RAYTRAIN_MNIST_SUITE_CPU", str(tmp_path / "file"))
+    suite_cpu.pytest_runtest_setup(SimpleNamespace(nodeid="tests/test_a.py::test_x"))
+    assert capsys.readouterr().err.startswith(f"suite_cpu: {tmp_path / 'file'}")
