@@ -70,13 +70,34 @@ def wait_for(predicate, what: str, timeout: float = 120, interval: float = 0.2):
     raise AssertionError(f"timed out after {timeout:.0f} s waiting for {what}")
 
 
+def _ephemeral_low() -> int:
+    try:
+        return int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768  # Linux's default
+
+
+#: Where :func:`free_ports` draws from: above Ray's default worker ports (10002-19999) and
+#: below the kernel's ephemeral range, which every server bound to port 0 draws from (Ray's
+#: among them). A port the kernel picked is handed to a server that binds it seconds later,
+#: and another test's Ray could take it meanwhile (it did: a serve replica's port, 03:26).
+_FREE_PORTS = range(20000, min(_ephemeral_low(), 32768))
+
+
 def free_ports(n: int) -> list[int]:
-    socks = [socket.socket() for _ in range(n)]
-    for s in socks:
-        s.bind(("127.0.0.1", 0))
-    ports = [s.getsockname()[1] for s in socks]
-    for s in socks:
-        s.close()
+    """``n`` distinct ports on 127.0.0.1 that nothing listens on now."""
+    import random
+
+    draw, ports = random.Random(), []  # not the tests' seeded generator: xdist workers differ
+    while len(ports) < n:
+        port = draw.choice(_FREE_PORTS)
+        with socket.socket() as sock:
+            try:
+                sock.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+        if port not in ports:
+            ports.append(port)
     return ports
 
 
