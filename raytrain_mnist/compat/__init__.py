@@ -30,6 +30,7 @@ Train's controller and run callbacks), :mod:`.serve` (Serve's HTTP and gRPC serv
 | :func:`lighter_run_callbacks`, :func:`on_its_own_ray`, :func:`without_autoscaler` | ``ray.train.v2._internal.callbacks.placement_group_callback``, ``...callbacks.datasets.DatasetsCallback``, ``...controller.placement_group_cleaner.is_actor_alive``, ``ray._private.state``, ``...execution.scaling_policy.FixedScalingPolicy`` | every run's teardown waits 12 s for Ray Train's PlacementGroupCleaner (its State API call blocks for 40 s without a dashboard), and on a cluster up to 1 s more for its monitor to see the stop; every run starts a DatasetManager actor it never uses; a run on a Ray of its own starts a cleaner that guards nothing, and one on any Ray without an autoscaler an AutoscalingCoordinator that nothing reads |
 | :func:`poll_workers_every` | ``ray.train.v2._internal.execution.context.get_train_context``, ``TrainController._health_check_interval_s`` | a run's last checkpoint is committed at the controller's next 2 s poll and its end seen one poll later: every run's teardown is 1-4 s longer |
 | :func:`quiet_train_report_log` | ``ray.train.v2._internal.execution.context`` | every report logs an INFO line |
+| :func:`tune_trial_relays_without_deadlock` | ``ray.train._internal.session._TrainSession`` | a trial whose function returns while its Train run's last report is still on the way hangs, and its search with it |
 | :func:`checkpoint_manager_snapshot` | ``ray.train.v2._internal.execution.checkpoint.checkpoint_manager._CheckpointManagerState`` | a warm service cannot file the checkpoints it trains into the requester's run as Ray Train's own record, so ``runs``, ``evaluate`` and a resume by a plain ``fit`` would not see them |
 | :func:`serve_http_config` | ``ray.serve.context._get_global_client`` | a second ``serve`` with other HTTP settings is not refused up front |
 | :func:`serve_http_reuses_address` | ``ray.serve._private.http_util.socket`` | a direct replica that replaces a dead one cannot bind the port for a minute (its connections' TIME_WAIT) |
@@ -67,6 +68,7 @@ from raytrain_mnist.compat.train import (
     on_its_own_ray,
     poll_workers_every,
     quiet_train_report_log,
+    tune_trial_relays_without_deadlock,
     without_autoscaler,
     worker_group_callback_base,
 )
@@ -95,6 +97,7 @@ __all__ = [
     "single_node_ray",
     "store_on_master_addr",
     "token_auth_chosen",
+    "tune_trial_relays_without_deadlock",
     "without_autoscaler",
     "worker_group_callback_base",
 ]

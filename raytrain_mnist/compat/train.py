@@ -259,3 +259,60 @@ def checkpoint_manager_snapshot(results: list, latest: str, reports: int) -> byt
         failed_validation_checkpoint_dir_names=[],
     )
     return state.json().encode()
+
+
+def tune_trial_relays_without_deadlock() -> None:
+    """In a Tune trial's process: the trial's main thread hands a Ray Train report on to Tune
+    directly, instead of through the trial's one-slot result queue. Ray (2.60) relays each
+    report that Train's ``TuneReportCallback`` sends from the controller by calling
+    ``report`` on the main thread, which puts it in that queue and then takes it out. When the
+    trial function has just returned, its own thread has already put Tune's closing
+    ``RESULT_DUPLICATE`` there, so the main thread's put waits forever on a queue only it
+    empties: the trial hangs, and the search with it (seen 2026-12-05 03:47, the S3 ASHA
+    test, a stack dump of the trial in ``_report_training_result``'s ``put``). The report's
+    own work (metrics, checkpoint, artifacts) is unchanged; only the queue is skipped for it."""
+    import queue
+    import threading
+
+    try:
+        from ray.train._internal import session
+        from ray.util.queue import Empty
+    except ImportError:
+        return
+    cls = session._TrainSession
+    if getattr(cls, "_relays_directly", False):
+        return
+    fetch_timeout = session._RESULT_FETCH_TIMEOUT
+    report_training_result = cls._report_training_result
+
+    def _report_training_result(self, training_result) -> None:
+        relayed = getattr(self, "_relayed", None)
+        if relayed is None or relayed[0] != threading.get_ident():
+            return report_training_result(self, training_result)
+        if training_result.checkpoint:  # as Ray's: it populates train.get_checkpoint
+            self.loaded_checkpoint = training_result.checkpoint
+        relayed[1].append(training_result)
+        return None
+
+    def _get_result_from_queues(self, block: bool):
+        if self._inter_actor_queue is not None:
+            try:
+                item = self._inter_actor_queue.get(block=block, timeout=fetch_timeout)
+            except Empty:
+                item = None
+            if item:
+                self._relayed = (threading.get_ident(), [])
+                try:
+                    self.report(item)
+                    if results := self._relayed[1]:
+                        return results[0]
+                finally:
+                    self._relayed = None
+        try:
+            return self.result_queue.get(block=block, timeout=fetch_timeout)
+        except queue.Empty:
+            return None
+
+    cls._report_training_result = _report_training_result
+    cls._get_result_from_queues = _get_result_from_queues
+    cls._relays_directly = True

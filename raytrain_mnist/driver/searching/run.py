@@ -65,9 +65,11 @@ def _trial(config: dict, setup: TrialSetup, data: list) -> None:
     the trial (a trial run again resumes that run from its last checkpoint)."""
     from ray.tune.integration.ray_train import TuneReportCallback
 
+    from raytrain_mnist import compat
     from raytrain_mnist.driver.trainer import build_trainer
     from raytrain_mnist.worker.loop import train_func_per_worker
 
+    compat.tune_trial_relays_without_deadlock()  # before the Train run sends its first report
     name = config["trial"]
     train = TrainConfig.from_dict({**setup.train, **setup.plan[name]})
     cfg = FitConfig(train, setup.run)
