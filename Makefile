@@ -5,6 +5,13 @@
 # `make gpu-bundle` packs what the offline GPU machine needs (docs/gpu.md).
 
 PYTHON ?= python3
+
+# The venv's bytecode is written as each module is first imported, Python's default. Where
+# PYTHONDONTWRITEBYTECODE is set (CI's image sets it), every new process, each Ray worker
+# among them, would compile torch and Ray again; compiling all of site-packages at install
+# instead takes longer than the whole install (CONTRIBUTING.md, Timing).
+unexport PYTHONDONTWRITEBYTECODE
+
 VENV   := .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
@@ -35,17 +42,14 @@ test-fast: $(STAMP)
 
 install: $(STAMP)
 
-# Reinstall whenever pyproject.toml or this recipe changes. pip would compile every installed
-# module to bytecode on one core, near half of a fresh install's time; compileall does it on
-# all cores (CONTRIBUTING.md, Timing). It must be done at install: where PYTHONDONTWRITEBYTECODE is
-# set, each new process would compile torch and Ray again as it imports them. Its status is
-# ignored, as pip ignores it: some packages ship files that are not Python 3.
+# Reinstall whenever pyproject.toml or this recipe changes. uv installs what pip would, from the
+# same index within the same bounds (pyproject.toml's), fetching and unpacking on every core
+# where pip unpacks torch's 5 GB of CUDA wheels on one (CONTRIBUTING.md, Timing). It goes into
+# the venv itself; the README's by-hand route is plain pip.
 $(STAMP): pyproject.toml Makefile
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
-	$(BIN)/python -m pip install --quiet --upgrade pip
-	$(BIN)/python -m pip install --quiet --no-compile -e '.[dev,mlflow,export,s3]'
-	$(BIN)/python -m compileall -q -j 0 "$$($(BIN)/python -c \
-		'import sysconfig; print(sysconfig.get_paths()["purelib"])')" >/dev/null 2>&1 || true
+	$(BIN)/python -m pip install --quiet uv
+	$(BIN)/uv pip install --quiet --python $(BIN)/python -e '.[dev,mlflow,export,s3]'
 	touch $(STAMP)
 
 gpu-bundle: $(GPU_WHEELS)/wheels.tar.xz $(MNIST_FILES:%=$(MNIST_GZ)/%.gz)

@@ -8,10 +8,13 @@ xdist worker's) moves into a cpuacct cgroup of that test's own, so everything it
 then on, the processes of a command, a Ray's raylet and every worker that raylet forks, is
 charged to that test. A process that outlives its test stays charged to it: a shared Ray's
 work all lands on the test that started it, a module fixture's on the module's first test,
-so read shared fixtures by file. Wall time says little on two busy cores; this counts the
-CPU that sets it. ``RAYTRAIN_MNIST_SUITE_CPU`` names the folder of cgroups
-(``/sys/fs/cgroup/cpuacct/raytrain-suite`` by default); the counts add up over runs, so give
-each run a folder of its own.
+so the plugin also notes what each of its process's earlier cgroups (a shared Ray's) used
+while a test ran, and the report's second list charges that work to the test that caused it
+(and the idle ticking of a shared Ray to whichever test was running). Wall time says little
+on two busy cores; this counts the CPU that sets it. ``RAYTRAIN_MNIST_SUITE_CPU`` names the folder of cgroups
+(``/sys/fs/cgroup/cpuacct/raytrain-suite`` by default) and ``RAYTRAIN_MNIST_SUITE_CPU_LOG``
+the file of those moves (``/tmp/<that folder's name>.shared.tsv``); both add up over runs,
+so give each run names of its own.
 """
 
 from __future__ import annotations
@@ -22,6 +25,8 @@ import re
 import sys
 from collections import defaultdict
 from pathlib import Path
+
+import pytest
 
 _DEFAULT = "/sys/fs/cgroup/cpuacct/raytrain-suite"
 
@@ -35,13 +40,57 @@ def cgroup_name(nodeid: str) -> str:
     return re.sub(r"[^A-Za-z0-9_.-]", "_", nodeid.split("@")[0])[-200:]
 
 
+_EARLIER: dict[Path, int] = {}  # this process's earlier cgroups -> their usage at setup
+
+
+def _ns(group: Path) -> int:
+    try:
+        return int((group / "cpuacct.usage").read_text())
+    except (OSError, ValueError):
+        return 0
+
+
+def _shared_log() -> Path:
+    """Where the moves are written: a file (cgroupfs holds none of ours)."""
+    return Path(os.environ.get("RAYTRAIN_MNIST_SUITE_CPU_LOG", f"/tmp/{_root().name}.shared.tsv"))
+
+
 def pytest_runtest_setup(item) -> None:
     group = _root() / cgroup_name(item.nodeid)
+    for earlier in _EARLIER:
+        _EARLIER[earlier] = _ns(earlier)
     try:
         group.mkdir(parents=True, exist_ok=True)
         (group / "cgroup.procs").write_text(str(os.getpid()))
     except OSError as exc:  # not root, no cgroup v1: the suite runs on, uncounted
         print(f"suite_cpu: {group}: {exc}", file=sys.stderr)
+        return
+    _EARLIER.setdefault(group, _ns(group))
+
+
+@pytest.hookimpl(trylast=True)  # after pytest's own: the test's fixtures are torn down
+def pytest_runtest_teardown(item, nextitem) -> None:
+    name = cgroup_name(item.nodeid)
+    lines = [
+        f"{earlier.name}\t{name}\t{_ns(earlier) - before}\n"
+        for earlier, before in _EARLIER.items()
+        if earlier.name != name and _ns(earlier) > before
+    ]
+    if lines:
+        with _shared_log().open("a") as log:  # one short append per test: whole lines
+            log.write("".join(lines))
+
+
+def charged(seconds: dict[str, float], log: Path) -> dict[str, float]:
+    """``seconds`` with each shared Ray's work during a test moved from the test that
+    started it to the test that ran then (the lines of ``log``: from, to, nanoseconds)."""
+    moved = dict(seconds)
+    if log.is_file():
+        for line in log.read_text().splitlines():
+            source, target, ns = line.split("\t")
+            moved[source] = moved.get(source, 0.0) - int(ns) / 1e9
+            moved[target] = moved.get(target, 0.0) + int(ns) / 1e9
+    return moved
 
 
 def usage(root: Path) -> dict[str, float]:
@@ -75,6 +124,12 @@ def main(argv: list[str] | None = None) -> int:
     print("\nby test:")
     for name, value in sorted(seconds.items(), key=lambda kv: -kv[1])[: args.top]:
         print(f"{value:8.1f}  {name}")
+    log = _shared_log()
+    if log.is_file():
+        print("\nby test, a shared Ray's work charged to the test it ran for:")
+        moved = charged(seconds, log)
+        for name, value in sorted(moved.items(), key=lambda kv: -kv[1])[: args.top]:
+            print(f"{value:8.1f}  {name}")
     return 0
 
 

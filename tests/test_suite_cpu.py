@@ -13,6 +13,7 @@ def test_a_test_moves_its_process_to_a_cgroup_of_its_own_and_the_report_sums_by_
     tmp_path, monkeypatch, capsys
 ):
     monkeypatch.setenv("RAYTRAIN_MNIST_SUITE_CPU", str(tmp_path))
+    monkeypatch.setattr(suite_cpu, "_EARLIER", {})
     suite_cpu.pytest_runtest_setup(SimpleNamespace(nodeid="tests/test_a.py::test_x[s3]@group"))
     group = tmp_path / "tests_test_a.py__test_x_s3_"
     assert (group / "cgroup.procs").read_text() == str(os.getpid())
@@ -34,3 +35,24 @@ def test_where_it_cannot_make_a_cgroup_the_test_runs_on_and_says_why(tmp_path, m
     monkeypatch.setenv("RAYTRAIN_MNIST_SUITE_CPU", str(tmp_path / "file"))
     suite_cpu.pytest_runtest_setup(SimpleNamespace(nodeid="tests/test_a.py::test_x"))
     assert capsys.readouterr().err.startswith(f"suite_cpu: {tmp_path / 'file'}")
+
+
+def test_a_shared_rays_work_during_a_test_is_charged_to_that_test(tmp_path, monkeypatch, capsys):
+    root, log = tmp_path / "suite", tmp_path / "moves.tsv"
+    monkeypatch.setenv("RAYTRAIN_MNIST_SUITE_CPU", str(root))
+    monkeypatch.setenv("RAYTRAIN_MNIST_SUITE_CPU_LOG", str(log))
+    monkeypatch.setattr(suite_cpu, "_EARLIER", {})
+    first, second = (SimpleNamespace(nodeid=f"tests/test_a.py::{n}") for n in ("starts", "uses"))
+    suite_cpu.pytest_runtest_setup(first)  # starts a shared Ray: its processes are charged here
+    starter = root / "tests_test_a.py__starts"
+    (starter / "cpuacct.usage").write_text("4000000000")
+    suite_cpu.pytest_runtest_teardown(first, second)
+    suite_cpu.pytest_runtest_setup(second)
+    (starter / "cpuacct.usage").write_text("7000000000")  # the shared Ray works for `uses`
+    (root / "tests_test_a.py__uses" / "cpuacct.usage").write_text("1000000000")
+    suite_cpu.pytest_runtest_teardown(second, None)
+    assert log.read_text() == "tests_test_a.py__starts\ttests_test_a.py__uses\t3000000000\n"
+    moved = suite_cpu.charged(suite_cpu.usage(root), log)
+    assert moved == {"tests_test_a.py__starts": 4.0, "tests_test_a.py__uses": 4.0}
+    assert suite_cpu.main(["--root", str(root)]) == 0
+    assert "charged to the test it ran for:\n     4.0" in capsys.readouterr().out
