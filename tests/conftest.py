@@ -118,6 +118,22 @@ def marked(marker: str) -> list[int]:
     return pids
 
 
+def no_process_left(marker: str, timeout: float = 120) -> None:
+    """Wait until no process of ``marked(marker)`` is left (the last of a Ray's workers may
+    take a while to exit on a loaded machine); AssertionError naming what is."""
+    import time
+
+    deadline = time.monotonic() + timeout
+    while (left := marked(marker)) and time.monotonic() < deadline:
+        time.sleep(0.5)
+    if left:
+        commands = {}
+        for pid in left:
+            with contextlib.suppress(OSError):
+                commands[pid] = (Path("/proc") / str(pid) / "cmdline").read_bytes()[:200]
+        raise AssertionError(f"processes of the command's own Ray outlived it: {commands}")
+
+
 def is_loopback(ip: str) -> bool:
     """A socket address (``::ffff:127.0.0.1`` and ``fe80::1%lo`` forms too) on loopback."""
     import ipaddress

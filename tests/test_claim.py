@@ -27,8 +27,14 @@ import pytest
 from raytrain_mnist.driver.runs import Run
 from raytrain_mnist.driver.runs.claim import LEASE_TTL_S, LOCK_FILE, Lease, host_id
 from raytrain_mnist.errors import UserError
-from tests.conftest import MARKER_VAR, REPO, kill_marked, run_cli_here, tiny_run_flags
-from tests.test_signals import no_process_left
+from tests.conftest import (
+    MARKER_VAR,
+    REPO,
+    kill_marked,
+    no_process_left,
+    run_cli_here,
+    tiny_run_flags,
+)
 
 
 def _lease_path(run: Run) -> str:

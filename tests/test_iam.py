@@ -72,10 +72,10 @@ from tests.conftest import (
     free_ports,
     kill_marked,
     marked,
+    no_process_left,
     signal_all,
     tiny_run_flags,
 )
-from tests.test_signals import no_process_left
 
 POLICY = REPO / "docs" / "iam" / "worker-policy.json"
 PLACEHOLDER = "REPLACE_ME-bucket"

@@ -24,7 +24,14 @@ import torch
 
 from raytrain_mnist.driver.runs import Run
 from raytrain_mnist.nn import checkpoint as ckpt
-from tests.conftest import MARKER_VAR, REPO, kill_marked, marked, run_cli_here, wait_for
+from tests.conftest import (
+    MARKER_VAR,
+    REPO,
+    kill_marked,
+    no_process_left,
+    run_cli_here,
+    wait_for,
+)
 
 NAME = "svc"
 #: The training flags of every request here: tiny data, batches of 32 over two workers.
@@ -64,7 +71,7 @@ def service(tmp_path_factory, tiny_mnist, sample_digits):
         assert driver.returncode == 0, "".join(seen) + rest
         assert f"service '{NAME}' stopped after" in rest, rest
         assert "Traceback" not in "".join(seen) + rest
-        wait_for(lambda: not marked(env[MARKER_VAR]) or None, "the service's processes to end", 30)
+        no_process_left(env[MARKER_VAR])
     finally:
         driver = service.get("driver")
         if driver is not None and driver.poll() is None:

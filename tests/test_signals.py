@@ -16,14 +16,13 @@ import signal
 import subprocess
 import sys
 import tempfile
-import time
 import uuid
 from pathlib import Path
 
 import pytest
 
 from raytrain_mnist.driver.runs import Run
-from tests.conftest import MARKER_VAR, REPO, kill_marked, marked, tiny_run_flags
+from tests.conftest import MARKER_VAR, REPO, kill_marked, no_process_left, tiny_run_flags
 
 
 def _terminate_when(command: list[str], env: dict, ready, tmp_path: Path):
@@ -64,13 +63,6 @@ RAY_LOG_LINE = re.compile(
     r"^(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d+\s+[A-Z]+ \S+\.py:\d+ -- "
     r"|\[\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d+ [A-Z] \d+ \d+\] )"
 )
-
-
-def no_process_left(marker: str) -> None:
-    deadline = time.monotonic() + 120  # the last workers may take a while to exit, loaded
-    while (left := marked(marker)) and time.monotonic() < deadline:
-        time.sleep(0.5)
-    assert not left, f"processes of the command's own Ray outlived it: {left}"
 
 
 @pytest.mark.parametrize("where", ["local", "s3"])
