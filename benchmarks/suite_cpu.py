@@ -9,12 +9,12 @@ then on, the processes of a command, a Ray's raylet and every worker that raylet
 charged to that test. A process that outlives its test stays charged to it: a shared Ray's
 work all lands on the test that started it, a module fixture's on the module's first test,
 so the plugin also notes what each of its process's earlier cgroups (a shared Ray's) used
-while a test ran, and the report's second list charges that work to the test that caused it
+while a test ran, and the report's last list charges that work to the test that caused it
 (and the idle ticking of a shared Ray to whichever test was running). Wall time says little
-on two busy cores; this counts the CPU that sets it. ``RAYTRAIN_MNIST_SUITE_CPU`` names the folder of cgroups
-(``/sys/fs/cgroup/cpuacct/raytrain-suite`` by default) and ``RAYTRAIN_MNIST_SUITE_CPU_LOG``
-the file of those moves (``/tmp/<that folder's name>.shared.tsv``); both add up over runs,
-so give each run names of its own.
+on two busy cores; this counts the CPU that sets it. ``RAYTRAIN_MNIST_SUITE_CPU`` names the
+folder of cgroups (``/sys/fs/cgroup/cpuacct/raytrain-suite`` by default) and
+``RAYTRAIN_MNIST_SUITE_CPU_LOG`` the file of those moves (``/tmp/<that folder's
+name>.shared.tsv`` by default); both add up over runs, so give each run names of its own.
 """
 
 from __future__ import annotations
@@ -50,9 +50,11 @@ def _ns(group: Path) -> int:
         return 0
 
 
-def _shared_log() -> Path:
-    """Where the moves are written: a file (cgroupfs holds none of ours)."""
-    return Path(os.environ.get("RAYTRAIN_MNIST_SUITE_CPU_LOG", f"/tmp/{_root().name}.shared.tsv"))
+def _shared_log(root: Path | None = None) -> Path:
+    """Where the moves of the cgroups under ``root`` are written: a file (cgroupfs takes
+    none of ours)."""
+    default = f"/tmp/{(root or _root()).name}.shared.tsv"
+    return Path(os.environ.get("RAYTRAIN_MNIST_SUITE_CPU_LOG", default))
 
 
 def pytest_runtest_setup(item) -> None:
@@ -124,7 +126,7 @@ def main(argv: list[str] | None = None) -> int:
     print("\nby test:")
     for name, value in sorted(seconds.items(), key=lambda kv: -kv[1])[: args.top]:
         print(f"{value:8.1f}  {name}")
-    log = _shared_log()
+    log = _shared_log(args.root)
     if log.is_file():
         print("\nby test, a shared Ray's work charged to the test it ran for:")
         moved = charged(seconds, log)
