@@ -73,11 +73,8 @@ def pytest_runtest_setup(item) -> None:
 @pytest.hookimpl(trylast=True)  # after pytest's own: the test's fixtures are torn down
 def pytest_runtest_teardown(item, nextitem) -> None:
     name = cgroup_name(item.nodeid)
-    lines = [
-        f"{earlier.name}\t{name}\t{_ns(earlier) - before}\n"
-        for earlier, before in _EARLIER.items()
-        if earlier.name != name and _ns(earlier) > before
-    ]
+    used = {g: _ns(g) - before for g, before in _EARLIER.items() if g.name != name}
+    lines = [f"{earlier.name}\t{name}\t{ns}\n" for earlier, ns in used.items() if ns > 0]
     if lines:
         with _shared_log().open("a") as log:  # one short append per test: whole lines
             log.write("".join(lines))
