@@ -60,8 +60,6 @@ def imported(_actor, module: str) -> bool:
 def wait_for(predicate, what: str, timeout: float = 120, interval: float = 0.2):
     """``predicate()``'s first answer that is not None, polled; AssertionError naming
     ``what`` after ``timeout`` seconds."""
-    import time
-
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if (found := predicate()) is not None:
@@ -121,8 +119,6 @@ def marked(marker: str) -> list[int]:
 def no_process_left(marker: str, timeout: float = 120) -> None:
     """Wait until no process of ``marked(marker)`` is left (the last of a Ray's workers may
     take a while to exit on a loaded machine); AssertionError naming what is."""
-    import time
-
     deadline = time.monotonic() + timeout
     while (left := marked(marker)) and time.monotonic() < deadline:
         time.sleep(0.5)

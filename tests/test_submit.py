@@ -660,8 +660,9 @@ for key in keys:
     values = {ns: value for ns, value in values.items() if value is not None}
     unread += [] if values else [text(key)]
     serve += [text(key)] if b"serve" in values else []
-    holding += [f"gcs {ns} {text(key)}" for ns, value in values.items()
-        if holds(value, f"gcs {ns} {text(key)}")]
+    for ns, value in values.items():
+        where = f"gcs {ns} {text(key)}"
+        holding += [where] if holds(value, where) else []
 for folder, _, names in os.walk(sys.argv[2]):
     for name in names:
         path = os.path.join(folder, name)
