@@ -57,10 +57,20 @@ def _shared_log(root: Path | None = None) -> Path:
     return Path(os.environ.get("RAYTRAIN_MNIST_SUITE_CPU_LOG", default))
 
 
+def _empty(group: Path) -> bool:
+    try:
+        return not (group / "cgroup.procs").read_text().strip()
+    except OSError:
+        return True
+
+
 def pytest_runtest_setup(item) -> None:
     group = _root() / cgroup_name(item.nodeid)
-    for earlier in _EARLIER:
-        _EARLIER[earlier] = _ns(earlier)
+    for earlier in list(_EARLIER):
+        if _empty(earlier):  # no process is left in it, and none can join: it uses no more
+            del _EARLIER[earlier]
+        else:
+            _EARLIER[earlier] = _ns(earlier)
     try:
         group.mkdir(parents=True, exist_ok=True)
         (group / "cgroup.procs").write_text(str(os.getpid()))

@@ -56,3 +56,8 @@ def test_a_shared_rays_work_during_a_test_is_charged_to_that_test(tmp_path, monk
     assert moved == {"tests_test_a.py__starts": 4.0, "tests_test_a.py__uses": 4.0}
     assert suite_cpu.main(["--root", str(root)]) == 0
     assert "charged to the test it ran for:\n     4.0" in capsys.readouterr().out
+    (starter / "cgroup.procs").write_text("")  # the shared Ray stopped: read no more
+    suite_cpu.pytest_runtest_setup(SimpleNamespace(nodeid="tests/test_a.py::later"))
+    assert (
+        starter not in suite_cpu._EARLIER and root / "tests_test_a.py__uses" in suite_cpu._EARLIER
+    )
