@@ -35,10 +35,13 @@ from raytrain_mnist.driver.cluster import LOCAL_TRAIN_ENV  # noqa: E402
 
 # And a worker group that cannot be placed is given up on after 10 s instead of 60: right
 # after a node is lost, an elastic run's first restart asks for the size it had (Ray Train's
-# reserved resources lag the node's death), and would wait the whole timeout for it.
+# reserved resources lag the node's death), and would wait the whole timeout for it. A
+# search whose trial cannot be placed stops after 120 s instead of 300, saying what holds
+# the CPUs: a leaked group fails its test in minutes, not at the suite's timeout.
 _TEST_TRAIN_ENV = {
     "RAY_TRAIN_HEALTH_CHECK_INTERVAL_S": "0.5",
     "RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S": "10",
+    "RAYTRAIN_MNIST_PLACEMENT_TIMEOUT_S": "120",
 }
 for _key, _value in {**LOCAL_TRAIN_ENV, **_TEST_TRAIN_ENV}.items():
     os.environ.setdefault(_key, _value)

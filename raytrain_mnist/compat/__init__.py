@@ -24,6 +24,7 @@ Train's controller and run callbacks), :mod:`.serve` (Serve's HTTP and gRPC serv
 | :func:`auto_address` | ``ray._private.services.get_ray_address_from_environment`` | ``--address auto`` cannot be checked before ``ray.init``, which waits minutes on a stopped cluster |
 | :func:`gcs_refuses_token` | ``ray.core.generated.gcs_service_pb2_grpc`` (the GCS's gRPC stubs) | a cluster that requires a token is found out by ``ray.init`` after 20 s of C++ warnings |
 | :func:`dead_jobs` | ``ray._private.state.state.job_table`` | a warm service cancels the request of a requester that is only slow to ask (a loaded machine) once its lease lapses, not only of one that is gone |
+| :func:`placement_groups` | ``ray._private.state.state._connect_and_get_accessor`` (the GCS's placement-group and actor tables) | a search cannot find the placement group a stopped trial's Train controller created as it was killed (ray-project/ray#54305): the group holds its CPUs until the search ends and the next trials wait for ever |
 | :func:`autoscaler_ceiling` | ``ray._private.state.state.get_max_resources_from_cluster_config`` | placement checks cannot count nodes an autoscaler would add |
 | :func:`controller_callback_base` | ``ray.train.v2._internal.execution.callback.ControllerCallback`` | Ctrl-C cannot abort a run's controller: the run stops only with the Ray that runs it |
 | :func:`worker_group_callback_base` | ``ray.train.v2._internal.execution.callback.WorkerGroupCallback`` | ``summary.json``'s timeline has no "worker group started" moment |
@@ -49,6 +50,7 @@ from raytrain_mnist.compat.cluster import (
     dead_jobs,
     gcs_refuses_token,
     lean_local_ray,
+    placement_groups,
     quiet_job_sdk,
     session_logs_dir,
     single_node_ray,
@@ -83,6 +85,7 @@ __all__ = [
     "controller_callback_base",
     "dead_jobs",
     "gcs_refuses_token",
+    "placement_groups",
     "lean_local_ray",
     "lighter_run_callbacks",
     "on_its_own_ray",

@@ -198,7 +198,8 @@ def quiet_job_sdk() -> None:
 
 
 def dead_jobs(job_ids: set[str]) -> set[str] | None:
-    """Which of the Ray jobs ``job_ids`` (hex ids) the GCS has marked dead: a driver that
+    """Which of the Ray jobs ``job_ids`` (hex ids) the GCS has marked dead, or does not know
+    (an id a client made up is no live requester): a driver that
     exited, or was killed, is marked when its raylet sees its connection close. In a
     process connected to Ray (a warm service's queue asks about its requesters). Ray 2.60
     has no public call for the job table without the dashboard: ``ray._private.state``'s
@@ -209,4 +210,59 @@ def dead_jobs(job_ids: set[str]) -> set[str] | None:
         table = state.job_table()
     except Exception:
         return None
-    return {j["JobID"] for j in table if j.get("IsDead") and j.get("JobID") in job_ids}
+    alive = {j.get("JobID") for j in table if not j.get("IsDead")}
+    return set(job_ids) - alive
+
+
+def placement_groups() -> list[dict] | None:
+    """The cluster's placement groups that are not removed, read from the GCS itself
+    (``ray._private.state``'s accessor: Ray 2.60 has no public call that says who created a
+    group, and the State API needs the dashboard): each one's ``id`` and ``job`` (hex),
+    ``state`` (PENDING, PREPARED, CREATED, RESCHEDULING), ``bundles`` (a resources dict
+    each), ``creator`` (the hex id of the actor that created it, None for a driver),
+    ``detached``, and ``orphaned``: not detached, and its creator is an actor that is dead.
+    The GCS frees a group only when its creator *and* its job are dead, so an orphan of a
+    live driver holds its resources until someone removes it (ray-project/ray#54305). The
+    creator's own record is read too: a group whose creation reached the GCS after its
+    creator was marked dead never gets ``creator_actor_dead``. None when the GCS cannot be
+    read this way."""
+    try:
+        import ray
+        from ray._private.state import state
+        from ray.core.generated import gcs_pb2
+
+        accessor = state._connect_and_get_accessor()
+        parse = gcs_pb2.PlacementGroupTableData.FromString
+        table = [parse(raw) for raw in accessor.get_placement_group_table()]
+        removed = gcs_pb2.PlacementGroupTableData.REMOVED
+        groups = []
+        for data in table:
+            if data.state == removed:
+                continue
+            creator = ray.ActorID(data.creator_actor_id)
+            dead = not creator.is_nil() and (
+                data.creator_actor_dead or _actor_dead(accessor, creator)
+            )
+            groups.append(
+                {
+                    "id": data.placement_group_id.hex(),
+                    "job": data.creator_job_id.hex(),
+                    "state": gcs_pb2.PlacementGroupTableData.PlacementGroupState.Name(data.state),
+                    "bundles": [dict(b.unit_resources) for b in data.bundles],
+                    "creator": None if creator.is_nil() else creator.hex(),
+                    "detached": data.is_detached,
+                    "orphaned": dead and not data.is_detached,
+                }
+            )
+    except Exception:  # absent or changed: the caller says it cannot tell
+        return None
+    return groups
+
+
+def _actor_dead(accessor, actor_id) -> bool:
+    from ray.core.generated import gcs_pb2
+
+    raw = accessor.get_actor_info(actor_id)
+    if raw is None:  # never registered (its creation never reached the GCS), or forgotten
+        return True
+    return gcs_pb2.ActorTableData.FromString(raw).state == gcs_pb2.ActorTableData.DEAD

@@ -126,6 +126,7 @@ class Session:
     errors: dict[str, str] = field(default_factory=dict)  # name -> the error's line
     stop: threading.Event = field(default_factory=threading.Event)  # Ctrl-C: stop the trials
     claim: Claim | None = None  # the experiment's hold: when it is lost, the trials stop too
+    stalled: str | None = None  # why a trial's workers could not be placed: the search stops
 
     def train_of(self, name: str) -> dict:
         return trial_config(self.train, self.plan[name]).to_dict()
@@ -253,7 +254,8 @@ def search_stop():
             return False
 
         def stop_all(self):
-            return current_session().interrupted
+            session = current_session()
+            return session.interrupted or session.stalled is not None
 
     return SearchStop()
 
@@ -354,7 +356,9 @@ class TuneRun:
 def run_trials(tune_run: TuneRun, session: Session) -> None:
     """Run ``tune_run``, its callbacks filling ``session`` in, until it ends or a Ctrl-C
     stops it (:meth:`Session.stop_trials`; a second one stops waiting for it), removing the
-    placement groups ended trials leave behind.
+    placement groups ended trials leave behind; a trial whose workers cannot be placed
+    within the reaper's bound stops the search with a :class:`UserError` that says what
+    holds the cluster.
 
     Tune runs on a helper thread (:func:`~raytrain_mnist.driver.relay.relay`, in a copy of
     this context: the callbacks find the session), so that Ctrl-C reaches this (main)
@@ -362,13 +366,19 @@ def run_trials(tune_run: TuneRun, session: Session) -> None:
     turns a Ctrl-C that comes before the first trial exists into an analysis loaded from
     the experiment directory, with pickles)."""
     token = SESSION.set(session)
+
+    def stalled(line: str) -> None:  # from the reaper's thread: Tune's stopper reads it
+        session.stalled = line
+
     try:
-        with PlacementGroupReaper(), _tune_output_off():
+        with PlacementGroupReaper(on_stalled=stalled), _tune_output_off():
             outcome = relay(tune_run, lambda *_: session.stop_trials(), name="tune.run")
     finally:
         SESSION.reset(token)
     if outcome.error is not None:  # Tune's own failure, even after a Ctrl-C: not a result
         raise outcome.error
+    if session.stalled is not None and not session.interrupted:
+        raise UserError(session.stalled)
 
 
 @contextlib.contextmanager
