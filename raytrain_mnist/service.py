@@ -11,6 +11,7 @@ queued requests first with ``--drain``).
 
 from __future__ import annotations
 
+import math
 import subprocess
 import sys
 import time
@@ -65,6 +66,15 @@ def build_parser(action: str = "start") -> ArgumentParser:
             },
         )
         parser.add_argument(
+            "--groups",
+            type=int,
+            default=1,
+            metavar="K",
+            help="worker groups of --num-workers each, every one its own TorchTrainer and "
+            "process group, all taking requests from the one queue: K requests train at once "
+            "(default: 1)",
+        )
+        parser.add_argument(
             "--storage-root",
             action="append",
             default=[],
@@ -101,6 +111,7 @@ class ServiceOptions:
     name: str
     run: RunSettings | None = None  # start
     roots: tuple[str, ...] = ()
+    groups: int = 1
     detach: bool = False
     log_file: str | None = None
     address: str | None = None  # status, stop
@@ -133,6 +144,7 @@ def parse_options(argv: Sequence[str]) -> ServiceOptions:
         args.name,
         run=RunSettings.from_flags(**{f: getattr(args, f) for f in SERVICE_FLAGS}),
         roots=tuple(args.storage_root),
+        groups=args.groups,
         detach=args.detach,
         log_file=args.log_file,
     )
@@ -145,11 +157,13 @@ def run(options: ServiceOptions) -> int:
     from raytrain_mnist.driver import service
 
     if options.action == "status":
-        info = service.status(options.name, options.address)
+        info = finite(service.status(options.name, options.address))
         emit_result(info)
         print(format_status(info))
         return 0
-    info = service.stop(options.name, options.address, "drain" if options.drain else "cancel")
+    info = finite(
+        service.stop(options.name, options.address, "drain" if options.drain else "cancel")
+    )
     emit_result(info)
     print(f"service '{TEXT(options.name)}' stopped after {info['served']} request(s)")
     return 0
@@ -159,7 +173,7 @@ def _start(options: ServiceOptions) -> int:
     from raytrain_mnist.console import Renderer
     from raytrain_mnist.driver import service
 
-    spec = service.ServiceSpec(options.name, options.run, options.roots)
+    spec = service.ServiceSpec(options.name, options.run, options.roots, options.groups)
     renderer = Renderer("lines")
 
     def ready(info: dict) -> None:
@@ -213,9 +227,21 @@ def _detach(options: ServiceOptions) -> int:
     )
 
 
+def finite(value):
+    """``value`` with every number that is not finite as None: ``--json`` prints JSON, and
+    JSON has no NaN."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    if isinstance(value, dict):
+        return {str(k): finite(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [finite(v) for v in value]
+    return value
+
+
 def format_status(info: dict) -> str:
     """``service status`` for people: every value as the service's queue reported it,
-    escaped for the terminal."""
+    escaped for the terminal, one row each (a line feed in a value never makes a row)."""
     data = info.get("data") or {}
     rows = [
         ("service", info.get("name")),
@@ -223,7 +249,7 @@ def format_status(info: dict) -> str:
         ("backend", info.get("backend")),
         ("data", f"{data.get('kind')}, {data.get('source')}"),
         ("storage roots", ", ".join(map(str, info.get("storage_roots", [])))),
-        ("in flight", info.get("in_flight") or "-"),
+        ("in flight", ", ".join(map(str, info.get("in_flight") or [])) or "-"),
         ("queue", info.get("queue")),
         ("served", info.get("served")),
         ("restarts", info.get("restarts", 0)),
@@ -231,9 +257,24 @@ def format_status(info: dict) -> str:
         ("ray", info.get("address")),
         ("worker logs", info.get("logs") or "-"),
     ]
-    if info.get("stopping"):
-        rows.append(("stopping", info["stopping"]))
-    return "\n".join(f"{k + ':':<15}{printable(str(v))}" for k, v in rows)
+    groups = info.get("group_states") or []
+    if len(groups) > 1:
+        rows.append(("free groups", info.get("free_groups")))
+        for g in groups:
+            rows.append(
+                (
+                    f"group {g.get('group')}",
+                    f"{g.get('workers')} worker(s) on {g.get('device')}, request "
+                    f"{g.get('request') or '-'}, served {g.get('served')}, "
+                    f"restarts {g.get('restarts')}",
+                )
+            )
+    for key in ("stopping", "failed"):
+        if info.get(key):
+            rows.append((key, info[key]))
+    return "\n".join(
+        f"{printable(k + ':', lines=False):<15}{printable(str(v), lines=False)}" for k, v in rows
+    )
 
 
 COMMAND = Command("service", build_parser, parse_options, run, json=True)

@@ -1,28 +1,372 @@
-"""The service queue's long polls, in this process (no Ray: the queue is a plain class that
-Ray runs as a threaded actor). A requester's state question and rank 0's cancel question
-wait for news instead of being asked many times a second, and never take the threads that
-the workers and the controller need."""
+"""The service queue's state machine, in this process (no Ray: the queue is a plain class
+that Ray runs as a threaded actor): every transition of a request, the worker groups'
+restarts and the poison bound, drain against cancel, lease expiry, the bound on waiting
+requests, the workers' token, and the long polls that never take the threads the workers
+need. Requests are real ones: their runs are claimed as ``fit --service`` claims them."""
 
 from __future__ import annotations
 
+import contextlib
 import threading
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
 
 from raytrain_mnist.config import TrainConfig
+from raytrain_mnist.driver.runs import Run
+from raytrain_mnist.driver.service import queue as queue_module
 from raytrain_mnist.driver.service.queue import (
+    CANCELLED,
+    FAILED,
+    FINISHED,
+    MAX_REQUEST_FAILURES,
     MAX_WAITERS,
     RUNNING,
     WAITING,
+    NotAWorker,
     ServiceQueue,
 )
+from raytrain_mnist.driver.service.request import write_claim
+from raytrain_mnist.service_request import ServiceRequest
 from tests.conftest import wait_for
 
+TOKEN = "the-workers-secret"
+JOB = "01000000"
 
-def _queue(tmp_path) -> tuple[ServiceQueue, str]:
+
+class Service:
+    """A queue as a service starts it (``groups`` of two workers, 600 training images),
+    and the runs its requests train, claimed as ``fit --service`` claims them."""
+
+    def __init__(self, root: Path, groups: int = 1, max_failures: int = 2) -> None:
+        self.root = root
+        self.dead: set[str] | None = set()  # what the GCS says of requesters
+        info = {
+            "name": "svc",
+            "groups": groups,
+            "num_workers": 2,
+            "max_failures": max_failures,
+            "data": {"train_size": 600},
+            "storage_roots": [str(root.resolve())],
+        }
+        self.queue = ServiceQueue(info, TOKEN, lambda jobs: self.dead)
+        self._claims = contextlib.ExitStack()
+        self._claimed: set[str] = set()
+        for g in range(groups):
+            self.queue.group_started(TOKEN, g, 0.0, 2, "cpu")
+
+    def request(self, name: str, **changes) -> dict:
+        """A request for run ``name``, its claim held and its token written into it."""
+        run = Run(str(self.root), name)
+        if name not in self._claimed:
+            self._claims.enter_context(run.claim())
+            self._claimed.add(name)
+        write_claim(run.files, f"claim-{name}")
+        request = ServiceRequest(
+            TrainConfig(epochs=1, batch_size=32),
+            str(self.root),
+            name,
+            keep=2,
+            claim=f"claim-{name}",
+        )
+        return {**request.to_dict(), **changes}
+
+    def submit(self, name: str, **changes) -> str:
+        answer = self.queue.submit(self.request(name, **changes), JOB)
+        assert "id" in answer, answer
+        return answer["id"]
+
+    def state(self, request_id: str) -> str:
+        return self.queue.state(request_id)["state"]
+
+
+@pytest.fixture
+def service(tmp_path) -> Iterator[Service]:
+    made = Service(tmp_path)
+    with made._claims:
+        yield made
+
+
+# --------------------------------------------------------------------------- transitions
+
+
+def test_a_request_waits_runs_and_finishes(service):
+    queue = service.queue
+    first, second = service.submit("a"), service.submit("b")
+    assert queue.state(second)["place"] == 2 and queue.info()["queue"] == 2
+    handed = queue.take(TOKEN, 0, 0.0)
+    assert handed["id"] == first and handed["name"] == "a" and handed["resume_from"] is None
+    assert ServiceRequest.from_dict(handed).train == TrainConfig(epochs=1, batch_size=32)
+    assert service.state(first) == RUNNING and queue.state(second)["place"] == 1
+    assert queue.info()["in_flight"] == ["a"] and queue.info()["free_groups"] == 0
+    queue.done(TOKEN, 0, first, FINISHED)
+    assert service.state(first) == FINISHED
+    info = queue.info()
+    assert info["served"] == 1 and info["group_states"][0]["served"] == 1
+    assert info["free_groups"] == 1 and info["in_flight"] == []
+    _, items = queue.drain(first)
+    assert [i.get("state") for i in items] == [RUNNING, FINISHED]
+
+
+def test_a_failed_request_says_why_and_the_next_one_is_taken(service):
+    queue = service.queue
+    first, second = service.submit("a"), service.submit("b")
+    queue.take(TOKEN, 0, 0.0)
+    queue.done(TOKEN, 0, first, FAILED, "training diverged: the loss is nan")
+    assert queue.state(first) == {
+        "state": FAILED,
+        "place": None,
+        "epoch": 0,
+        "error": "training diverged: the loss is nan",
+    }
+    assert queue.take(TOKEN, 0, 0.0)["id"] == second
+
+
+def test_a_waiting_request_cancelled_never_runs(service):
+    queue = service.queue
+    first, second = service.submit("a"), service.submit("b")
+    queue.cancel(first, "cancelled (interrupted)")
+    assert queue.state(first)["error"] == "cancelled (interrupted)"
+    assert service.state(first) == CANCELLED and queue.info()["queue"] == 1
+    assert queue.take(TOKEN, 0, 0.0)["id"] == second
+
+
+def test_a_running_request_cancelled_ends_with_its_reason(service):
+    queue = service.queue
+    request_id = service.submit("a")
+    queue.take(TOKEN, 0, 0.0)
+    assert queue.cancelled(TOKEN, request_id) is False
+    queue.cancel(request_id, "cancelled (interrupted)")
+    assert queue.cancelled(TOKEN, request_id) is True
+    assert service.state(request_id) == RUNNING  # until the workers stop at the same step
+    queue.done(TOKEN, 0, request_id, CANCELLED)
+    assert queue.state(request_id)["error"] == "cancelled (interrupted)"
+    assert service.state(request_id) == CANCELLED
+
+
+def test_the_same_run_is_not_queued_twice(service):
+    service.submit("a")
+    again = service.queue.submit(service.request("a"), JOB)
+    assert again == {"refused": "run 'a' is already queued or training"}
+
+
+# --------------------------------------------------------------------------- restarts
+
+
+def test_a_restarted_group_is_handed_its_request_again_from_the_checkpoint_filed_last(
+    service,
+):
+    queue = service.queue
+    request_id = service.submit("a")
+    queue.take(TOKEN, 0, 0.0)
+    checkpoint = service.root / "a" / "checkpoint_000001"
+    checkpoint.mkdir()
+    queue.filed(TOKEN, request_id, str(checkpoint))
+    queue.group_failed(TOKEN, 0, "RayActorError: a worker died")
+    queue.group_started(TOKEN, 0, 1.0, 2, "cpu")  # Ray Train restarted the group
+    again = queue.take(TOKEN, 0, 0.0)
+    assert again["id"] == request_id and again["resume_from"] == str(checkpoint.resolve())
+    info = queue.info()
+    assert info["restarts"] == 1 and info["failed"] is None
+    assert service.state(request_id) == RUNNING
+
+
+def test_a_filed_checkpoint_outside_its_run_is_refused(service):
+    queue = service.queue
+    request_id = service.submit("a")
+    queue.take(TOKEN, 0, 0.0)
+    (service.root / "b").mkdir()
+    for path in ("/etc", str(service.root / "b" / "checkpoint_1"), f"{service.root}/a/../b/c"):
+        with pytest.raises(ValueError, match="is not a checkpoint of run 'a'"):
+            queue.filed(TOKEN, request_id, path)
+    queue.group_started(TOKEN, 0, 1.0, 2, "cpu")
+    assert queue.take(TOKEN, 0, 0.0)["resume_from"] is None
+
+
+def test_a_poison_request_fails_alone_and_the_service_keeps_its_budget(tmp_path):
+    """A request that fails its group MAX_REQUEST_FAILURES times fails with one line;
+    the group takes the next request, and none of it was charged to the service."""
+    service = Service(tmp_path, max_failures=0)
+    with service._claims:
+        queue = service.queue
+        poison, good = service.submit("poison"), service.submit("good")
+        for attempt in range(MAX_REQUEST_FAILURES):
+            assert queue.take(TOKEN, 0, 0.0)["id"] == poison
+            queue.group_failed(TOKEN, 0, "RuntimeError: boom")
+            queue.group_started(TOKEN, 0, float(attempt + 1), 2, "cpu")
+        state = queue.state(poison)
+        assert state["state"] == FAILED
+        assert state["error"] == (
+            f"the request failed its worker group {MAX_REQUEST_FAILURES} times; "
+            "the last time: RuntimeError: boom"
+        )
+        assert queue.take(TOKEN, 0, 0.0)["id"] == good
+        assert queue.info()["failed"] is None and queue.info()["stopping"] is None
+
+
+def test_restarts_with_no_request_to_blame_spend_the_services_budget(tmp_path):
+    service = Service(tmp_path, max_failures=1)
+    with service._claims:
+        queue = service.queue
+        queue.group_started(TOKEN, 0, 1.0, 2, "cpu")
+        assert queue.info()["failed"] is None
+        queue.group_failed(TOKEN, 0, "OSError: no space left on device")
+        queue.group_started(TOKEN, 0, 2.0, 2, "cpu")
+        failed = queue.info()["failed"]
+        assert "failed 2 times with no request to blame (--max-failures 1)" in failed
+        assert failed.endswith("the last time: OSError: no space left on device")
+        assert queue.take(TOKEN, 0, 0.0) == "stop"
+        assert queue.submit(service.request("late"), JOB) == {
+            "refused": "service 'svc' is stopping"
+        }
+
+
+def test_two_groups_train_two_requests_at_once_and_a_restart_touches_one(tmp_path):
+    service = Service(tmp_path, groups=2)
+    with service._claims:
+        queue = service.queue
+        assert queue.info()["free_groups"] == 2 and queue.info()["ready"]
+        a, b, c = service.submit("a"), service.submit("b"), service.submit("c")
+        assert queue.take(TOKEN, 0, 0.0)["id"] == a
+        assert queue.take(TOKEN, 1, 0.0)["id"] == b
+        info = queue.info()
+        assert info["free_groups"] == 0 and info["in_flight"] == ["a", "b"]
+        assert [g["request"] for g in info["group_states"]] == ["a", "b"]
+        queue.group_started(TOKEN, 1, 1.0, 2, "cpu")  # group 1 restarted under b
+        assert queue.take(TOKEN, 1, 0.0)["id"] == b
+        queue.done(TOKEN, 0, a, FINISHED)
+        assert queue.take(TOKEN, 0, 0.0)["id"] == c  # the first free group
+        groups = queue.info()["group_states"]
+        assert [(g["restarts"], g["served"]) for g in groups] == [(0, 1), (1, 0)]
+
+
+# --------------------------------------------------------------------------- stopping
+
+
+def test_a_drain_serves_what_waits_then_stops(service):
+    queue = service.queue
+    first, second = service.submit("a"), service.submit("b")
+    queue.take(TOKEN, 0, 0.0)
+    queue.stop("drain")
+    assert queue.submit(service.request("c"), JOB) == {"refused": "service 'svc' is stopping"}
+    queue.done(TOKEN, 0, first, FINISHED)
+    assert queue.take(TOKEN, 0, 0.0)["id"] == second
+    queue.done(TOKEN, 0, second, FINISHED)
+    assert queue.take(TOKEN, 0, 0.0) == "stop"
+
+
+def test_a_cancel_after_a_drain_ends_the_requests_in_flight_and_waiting(service):
+    queue = service.queue
+    first, second = service.submit("a"), service.submit("b")
+    queue.take(TOKEN, 0, 0.0)
+    queue.stop("drain")
+    queue.stop("cancel")
+    assert queue.info()["stopping"] == "cancel"
+    queue.stop("drain")  # a drain never undoes a cancel
+    assert queue.info()["stopping"] == "cancel"
+    assert queue.cancelled(TOKEN, first) is True
+    assert queue.state(second) == {
+        "state": CANCELLED,
+        "place": None,
+        "epoch": 0,
+        "error": "the service stopped",
+    }
+    assert queue.take(TOKEN, 0, 0.0) == "stop"  # its group restarted as the service stops
+    assert service.state(first) == CANCELLED
+
+
+# --------------------------------------------------------------------------- requesters
+
+
+def test_a_silent_request_is_cancelled_once_its_requester_is_gone(service, monkeypatch):
+    monkeypatch.setattr(queue_module, "REQUEST_LEASE_S", 0.0)
+    queue = service.queue
+    request_id = service.submit("a")
+    queue.take(TOKEN, 0, 0.0)
+    queue._jobs_asked = float("-inf")
+    assert queue.cancelled(TOKEN, request_id) is False  # silent, but its job is alive
+    service.dead = {JOB}
+    queue._jobs_asked = float("-inf")
+    assert queue.cancelled(TOKEN, request_id) is True
+    queue.done(TOKEN, 0, request_id, CANCELLED)
+    assert "its requester went silent" in queue.state(request_id)["error"]
+
+
+def test_a_silent_request_is_cancelled_when_the_gcs_cannot_be_asked(service, monkeypatch):
+    monkeypatch.setattr(queue_module, "REQUEST_LEASE_S", 0.0)
+    request_id = service.submit("a")
+    service.dead = None
+    service.queue._jobs_asked = float("-inf")
+    assert service.queue.take(TOKEN, 0, 0.0) is None  # cancelled while it waited
+    assert service.state(request_id) == CANCELLED
+
+
+@pytest.mark.parametrize("requester", [None, 7, "ffffffff"])
+def test_a_requester_the_gcs_does_not_know_is_refused(service, requester):
+    service.dead = {"ffffffff"}  # what the GCS answers of an id it does not know
+    answer = service.queue.submit(service.request("a"), requester)
+    assert answer["refused"].endswith("is no live Ray job on this cluster"), answer
+
+
+def test_the_queue_refuses_past_its_bound(service, monkeypatch):
+    monkeypatch.setattr(queue_module, "MAX_WAITING", 3)
+    for name in "abc":
+        service.submit(name)
+    assert service.queue.submit(service.request("d"), JOB) == {
+        "refused": "service svc is full: 3 requests waiting"
+    }
+
+
+@pytest.mark.parametrize(
+    "call",
+    [
+        lambda q, t: q.take(t, 0, 0.0),
+        lambda q, t: q.put(t, "x", {"epoch": 1}),
+        lambda q, t: q.filed(t, "x", "/etc"),
+        lambda q, t: q.done(t, 0, "x", FINISHED),
+        lambda q, t: q.run_of(t, "x"),
+        lambda q, t: q.cancelled(t, "x"),
+        lambda q, t: q.group_started(t, 0, 0.0, 1, "cpu"),
+        lambda q, t: q.group_failed(t, 0, "forged"),
+    ],
+)
+@pytest.mark.parametrize("token", ["", "guess", None, TOKEN.upper()])
+def test_the_workers_methods_answer_only_the_services_workers(service, call, token):
+    service.submit("a")
+    with pytest.raises(NotAWorker):
+        call(service.queue, token)
+    assert service.queue.info()["queue"] == 1
+
+
+def test_a_queue_started_without_a_token_answers_no_worker(tmp_path):
     queue = ServiceQueue({"name": "svc", "storage_roots": [str(tmp_path)]})
-    request = {"train": TrainConfig(epochs=1).to_dict(), "storage": str(tmp_path), "name": "r",
-               "resume_from": None, "progress": False, "compile": False,
-               "cuda_graphs": "auto"}  # fmt: skip
-    return queue, queue.submit(request, keep=2)["id"]
+    with pytest.raises(NotAWorker):
+        queue.take("", 0, 0.0)
+
+
+def test_info_answers_while_the_queue_is_busy(service):
+    """``service status`` never waits for the lock: the GCS slow to answer a lease
+    question, or a flood of calls, holds it."""
+    service.submit("a")
+    held, release = threading.Event(), threading.Event()
+
+    def hold() -> None:
+        with service.queue._cond:
+            held.set()
+            release.wait(10)
+
+    thread = threading.Thread(target=hold, daemon=True)
+    thread.start()
+    held.wait(5)
+    try:
+        assert service.queue.info()["queue"] == 1
+    finally:
+        release.set()
+        thread.join(5)
+
+
+# --------------------------------------------------------------------------- long polls
 
 
 def _in_thread(call) -> tuple[threading.Thread, list]:
@@ -32,36 +376,40 @@ def _in_thread(call) -> tuple[threading.Thread, list]:
     return thread, answer
 
 
-def test_a_state_long_poll_answers_when_the_state_changes(tmp_path):
-    queue, request_id = _queue(tmp_path)
+def test_a_state_long_poll_answers_when_the_state_changes(service):
+    queue = service.queue
+    request_id = service.submit("a")
     known = queue.state(request_id)
     assert known["state"] == WAITING and known["place"] == 1
     thread, answer = _in_thread(lambda: queue.state(request_id, known, wait_s=5.0))
     wait_for(lambda: queue._waiters == 1 or None, "the long poll to wait")
     assert not answer  # nothing changed yet
-    queue.take(0.0)  # rank 0 takes it: running
+    queue.take(TOKEN, 0, 0.0)  # rank 0 takes it: running
     thread.join(timeout=4.0)
     assert answer and answer[0]["state"] == RUNNING and answer[0]["place"] is None
 
 
-def test_a_cancel_wakes_rank_0s_question_at_once(tmp_path):
-    queue, request_id = _queue(tmp_path)
-    queue.take(0.0)
-    assert queue.cancelled(request_id) is False
-    thread, answer = _in_thread(lambda: queue.cancelled(request_id, wait_s=5.0))
+def test_a_cancel_wakes_rank_0s_question_at_once(service):
+    queue = service.queue
+    request_id = service.submit("a")
+    queue.take(TOKEN, 0, 0.0)
+    thread, answer = _in_thread(lambda: queue.cancelled(TOKEN, request_id, wait_s=5.0))
     wait_for(lambda: queue._waiters == 1 or None, "the question to wait")
     queue.cancel(request_id, "cancelled (interrupted)")
     thread.join(timeout=4.0)
     assert answer == [True]
 
 
-def test_long_polls_past_their_share_of_threads_answer_at_once(tmp_path):
+def test_long_polls_past_their_share_of_threads_answer_at_once(service):
     """With MAX_WAITERS long polls waiting, one more answers without waiting: the actor's
     other threads stay free for rank 0's take and put and the controller's filing."""
-    queue, request_id = _queue(tmp_path)
+    queue = service.queue
+    request_id = service.submit("a")
     known = queue.state(request_id)
-    waiting = [_in_thread(lambda: queue.state(request_id, known, wait_s=5.0))[0]
-               for _ in range(MAX_WAITERS)]  # fmt: skip
+    waiting = [
+        _in_thread(lambda: queue.state(request_id, known, wait_s=5.0))[0]
+        for _ in range(MAX_WAITERS)
+    ]
     wait_for(lambda: queue._waiters == MAX_WAITERS or None, "every long poll to wait")
     assert queue.state(request_id, known, wait_s=5.0) == known
     assert all(t.is_alive() for t in waiting)  # it came back before any of them
@@ -69,3 +417,17 @@ def test_long_polls_past_their_share_of_threads_answer_at_once(tmp_path):
     for t in waiting:
         t.join(timeout=4.0)
     assert queue._waiters == 0
+
+
+def test_a_stream_keeps_what_is_not_acknowledged(service):
+    queue = service.queue
+    request_id = service.submit("a")
+    queue.take(TOKEN, 0, 0.0)
+    for epoch in (1, 2):
+        queue.put(TOKEN, request_id, {"epoch": epoch})
+    dropped, items = queue.drain(request_id, 0)
+    assert dropped == 0 and [i.get("epoch") for i in items] == [None, 1, 2]
+    dropped, items = queue.drain(request_id, 2)
+    assert dropped == 2 and [i.get("epoch") for i in items] == [2]
+    assert queue.drain(request_id, 99)[0] == 3  # never past what it held
+    assert queue.state(request_id)["epoch"] == 2

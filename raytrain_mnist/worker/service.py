@@ -7,7 +7,10 @@ other ranks over the process group; every rank then trains it with the very loop
 runs (:func:`~.loop.train_run`): a fresh model, optimizer, scaler and RNG from the
 request's seed, the same reports with the same checkpoints, every epoch. What is
 expensive and shared is built once per worker-group start: the processes, the process
-group, the data on the device. A request is data (the queue's ``REQUEST_KEYS``), never code.
+group, the data on the device. A request is data (a
+:class:`~raytrain_mnist.service_request.ServiceRequest`'s dict), never code. Every
+call to the queue carries the token the service gave its own worker groups: the queue
+answers no other caller.
 
 A request ends in one of three ways, each on every rank at the same step: it finishes,
 its requester cancels it (rank 0 asks the queue every :data:`CANCEL_EVERY` steps and
@@ -29,9 +32,9 @@ import torch
 import torch.distributed as dist
 
 from raytrain_mnist import compat
-from raytrain_mnist.config import TrainConfig
 from raytrain_mnist.data import MnistData
 from raytrain_mnist.nn import checkpoint as ckpt
+from raytrain_mnist.service_request import ServiceRequest
 from raytrain_mnist.worker.endpoll import SLOW_POLL_S
 from raytrain_mnist.worker.loop import Diverged, WorkerSetup, to_device, train_run
 
@@ -49,16 +52,28 @@ CANCEL_EVERY = 8
 CANCEL_WAIT_S = 1.0
 
 
+class Service:
+    """This worker's handle on its service: the queue, the token that opens the workers'
+    methods of it, and which of the service's worker groups this worker is in."""
+
+    def __init__(self, queue, token: str, group: int) -> None:
+        self.queue, self.token, self.group = queue, token, group
+
+    def call(self, method: str, *args):
+        """``queue.method(token, *args)``, as an ObjectRef."""
+        return getattr(self.queue, method).remote(self.token, *args)
+
+
 class RequestChannel:
     """Rank 0's end of one request's stream through the service's queue, shaped like a
     fit's run channel for :class:`~.feed.ProgressFeed` (``put.remote(item)``)."""
 
-    def __init__(self, queue, request_id: str) -> None:
-        self._queue, self._id = queue, request_id
+    def __init__(self, service: Service, request_id: str) -> None:
+        self._service, self._id = service, request_id
         self.put = self
 
     def remote(self, item: dict):
-        return self._queue.put.remote(self._id, item)
+        return self._service.call("put", self._id, item)
 
 
 class Cancelled(Exception):
@@ -70,8 +85,8 @@ class CancelCheck:
     requester cancelled it: rank 0 keeps one question to the queue in flight and, every
     :data:`CANCEL_EVERY` steps, broadcasts what it last heard."""
 
-    def __init__(self, queue, request_id: str, worker: WorkerSetup) -> None:
-        self._queue, self._id, self._worker = queue, request_id, worker
+    def __init__(self, service: Service, request_id: str, worker: WorkerSetup) -> None:
+        self._service, self._id, self._worker = service, request_id, worker
         self._asked = None
         self._flag = torch.zeros(1, dtype=torch.int32, device=worker.device)
 
@@ -83,7 +98,7 @@ class CancelCheck:
         """Raise :class:`Cancelled` on every rank once rank 0 has heard so."""
         if self._worker.rank == 0:
             if self._asked is None:  # answered at once on a cancel, else after a second
-                self._asked = self._queue.cancelled.remote(self._id, CANCEL_WAIT_S)
+                self._asked = self._service.call("cancelled", self._id, CANCEL_WAIT_S)
             ready, _ = ray.wait([self._asked], timeout=0)
             if ready:
                 self._flag.fill_(int(ray.get(self._asked)))
@@ -96,27 +111,29 @@ class CancelCheck:
 
 def serve_requests(config: dict[str, Any]) -> None:
     """The service's Ray Train entry point. ``config``: ``data`` (ObjectRef of
-    :class:`MnistData`), ``queue`` (the service's queue actor), ``cpus_per_worker``."""
+    :class:`MnistData`), ``queue`` (the service's queue actor), ``token`` (its workers'
+    secret), ``group`` (which of its worker groups this is), ``cpus_per_worker``."""
     started_at = time.time()
     worker = WorkerSetup.start(config["cpus_per_worker"], started_at)
     data: MnistData = to_device(ray.get(config["data"]), worker.device)
-    queue = config["queue"]
+    service = Service(config["queue"], config["token"], config["group"])
     if worker.rank == 0:
-        ray.get(queue.group_started.remote(started_at, worker.world_size, worker.device.type))
+        device = worker.device.type
+        ray.get(service.call("group_started", service.group, started_at, worker.world_size, device))
     while True:
-        request = _next_request(queue, worker)
+        request = _next_request(service, worker)
         if request == STOP:
             return
         if request is not None:
-            _serve(request, data, worker, queue)
+            _serve(ServiceRequest.from_dict(request), data, worker, service)
 
 
-def _next_request(queue, worker: WorkerSetup) -> dict | str | None:
+def _next_request(service: Service, worker: WorkerSetup) -> dict | str | None:
     """Rank 0 asks the queue (waiting up to :data:`IDLE_WAIT_S`); every rank gets its
     answer: a request, :data:`STOP`, or None (ask again)."""
     answer = None
     if worker.rank == 0:
-        answer = ray.get(queue.take.remote(IDLE_WAIT_S))
+        answer = ray.get(service.call("take", service.group, IDLE_WAIT_S))
     if worker.world_size > 1:
         box = [answer]
         dist.broadcast_object_list(box, src=0, device=_object_device(worker))
@@ -129,29 +146,27 @@ def _object_device(worker: WorkerSetup) -> torch.device | None:
     return worker.device if dist.get_backend() == "nccl" else None
 
 
-def _serve(request: dict, data: MnistData, worker: WorkerSetup, queue) -> None:
+def _serve(request: ServiceRequest, data: MnistData, worker: WorkerSetup, service) -> None:
     """Train one request on every rank; rank 0 tells the queue how it ended."""
-    request_id = request["id"]
-    cancel = CancelCheck(queue, request_id, worker)
+    request_id = request.id
+    cancel = CancelCheck(service, request_id, worker)
     status, error = "finished", None
     # The controller polls at Ray's interval while the request trains (every poll costs
     # training throughput: 0.5 s all along cost the 2026-12-04 burst 8 %), then fast for its
     # last moments, as a fit's run (train_run's EndPoll).
     try:
-        cfg = TrainConfig.from_dict(request["train"])
-        state = _resume_state(request.get("resume_from"))
+        state = _resume_state(request.resume_from)
         cancel.check()  # cancelled while it waited for its turn
         train_run(
-            cfg,
+            request.train,
             data,
             worker,
             state,
-            progress=RequestChannel(queue, request_id) if request["progress"] else None,
-            compile=request["compile"],
-            cuda_graphs=request["cuda_graphs"],
+            progress=RequestChannel(service, request_id) if request.progress else None,
+            compile=request.compile,
+            cuda_graphs=request.cuda_graphs,
             tags={"request_id": request_id},
             on_step=cancel.on_step,
-            finite=True,
         )
     except Cancelled:
         status = "cancelled"
@@ -162,12 +177,12 @@ def _serve(request: dict, data: MnistData, worker: WorkerSetup, queue) -> None:
         compat.poll_workers_every(SLOW_POLL_S, exact=True)
     if worker.rank == 0:
         logger.info("request %s %s", request_id, status)
-        ray.get(queue.done.remote(request_id, status, error))
+        ray.get(service.call("done", service.group, request_id, status, error))
 
 
 def _resume_state(path: str | None) -> dict[str, Any] | None:
     """The state of the checkpoint a request resumes from (a path or URI inside its run,
-    checked by the requester before it sent the request), read by every rank."""
+    checked by the queue: a request never holds another), read by every rank."""
     if path is None:
         return None
     with ray.train.Checkpoint(path).as_directory() as directory:

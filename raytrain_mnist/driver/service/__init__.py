@@ -37,8 +37,8 @@ from raytrain_mnist.driver.service.queue import (
     find_queue,
     queue_name,
     registry_file,
-    within_roots,
 )
+from raytrain_mnist.driver.service.request import check_request, within_roots
 from raytrain_mnist.driver.service.running import (
     ServiceResult,
     ServiceSpec,
@@ -55,6 +55,7 @@ __all__ = [
     "ServiceQueue",
     "ServiceResult",
     "ServiceSpec",
+    "check_request",
     "filing_callbacks",
     "find_queue",
     "queue_name",

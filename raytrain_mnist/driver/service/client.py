@@ -7,8 +7,10 @@ import contextlib
 import dataclasses
 import json
 import logging
+import secrets
 import time
 from dataclasses import dataclass
+from pathlib import Path
 
 from raytrain_mnist.driver import cluster
 from raytrain_mnist.driver.events import EventSink, Note
@@ -20,9 +22,10 @@ from raytrain_mnist.driver.service.queue import (
     WAITING,
     find_queue,
     registry_file,
-    within_roots,
 )
+from raytrain_mnist.driver.service.request import within_roots, write_claim
 from raytrain_mnist.errors import EXIT_USAGE, UserError, cause_line
+from raytrain_mnist.service_request import ServiceRequest
 
 logger = logging.getLogger(__name__)
 
@@ -86,9 +89,10 @@ class ServiceClient:
             )
         if scaling.use_gpu and not info["use_gpu"]:
             raise UserError(f"--use-gpu: service '{self.name}' trains on CPUs", EXIT_USAGE)
+        theirs_dir = info.get("data_dir")
         for flag, mine, theirs in (
             ("--dataset", data.dataset, info["dataset"]),
-            ("--data-dir", data.data_dir, None),
+            ("--data-dir", _resolved(data.data_dir), theirs_dir),
         ):
             if mine not in ("auto", None, theirs):
                 raise UserError(
@@ -99,7 +103,9 @@ class ServiceClient:
         run = dataclasses.replace(
             cfg.run,
             scaling=dataclasses.replace(scaling, num_workers=workers, use_gpu=info["use_gpu"]),
-            data=dataclasses.replace(data, dataset=info["dataset"], data_dir=None),
+            # Where the service's data came from, recorded as a plain fit records it: the
+            # run's evaluate, predict, export and resume need no --data-dir.
+            data=dataclasses.replace(data, dataset=info["dataset"], data_dir=theirs_dir),
         )
         if not within_roots(run.storage.storage_path, info["storage_roots"]):
             raise UserError(
@@ -110,21 +116,25 @@ class ServiceClient:
         return dataclasses.replace(cfg, run=run, auto_workers=False)
 
     def submit(self, cfg, run, resume_from: str | None) -> str:
-        """Queue the run; returns the request's id, or one line why the service refused."""
+        """Queue the run (``run``: a :class:`~raytrain_mnist.driver.runs.Run` this command
+        holds the claim of); returns the request's id, or one line why the service refused."""
         import ray
 
-        request = {
-            "train": cfg.train.to_dict(),
-            "storage": run.storage,
-            "name": run.name,
-            "resume_from": resume_from,
-            "progress": cfg.run.output.progress != "off",
-            "compile": cfg.run.torch.compile,
-            "cuda_graphs": cfg.run.torch.cuda_graphs,
-        }
+        claim = secrets.token_hex(16)  # the queue trains only a run that holds it
+        write_claim(run.files, claim)
+        request = ServiceRequest(
+            train=cfg.train,
+            storage=run.storage,
+            name=run.name,
+            resume_from=resume_from,
+            progress=cfg.run.output.progress != "off",
+            compile=cfg.run.torch.compile,
+            cuda_graphs=cfg.run.torch.cuda_graphs,
+            keep=cfg.run.checkpoint.keep_checkpoints,
+            claim=claim,
+        )
         job = ray.get_runtime_context().get_job_id()  # the queue asks the GCS if it is alive
-        keep = cfg.run.checkpoint.keep_checkpoints
-        answer = ray.get(self.queue.submit.remote(request, keep, job), timeout=60)
+        answer = ray.get(self.queue.submit.remote(request.to_dict(), job), timeout=60)
         if "refused" in answer:
             raise UserError(f"service '{self.name}' refused the run: {answer['refused']}")
         return answer["id"]
@@ -165,6 +175,10 @@ class ServiceClient:
 
         with contextlib.suppress(ray.exceptions.RayActorError):
             ray.get(self.queue.cancel.remote(request_id, f"cancelled ({reason})"), timeout=30)
+
+
+def _resolved(data_dir: str | None) -> str | None:
+    return None if data_dir is None else str(Path(data_dir).expanduser().resolve())
 
 
 class _Stream:

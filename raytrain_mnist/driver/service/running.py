@@ -8,23 +8,25 @@ import dataclasses
 import json
 import logging
 import os
+import secrets
 import threading
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
+import psutil
+
 from raytrain_mnist.config import RunSettings
+from raytrain_mnist.display import printable
 from raytrain_mnist.driver import cluster
 from raytrain_mnist.driver.events import EventSink, Note, Phase, Stopping, log_event
 from raytrain_mnist.driver.relay import relay
 from raytrain_mnist.driver.runs import RunStorage, is_safe_name, storage_root
 from raytrain_mnist.driver.service.client import ServiceClient
-from raytrain_mnist.driver.service.queue import (
-    find_queue,
-    registry_file,
-    start_queue,
-)
+from raytrain_mnist.driver.service.queue import find_queue, registry_file, start_queue
+from raytrain_mnist.driver.service.request import canonical
 from raytrain_mnist.errors import EXIT_USAGE, UserError, cause_line
 
 logger = logging.getLogger(__name__)
@@ -32,10 +34,11 @@ logger = logging.getLogger(__name__)
 # --------------------------------------------------------------------------- filing
 
 
-def filing_callbacks(queue) -> list:
-    """The service's controller callback: every committed checkpoint is filed into its
-    request's run (the run's record rewritten as Ray's own), then the epoch goes to the
-    request's stream with the filed path, as a ``fit``'s controller sends it."""
+def filing_callbacks(queue, token: str, group: int = 0) -> list:
+    """The controller callback of the service's worker group ``group``: every committed
+    checkpoint is filed into its request's run (the run's record rewritten as Ray's own),
+    then the epoch goes to the request's stream with the filed path, as a ``fit``'s
+    controller sends it; the workers' failures go to the queue (the request's error line)."""
     import ray
     from ray.train import UserCallback
 
@@ -43,16 +46,20 @@ def filing_callbacks(queue) -> list:
         def after_report(self, run_context, metrics, checkpoint):
             report = metrics[0]
             request_id = report.get("request_id")
-            where = ray.get(queue.run_of.remote(request_id)) if request_id else None
+            where = ray.get(queue.run_of.remote(token, request_id)) if request_id else None
             if where is None:
                 return
             path = None
             if checkpoint is not None:
                 path = _file(where, checkpoint, report)
                 if path is not None:
-                    queue.filed.remote(request_id, path)
+                    queue.filed.remote(token, request_id, path)
             item = {**report, "checkpoint": path, "committed_at": time.time()}
-            queue.put.remote(request_id, item)
+            queue.put.remote(token, request_id, item)
+
+        def after_exception(self, run_context, worker_exceptions):
+            errors = [cause_line(e) for _, e in sorted(worker_exceptions.items())]
+            queue.group_failed.remote(token, group, errors[0] if errors else "a worker failed")
 
     return [FileCheckpoints()]
 
@@ -75,11 +82,13 @@ def _file(where: dict, checkpoint, report: dict) -> str | None:
 class ServiceSpec:
     """What a service is: its name, how its workers run (``run``: the scaling, torch and
     data sections of :class:`RunSettings`, its ``address``, and its own storage path,
-    where its Train run lives), and the storage roots requests may write under."""
+    where its Train run lives), the storage roots requests may write under, and how many
+    worker groups of ``run.scaling.num_workers`` each train requests side by side."""
 
     name: str
     run: RunSettings = field(default_factory=RunSettings)
     storage_roots: tuple[str, ...] = ()
+    groups: int = 1
 
     def __post_init__(self) -> None:
         if not is_safe_name(self.name):
@@ -88,11 +97,17 @@ class ServiceSpec:
             raise UserError(
                 "a service runs a fixed number of workers: give --num-workers N", EXIT_USAGE
             )
+        if isinstance(self.groups, bool) or not isinstance(self.groups, int) or self.groups < 1:
+            raise UserError(f"--groups {self.groups}: a count >= 1", EXIT_USAGE)
 
     @property
     def roots(self) -> list[str]:
+        """The storage roots, each as what it names (:func:`~.request.canonical`)."""
         roots = self.storage_roots or (self.run.storage.storage_path,)
-        return [storage_root(r) for r in roots]
+        named = [canonical(storage_root(r)) for r in roots]
+        if None in named:
+            raise UserError(f"--storage-root: one of {', '.join(roots)} names no plain path")
+        return named
 
 
 @dataclass(frozen=True)
@@ -111,101 +126,185 @@ def run_service(
     ready: Callable[[dict], Any] | None = None,
 ) -> ServiceResult:
     """Run the service until ``service stop`` or Ctrl-C (SIGTERM is one): load MNIST, join
-    (or start) Ray, start the queue and the trainer, call ``ready(info)`` once its workers
-    wait for requests. Ctrl-C cancels the request in flight (its run stays resumable)."""
+    (or start) Ray, start the queue and the trainers, call ``ready(info)`` once every
+    worker group waits for requests. Ctrl-C cancels the requests in flight (their runs
+    stay resumable)."""
     emit = on_event or log_event
     from raytrain_mnist.data import load_mnist
-    from raytrain_mnist.driver.runs.records import data_identity
 
     run = spec.run
+    _check_not_registered(spec.name)
     data = load_mnist(run.data.data_dir, run.data.dataset)
     emit(Note(f"data loaded: {data.train_size} train / {data.test_size} test ({data.kind})"))
     address = cluster.resolve_address(run.address)
-    cpus = run.scaling.cpus_per_worker or cluster.default_cpus_per_worker(
-        run.scaling.num_workers, address is None
-    )
+    workers = run.scaling.num_workers * spec.groups
+    cpus = run.scaling.cpus_per_worker or cluster.default_cpus_per_worker(workers, address is None)
     request = cluster.Request.for_run(run, cpus)
+    request = dataclasses.replace(request, num_workers=request.num_workers * spec.groups)
     with cluster.connect(address, request, dashboard=False):
         import ray
 
-        info = {
-            "name": spec.name,
-            "num_workers": run.scaling.num_workers,
-            "use_gpu": run.scaling.use_gpu,
-            "cpus_per_worker": cpus,
-            "backend": run.resolved_backend,
-            "dataset": run.data.dataset,
-            "data": {**data_identity(data), "source": data.source},
-            "storage_roots": spec.roots,
-            "address": ray.get_runtime_context().gcs_address,
-            "pid": os.getpid(),
-            "logs": cluster.worker_logs_dir(),  # on the service's node
-        }
+        info = _info(spec, data, cpus)
+        token = secrets.token_hex(16)  # only the service's own worker groups hold it
         try:
-            queue = start_queue(info)
+            queue = start_queue(info, token)
             ray.get(queue.info.remote())
         except ValueError:
             raise UserError(f"a service named '{spec.name}' already runs on this cluster") from None
         with _registered(spec.name, info):
-            return _serve(spec, queue, data, cpus, emit, ready)
+            return _serve(spec, queue, token, data, cpus, emit, ready)
+
+
+def _info(spec: ServiceSpec, data, cpus: int) -> dict[str, Any]:
+    """The service's record: what ``service status`` shows and what a requester checks."""
+    import ray
+
+    from raytrain_mnist.driver.runs.records import data_identity
+
+    run = spec.run
+    data_dir = run.data.data_dir
+    return {
+        "name": spec.name,
+        "groups": spec.groups,
+        "num_workers": run.scaling.num_workers,
+        "use_gpu": run.scaling.use_gpu,
+        "gpus_per_worker": run.scaling.gpus if run.scaling.use_gpu else 0,
+        "cpus_per_worker": cpus,
+        "backend": run.resolved_backend,
+        "dataset": run.data.dataset,
+        # Recorded in every run it trains, as a plain fit records its --data-dir.
+        "data_dir": None if data_dir is None else str(Path(data_dir).expanduser().resolve()),
+        "data": {**data_identity(data), "source": data.source},
+        "storage_roots": spec.roots,
+        "max_failures": run.failure.max_failures,
+        "address": ray.get_runtime_context().gcs_address,
+        "pid": os.getpid(),
+        "logs": cluster.worker_logs_dir(),  # on the service's node
+    }
+
+
+def _check_not_registered(service: str) -> None:
+    """Refuse to start a second service of a name this machine's registry holds for a
+    service still running (its process alive): a name finds the service it names."""
+    try:
+        record = json.loads(registry_file(service).read_text())
+        pid, born = int(record["pid"]), float(record["pid_started"])
+        alive = psutil.pid_exists(pid) and psutil.Process(pid).create_time() == born
+    except (OSError, ValueError, KeyError, TypeError, psutil.Error):
+        return  # no entry, or one of a service that is gone
+    if alive and pid != os.getpid():
+        raise UserError(
+            f"a service named '{service}' already runs on this machine (pid {pid}, Ray at "
+            f"{printable(str(record.get('address')), lines=False)}); stop it first "
+            f"(`raytrain-mnist service stop --name {service}`) or pick another --name",
+            EXIT_USAGE,
+        )
 
 
 @contextlib.contextmanager
 def _registered(service: str, info: dict) -> Iterator[None]:
     path = registry_file(service)
     path.parent.mkdir(parents=True, exist_ok=True)
-    record = {"address": info["address"], "pid": info["pid"]}
+    born = psutil.Process().create_time()
+    record = {"address": info["address"], "pid": info["pid"], "pid_started": born}
     path.write_text(json.dumps(record))
     try:
         yield
     finally:
-        with contextlib.suppress(OSError):
+        with contextlib.suppress(OSError, ValueError):
             if json.loads(path.read_text()) == record:
                 path.unlink()
 
 
-def _serve(spec, queue, data, cpus: int, emit: EventSink, ready) -> ServiceResult:
+def _serve(spec, queue, token: str, data, cpus: int, emit: EventSink, ready) -> ServiceResult:
+    """The service's worker groups, each its own TorchTrainer, fitted side by side until
+    the queue tells their workers to stop."""
     import ray
 
     from raytrain_mnist.driver.trainer import build_trainer
     from raytrain_mnist.worker.service import serve_requests
 
     run = spec.run
-    trainer = build_trainer(
-        dataclasses.replace(
-            run, checkpoint=dataclasses.replace(run.checkpoint, keep_checkpoints=1)
-        ),
-        serve_requests,
-        {"data": ray.put(data), "queue": queue, "cpus_per_worker": cpus},
-        cpus,
-        spec.roots[0],
-        f".service-{spec.name}",
-        callbacks=filing_callbacks(queue),
+    # Ray Train's own failure budget is unlimited: the queue keeps the service's (a
+    # restart is charged to the request in flight, or to the service).
+    run = dataclasses.replace(
+        run,
+        checkpoint=dataclasses.replace(run.checkpoint, keep_checkpoints=1),
+        failure=dataclasses.replace(run.failure, max_failures=-1),
     )
-    emit(Phase(f"service '{spec.name}': starting {run.scaling.num_workers} worker(s)", 0.0))
+    shared = ray.put(data)
+    trainers = [
+        build_trainer(
+            run,
+            serve_requests,
+            {"data": shared, "queue": queue, "cpus_per_worker": cpus, "token": token, "group": g},
+            cpus,
+            spec.roots[0],
+            f".service-{spec.name}" + (f"-group{g}" if g else ""),
+            callbacks=filing_callbacks(queue, token, g),
+        )
+        for g in range(spec.groups)
+    ]
+    groups = f"{spec.groups} group(s) of " if spec.groups > 1 else ""
+    emit(Phase(f"service '{spec.name}': starting {groups}{run.scaling.num_workers} worker(s)", 0))
     watcher = threading.Thread(
         target=_announce_ready, args=(queue, emit, ready), name="service-ready", daemon=True
     )
     watcher.start()
 
     def stop(reason: str, running) -> None:
-        emit(Stopping("stopping the service; the request in flight stays resumable"))
+        emit(Stopping("stopping the service; the requests in flight stay resumable"))
         ray.get(queue.stop.remote("cancel"), timeout=30)
 
     try:
-        outcome = relay(trainer.fit, stop, name="service", stop_wait_s=120.0)
+        outcome = relay(lambda: _fit_all(trainers, queue), stop, name="service", stop_wait_s=120)
     except ray.train.TrainingFailedError as exc:
         return ServiceResult("failed", _served(queue), cause_line(exc))
-    return ServiceResult("stopped", _served(queue), interrupted=outcome.stopped is not None)
+    last = _last_info(queue)
+    if last.get("failed"):
+        return ServiceResult("failed", last.get("served", 0), last["failed"])
+    return ServiceResult("stopped", last.get("served", 0), interrupted=outcome.stopped is not None)
 
 
-def _served(queue) -> int:
+def _fit_all(trainers: list, queue) -> None:
+    """Every group's ``fit()`` on a thread of its own; the first that raises stops the
+    others (through the queue) and is raised once all have ended."""
+    import ray
+
+    errors: list[BaseException] = []
+
+    def fit(trainer) -> None:
+        try:
+            trainer.fit()
+        except BaseException as exc:
+            errors.append(exc)
+            with contextlib.suppress(Exception):
+                ray.get(queue.stop.remote("cancel"), timeout=30)
+
+    threads = [
+        threading.Thread(target=fit, args=(t,), name=f"service-group{g}", daemon=True)
+        for g, t in enumerate(trainers)
+    ]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    if errors:
+        raise errors[0]
+
+
+def _last_info(queue) -> dict:
     import ray
 
     try:
-        return ray.get(queue.info.remote(), timeout=30)["served"]
-    except Exception:  # the count is for people; the service has ended either way
-        return 0
+        return ray.get(queue.info.remote(), timeout=30)
+    except Exception:  # the record is for people; the service has ended either way
+        return {}
+
+
+def _served(queue) -> int:
+
+    return _last_info(queue).get("served", 0)
 
 
 def _announce_ready(queue, emit: EventSink, ready) -> None:
@@ -216,8 +315,9 @@ def _announce_ready(queue, emit: EventSink, ready) -> None:
             info = ray.get(queue.info.remote(), timeout=30)
         except Exception:
             return
-        if "workers" in info:
-            emit(Note(f"ready: {info['workers']} worker(s) on {info['device']}, waiting"))
+        if info.get("ready"):
+            groups = f"{info['groups']} group(s) of " if info["groups"] > 1 else ""
+            emit(Note(f"ready: {groups}{info['workers']} worker(s) on {info['device']}, waiting"))
             if ready is not None:
                 ready(info)
             return
