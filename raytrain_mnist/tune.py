@@ -62,14 +62,15 @@ class TuneCommand:
     train: TrainConfig  # the values of every field that is not searched; epochs per trial
     run: RunSettings
     argv: tuple[str, ...] = ()  # as given, for the resume command
+    auto_workers: bool = False  # --num-workers not given: a search on --service takes its count
 
 
 def build_parser() -> ArgumentParser:
     parser = ArgumentParser(
         prog="raytrain-mnist tune",
         description="Search hyperparameters with Ray Tune; every trial is a data-parallel "
-        "TorchTrainer run of fit's loop. Unsearched flags mean what they mean "
-        "in fit.",
+        "TorchTrainer run of fit's loop, or with --service a request to that warm service. "
+        "Unsearched flags mean what they mean in fit.",
     )
     search = parser.add_argument_group("search space")
     search.add_argument(
@@ -112,8 +113,11 @@ def build_parser() -> ArgumentParser:
 def parse_command(argv: Sequence[str] | None = None) -> TuneCommand:
     # A searchable training flag given on the command line fixes that parameter; argparse
     # keeps a value already in the namespace, so the sentinel marks "not given".
-    namespace = argparse.Namespace(**{name: _UNSET for name in searchable()})
+    namespace = argparse.Namespace(**{name: _UNSET for name in searchable()}, num_workers=None)
     args = parse_with_recipe(build_parser(), argv, namespace)
+    auto_workers = args.num_workers is None
+    if auto_workers:
+        args.num_workers = RunSettings().scaling.num_workers
     defaults = recipe_config(args.recipe)
     given = {n: getattr(args, n) for n in searchable() if getattr(args, n) is not _UNSET}
     for name in searchable():
@@ -124,7 +128,8 @@ def parse_command(argv: Sequence[str] | None = None) -> TuneCommand:
     run = dataclass_from_args(RunSettings, args)
     space = SearchSpace.from_cli(args.set, args.range, given, recipe=args.recipe)
     check_search(space, settings, train, run)
-    return TuneCommand(space, settings, train, run, tuple(sys.argv[1:] if argv is None else argv))
+    given_argv = tuple(sys.argv[1:] if argv is None else argv)
+    return TuneCommand(space, settings, train, run, given_argv, auto_workers)
 
 
 def resume_command(cmd: TuneCommand, name: str) -> str:
@@ -188,6 +193,7 @@ def run(cmd: TuneCommand) -> int:
             cmd.run,
             on_event=table,
             fit_invocation=invocation("fit"),
+            auto_workers=cmd.auto_workers,
         )
     finally:
         table.close()

@@ -17,6 +17,7 @@ from raytrain_mnist.driver import cluster
 from raytrain_mnist.driver.events import EventSink, Note, SearchStarting, log_event
 from raytrain_mnist.driver.fitting import default_invocation
 from raytrain_mnist.driver.runs import BEST_FILE, RUNS_DIR, SEARCH_FILE, Run, data_identity
+from raytrain_mnist.driver.searching import on_service
 from raytrain_mnist.driver.searching.plan import (
     PLAN_FILE,
     TRIAL_CPU,
@@ -58,7 +59,7 @@ from raytrain_mnist.driver.trainer import forwarded_env
 from raytrain_mnist.errors import EXIT_USAGE, UserError
 
 
-def search(  # noqa: PLR0913 -- the library's call: a search's four parts and two options
+def search(  # noqa: PLR0913 -- the library's call: a search's four parts and its options
     space: SearchSpace,
     settings: TuneSettings,
     train: TrainConfig,
@@ -66,6 +67,7 @@ def search(  # noqa: PLR0913 -- the library's call: a search's four parts and tw
     *,
     on_event: EventSink | None = None,
     fit_invocation: Sequence[str] | None = None,
+    auto_workers: bool = False,
 ) -> SearchResult:
     """Run (or continue) the search of ``space`` over fit's trainer.
 
@@ -77,20 +79,25 @@ def search(  # noqa: PLR0913 -- the library's call: a search's four parts and tw
     ``fit_invocation`` the words that start ``fit`` in ``fit_command`` (default:
     :func:`~raytrain_mnist.driver.fitting.default_invocation`). Bad settings raise
     :class:`ConfigError` or :class:`UserError` before anything starts.
+
+    With ``run.scaling.service`` (``--service``) every trial is a request to that warm
+    service (:mod:`.on_service`): the same search, trained by the service's workers, with
+    its data; ``auto_workers``: ``run`` did not choose a worker count, take the service's.
     """
     words = default_invocation() if fit_invocation is None else fit_invocation
     ctx = _Search(space, settings, train, run, on_event or log_event, list(words))
-    _prepare(ctx)
-    with ctx.experiment.claim(run.storage.fresh, "search"):  # one search per directory at once
-        ctx.experiment.held.handled = True  # a lost claim stops the search, with one line
-        _open(ctx)
-        _size(ctx)
-        if ctx.pending:
-            with _connect(ctx):
-                _monitor(ctx, _build(ctx))
-        else:  # nothing to run: no Ray is started
-            _announce(ctx, min(ctx.concurrent, settings.num_samples))
-        return _summarize(ctx)
+    with _on_service(ctx, auto_workers):
+        _prepare(ctx)
+        with ctx.experiment.claim(run.storage.fresh, "search"):  # one search per directory
+            ctx.experiment.held.handled = True  # a lost claim stops the search, with one line
+            _open(ctx)
+            _size(ctx)
+            if ctx.pending:
+                with _connect(ctx):
+                    _monitor(ctx, _build(ctx))
+            else:  # nothing to run: no Ray is started
+                _announce(ctx, min(ctx.concurrent, settings.num_samples))
+            return _summarize(ctx)
 
 
 @dataclass
@@ -116,6 +123,31 @@ class _Search:
     local: bool = field(init=False)  # _size: this search starts its own Ray
     concurrent: int = field(init=False)  # _size, then _connect: trials at once
     cpus_per_worker: int = field(init=False)  # _size
+    client: Any = None  # _on_service: the service every trial is a request to, if any
+
+
+@contextlib.contextmanager
+def _on_service(ctx: _Search, auto_workers: bool) -> Iterator[None]:
+    """With ``--service``: connect to the service's Ray for the whole search (its data
+    names the search) and fit the run settings to the service, as ``fit --service`` does."""
+    service = ctx.run.scaling.service
+    if service is None:
+        yield
+        return
+    import ray
+
+    from raytrain_mnist.driver.service import ServiceClient
+
+    ctx.address = ServiceClient.address_of(service, ctx.run.address)
+    ours = not ray.is_initialized()  # a notebook's Ray stays connected
+    try:
+        with cluster.connect(ctx.address, cluster.Request(0, 1, False), dashboard=False):
+            ctx.client = ServiceClient(service)
+            ctx.run = on_service.fitted_run(ctx.client, ctx.train, ctx.run, auto_workers)
+            yield
+    finally:
+        if ours and ray.is_initialized():
+            ray.shutdown()
 
 
 def _prepare(ctx: _Search) -> None:
@@ -125,12 +157,16 @@ def _prepare(ctx: _Search) -> None:
     settings_identity = experiment_identity(space, settings, train, run)
     name = experiment_name(settings_identity, run)
     ctx.experiment = Run(run.storage.storage_path, name, record=SEARCH_FILE)
+    if ctx.client is not None:  # the service's data: the same identity as loaded here
+        ctx.data = ctx.client.data
+        data = ctx.data.identity
+    else:
+        from raytrain_mnist.data import load_mnist
 
-    from raytrain_mnist.data import load_mnist
-
-    ctx.data = load_mnist(run.data.data_dir, run.data.dataset)
+        ctx.data = load_mnist(run.data.data_dir, run.data.dataset)
+        data = data_identity(ctx.data)
     space.check_data(train, run, ctx.data.train_size)  # every trial it can draw must train
-    ctx.identity = {**settings_identity, "data": data_identity(ctx.data)}
+    ctx.identity = {**settings_identity, "data": data}
     ctx.plan = draw_trials(space, settings, ctx.identity)
 
 
@@ -156,6 +192,14 @@ def _open(ctx: _Search) -> None:
 
 def _size(ctx: _Search) -> None:
     """Where the trials run, how many at once and with how many CPUs per worker."""
+    if ctx.client is not None:
+        info = ctx.client.info
+        ctx.local, ctx.cpus_per_worker = False, info["cpus_per_worker"]
+        wanted = ctx.settings.max_concurrent_trials
+        ctx.concurrent = on_service.concurrency(
+            info, wanted, len(ctx.pending) or ctx.settings.num_samples
+        )
+        return
     ctx.address = cluster.resolve_address(ctx.run.address)
     import ray
 
@@ -167,6 +211,10 @@ def _size(ctx: _Search) -> None:
 def _connect(ctx: _Search) -> Iterator[None]:
     """Connect to the cluster (or start a local Ray sized for the trials at once), check
     that it holds the trials asked to run at once, and say that the search starts."""
+    if ctx.client is not None:  # connected to the service's Ray since _on_service
+        _announce(ctx, ctx.concurrent)
+        yield
+        return
     scaling = ctx.run.scaling
     sized_for = ctx.concurrent if ctx.local else 1
     request = dataclasses.replace(
@@ -222,9 +270,31 @@ def _announce(ctx: _Search, concurrent: int) -> None:
 
 
 def _build(ctx: _Search) -> TuneRun:
-    """The Tune run of the pending trials, MNIST put in the object store once for all."""
+    """The Tune run of the pending trials, MNIST put in the object store once for all
+    (on a service: the service's requests, its data)."""
+    return TuneRun(
+        trainable=_trainable(ctx),
+        name=ctx.experiment.name,
+        storage=ctx.experiment.storage,
+        pending=ctx.pending,
+        scheduler=scheduler(ctx.settings, ctx.train.epochs, ctx.session.ended.values()),
+        concurrent=ctx.concurrent,
+    )
+
+
+def _trainable(ctx: _Search) -> Any:
     import ray
 
+    if ctx.client is not None:
+        return on_service.service_trainable(
+            on_service.ServiceTrialSetup(
+                service=ctx.client.name,
+                train=ctx.train.to_dict(),
+                run=on_service.without_progress(ctx.run),
+                runs_root=ctx.session.runs_root,
+                plan=ctx.session.plan,
+            )
+        )
     setup = TrialSetup(
         train=ctx.train.to_dict(),
         run=ctx.run,
@@ -233,14 +303,7 @@ def _build(ctx: _Search) -> TuneRun:
         plan=ctx.session.plan,
         forwarded=forwarded_env(),
     )
-    return TuneRun(
-        trainable=trainable(setup, ray.put(ctx.data)),
-        name=ctx.experiment.name,
-        storage=ctx.experiment.storage,
-        pending=ctx.pending,
-        scheduler=scheduler(ctx.settings, ctx.train.epochs, ctx.session.ended.values()),
-        concurrent=ctx.concurrent,
-    )
+    return trainable(setup, ray.put(ctx.data))
 
 
 def _monitor(ctx: _Search, tune_run: TuneRun) -> None:
