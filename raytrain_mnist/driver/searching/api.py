@@ -124,6 +124,7 @@ class _Search:
     concurrent: int = field(init=False)  # _size, then _connect: trials at once
     cpus_per_worker: int = field(init=False)  # _size
     client: Any = None  # _on_service: the service every trial is a request to, if any
+    requests: Any = None  # _connect, on a service: the SearchRequests of its trials
 
 
 @contextlib.contextmanager
@@ -212,8 +213,10 @@ def _connect(ctx: _Search) -> Iterator[None]:
     """Connect to the cluster (or start a local Ray sized for the trials at once), check
     that it holds the trials asked to run at once, and say that the search starts."""
     if ctx.client is not None:  # connected to the service's Ray since _on_service
-        _announce(ctx, ctx.concurrent)
-        yield
+        # Whatever ends the Tune run, no request of its trials trains on after it.
+        with on_service.requests_of_the_search(ctx.client) as ctx.requests:
+            _announce(ctx, ctx.concurrent)
+            yield
         return
     scaling = ctx.run.scaling
     sized_for = ctx.concurrent if ctx.local else 1
@@ -293,6 +296,7 @@ def _trainable(ctx: _Search) -> Any:
                 run=on_service.without_progress(ctx.run),
                 runs_root=ctx.session.runs_root,
                 plan=ctx.session.plan,
+                requests=ctx.requests,
             )
         )
     setup = TrialSetup(

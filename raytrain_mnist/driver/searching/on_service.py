@@ -7,6 +7,11 @@ hands each epoch the service commits to Tune as that trial's result, and cancels
 request when Tune stops the trial (its run keeps its committed checkpoints and resumes
 like any cancelled request). The actor imports neither torch nor Ray Train: it waits on
 the service's queue, and asks the cluster for no CPU.
+
+Tune tells a trial it stops only between two of its steps; a search stopped mid-epoch
+(Ctrl-C, a lost claim) kills its trials' actors instead. So every trial also registers
+its request with the search (:class:`SearchRequests`), and the search cancels whatever is
+left when its Tune run ends: nothing it sent trains on after it.
 """
 
 from __future__ import annotations
@@ -15,6 +20,7 @@ import contextlib
 import dataclasses
 import sys
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -46,6 +52,7 @@ class ServiceTrialSetup:
     run: RunSettings  # fitted to the service (its workers, device and data), no progress
     runs_root: str
     plan: dict[str, dict]  # trial name -> the values it draws
+    requests: Any = None  # the search's SearchRequests actor
 
 
 # --------------------------------------------------------------------------- the driver
@@ -74,6 +81,37 @@ def concurrency(info: dict, wanted: int | None, pending: int) -> int:
 def _count(value: Any, default: int) -> int:
     ok = isinstance(value, int) and not isinstance(value, bool) and value >= 1
     return value if ok else default
+
+
+class SearchRequests:
+    """The requests a search's trials sent (an actor of the search): the ids its driver
+    cancels when the Tune run ends, whatever ended it."""
+
+    def __init__(self) -> None:
+        self.ids: dict[str, str] = {}  # request id -> trial
+
+    def add(self, request_id: str, trial: str) -> None:
+        self.ids[request_id] = trial
+
+    def sent(self) -> list[str]:
+        return list(self.ids)
+
+
+@contextlib.contextmanager
+def requests_of_the_search(client) -> Iterator[Any]:
+    """A :class:`SearchRequests` actor for the trials; on the way out every request they
+    sent is cancelled (one that ended is left as it is) and the actor goes."""
+    import ray
+
+    requests = ray.remote(num_cpus=0)(SearchRequests).remote()
+    try:
+        yield requests
+    finally:
+        try:
+            for request_id in ray.get(requests.sent.remote(), timeout=30):
+                client.cancel(request_id, "its search stopped")
+        finally:
+            ray.kill(requests)
 
 
 def service_trainable(setup: ServiceTrialSetup) -> Any:
@@ -125,6 +163,8 @@ class TrialRequest:
 
     @classmethod
     def send(cls, name: str, setup: ServiceTrialSetup) -> TrialRequest:
+        import ray
+
         from raytrain_mnist.driver.service import ServiceClient
 
         train = trial_config(TrainConfig.from_dict(setup.train), setup.plan[name])
@@ -135,6 +175,8 @@ class TrialRequest:
             held.enter_context(run.claim())
             client = ServiceClient(setup.service)
             request_id = client.submit(cfg, run, run.latest_checkpoint())
+            if setup.requests is not None:
+                ray.get(setup.requests.add.remote(request_id, name), timeout=60)
         except BaseException:
             held.close()
             raise
