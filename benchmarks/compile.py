@@ -187,22 +187,34 @@ def step_cost(data_dir: str, dataset: str, threads: int, blocks: int, steps: int
     ``blocks`` blocks of ``steps`` steps after one warm-up block each (the compiled one's
     first step compiles, in a fresh Inductor cache), so a change in the machine's load hits
     both alike. Returns the medians of the per-block means and the compile step's seconds."""
-    import contextlib
+    import math
     import statistics
 
     import torch
 
     from raytrain_mnist.config import TrainConfig
     from raytrain_mnist.data import load_mnist
-    from raytrain_mnist.nn.model import ConvNet
-    from raytrain_mnist.nn.optim import StepRecipe, build_optimizer, grad_scaler
-    from raytrain_mnist.worker.loop import keep_freed_memory, make_train_loader, train_step
+    from raytrain_mnist.worker.setup import keep_freed_memory
+    from raytrain_mnist.worker.training import as_is, prepare_training
 
     keep_freed_memory()
     torch.set_num_threads(threads)
-    cfg = TrainConfig()
     data = load_mnist(data_dir, dataset)
-    loader = make_train_loader(data.train_images, data.train_labels, cfg.batch_size, cfg.seed)
+    # fit's default recipe, its schedule long enough for every step taken here (and more).
+    per_epoch = len(data.train_labels) // TrainConfig().batch_size
+    cfg = TrainConfig(epochs=math.ceil(10 * (blocks + 1) * steps / per_epoch))
+    trainings = {
+        name: prepare_training(
+            cfg,
+            data,
+            torch.device("cpu"),
+            compile=name == "compiled",
+            prepare_model=as_is,
+            prepare_data_loader=as_is,
+        )
+        for name in ("eager", "compiled")
+    }
+    loader = trainings["eager"].loader  # one stream of batches for both
     batches = iter(loader)
 
     def next_batch():
@@ -213,35 +225,12 @@ def step_cost(data_dir: str, dataset: str, threads: int, blocks: int, steps: int
             batches = iter(loader)
             return next(batches)
 
-    models = {}
-    for name in ("eager", "compiled"):
-        torch.manual_seed(cfg.seed)
-        model = ConvNet()
-        if name == "compiled":
-            model.compile()
-        optimizer, scheduler = build_optimizer(model, cfg, 10 * (blocks + 1) * steps)
-        models[name] = (
-            model.train(),
-            optimizer,
-            scheduler,
-            grad_scaler("off", torch.device("cpu")),
-        )
-
     def run(name: str, n: int) -> float:
-        model, optimizer, scheduler, scaler = models[name]
+        step = trainings[name].steps.step  # fit's train step, on this training's parts
+        step.model.train()
         started = time.perf_counter()
         for _ in range(n):
-            images, labels = next_batch()
-            train_step(
-                model,
-                images,
-                labels,
-                optimizer,
-                scheduler,
-                scaler,
-                contextlib.nullcontext(),
-                StepRecipe.of(cfg),
-            )
+            step(*next_batch())
         return (time.perf_counter() - started) / n
 
     with tempfile.TemporaryDirectory() as cache:

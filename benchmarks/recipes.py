@@ -111,24 +111,19 @@ def run_one(
 ) -> dict:
     """Train ``settings`` for ``epochs`` from ``seed`` on the plain loop; return the run's
     record (accuracy per epoch and at the ``eval_at`` shares of epoch 1, training seconds)."""
-    import contextlib
-
     import torch
 
     from raytrain_mnist.config import TrainConfig
-    from raytrain_mnist.nn.model import ConvNet
-    from raytrain_mnist.nn.optim import StepRecipe, build_optimizer
     from raytrain_mnist.nn.score import evaluate
-    from raytrain_mnist.worker.loop import make_train_loader, set_epoch, train_one_epoch
+    from raytrain_mnist.worker.batches import set_epoch
+    from raytrain_mnist.worker.training import as_is, prepare_training
 
     cfg = TrainConfig(**settings, epochs=epochs, seed=seed)
     device = torch.device("cpu")
-    torch.manual_seed(cfg.seed)  # as fit's workers do
-    model = ConvNet()
-    loader = make_train_loader(data.train_images, data.train_labels, cfg.batch_size, cfg.seed)
+    # The very training a fit worker prepares, in one process without Ray.
+    training = prepare_training(cfg, data, device, prepare_model=as_is, prepare_data_loader=as_is)
+    model, loader = training.module, training.loader
     steps = len(loader)
-    optimizer, scheduler = build_optimizer(model, cfg, steps)
-    scaler = torch.amp.GradScaler("cpu", enabled=False)
     marks = {max(1, round(share * steps)): share for share in eval_at if 0 < share < 1}
     evals: list[dict] = []
     eval_s = [0.0]
@@ -162,17 +157,7 @@ def run_one(
         set_epoch(loader, epoch, cfg.seed)
         clock.update(epoch=epoch + 1, started=time.perf_counter())
         eval_s[0] = 0.0
-        train = train_one_epoch(
-            model,
-            loader,
-            optimizer,
-            scheduler,
-            scaler,
-            contextlib.nullcontext(),
-            device,
-            on_step=on_step,
-            recipe=StepRecipe.of(cfg),
-        )
+        train = training.train_one_epoch(on_step=on_step)
         score(epoch + 1, steps, 1.0)
         clock["trained"] = evals[-1]["train_s"]
         evals[-1]["train_loss"] = train["train_loss"]
@@ -283,7 +268,7 @@ def main() -> None:
     import torch
 
     from raytrain_mnist.data import load_mnist
-    from raytrain_mnist.worker.loop import keep_freed_memory
+    from raytrain_mnist.worker.setup import keep_freed_memory
 
     keep_freed_memory()  # as in every fit worker
     torch.set_num_threads(args.threads)

@@ -46,18 +46,12 @@ def _product_loop(args, rank: int = 0, world: int = 1, sampler=None) -> None:
     unless --cuda-graphs off, the whole step captured in one CUDA graph."""
     import torch
 
-    from raytrain_mnist.config import TrainConfig, graph_blocker
+    from raytrain_mnist.config import TrainConfig
     from raytrain_mnist.data import load_mnist
-    from raytrain_mnist.nn.model import ConvNet
     from raytrain_mnist.nn.score import evaluate
-    from raytrain_mnist.worker.loop import (
-        assemble_training,
-        keep_freed_memory,
-        make_train_loader,
-        set_epoch,
-        set_up_cudnn,
-        to_device,
-    )
+    from raytrain_mnist.worker.batches import set_epoch
+    from raytrain_mnist.worker.setup import keep_freed_memory, set_up_cudnn, to_device
+    from raytrain_mnist.worker.training import as_is, prepare_training
 
     moments = {"imported_s": _now()}
     keep_freed_memory()  # part of the product's training path, as in every fit worker
@@ -69,32 +63,35 @@ def _product_loop(args, rank: int = 0, world: int = 1, sampler=None) -> None:
     cfg = TrainConfig(epochs=args.epochs, batch_size=args.batch_size, seed=args.seed)
     data = to_device(load_mnist(args.data_dir, args.dataset), device)
     moments["data_loaded_s"] = _now()
-    torch.manual_seed(cfg.seed)
-    model = ConvNet().to(device)
-    if args.compile:  # as fit's --compile: the inner module, in place, before DDP
-        model.compile()
-    backend = torch.distributed.get_backend() if world > 1 else None
-    blocked = graph_blocker(cfg.optimizer, device.type == "cuda", backend, args.compile)
-    captured = args.cuda_graphs != "off" and blocked is None
-    loader = make_train_loader(
-        data.train_images, data.train_labels, cfg.batch_size // world, cfg.seed
-    )
-    if world > 1:
+    wrap_model, wrap_loader = as_is, as_is
+    if world > 1:  # torchrun's DDP and sampler where a fit worker has Ray's
         from torch.nn.parallel import DistributedDataParallel
         from torch.utils.data import DataLoader, DistributedSampler
 
-        model = DistributedDataParallel(model)
-        loader = DataLoader(
-            loader.dataset,
-            batch_size=loader.batch_size,
-            drop_last=True,
-            collate_fn=tuple,
-            sampler=DistributedSampler(loader.dataset, seed=cfg.seed),
-        )
-    # The optimizer, schedule, scaler and autocast (fit's default: off) as fit's workers
-    # assemble them, and on a GPU the device steps.
-    training = assemble_training(cfg, model, loader, data, device, captured=captured)
-    module = training.module
+        def wrap_loader(loader):
+            sampler = DistributedSampler(loader.dataset, seed=cfg.seed)
+            return DataLoader(
+                loader.dataset,
+                batch_size=loader.batch_size,
+                drop_last=True,
+                collate_fn=tuple,
+                sampler=sampler,
+            )
+
+        wrap_model = DistributedDataParallel
+    # The very training a fit worker prepares (the model, optimizer, schedule, scaler,
+    # autocast; on a GPU the device steps, captured unless --cuda-graphs off).
+    training = prepare_training(
+        cfg,
+        data,
+        device,
+        world,
+        args.compile,
+        args.cuda_graphs,
+        prepare_model=wrap_model,
+        prepare_data_loader=wrap_loader,
+    )
+    loader, module = training.loader, training.module
     moments["model_prepared_s"] = _now()
     epochs, first_step = [], None
     for epoch in range(cfg.epochs):
@@ -117,7 +114,7 @@ def _product_loop(args, rank: int = 0, world: int = 1, sampler=None) -> None:
                 "steps": train["train_steps"],
                 "cpu_s_per_step": train["cpu_s"] / train["train_steps"],
                 # The warm-up and capture of a captured step (its first epoch's first step).
-                "capture_s": training.device_steps.run.prepare_s if training.device_steps else 0,
+                "capture_s": training.steps.prepare_s,
                 "step": "captured" if training.captured else "eager",
                 "val_accuracy": val["val_accuracy"],
                 "eval_done_s": _now(),

@@ -224,25 +224,16 @@ CPU = torch.device("cpu")
 
 
 def _training(cfg: TrainConfig, images, labels, seed: int):
-    """One worker's training objects as the loop builds them, on one process without Ray."""
-    from raytrain_mnist.nn.optim import amp_context, build_optimizer, grad_scaler
-    from raytrain_mnist.worker.loop import Training, build_model, make_train_loader
+    """One worker's training as the loop prepares it, on one process without Ray, its
+    weights initialised from ``seed``."""
+    import dataclasses
 
-    torch.manual_seed(seed)
-    model = build_model(sync_bn=False)
-    loader = make_train_loader(images, labels, cfg.batch_size, cfg.seed)
-    optimizer, scheduler = build_optimizer(model, cfg, len(loader))
-    return Training(
-        model=model,
-        module=model,
-        loader=loader,
-        optimizer=optimizer,
-        scheduler=scheduler,
-        scaler=grad_scaler(cfg.amp, CPU),
-        autocast=amp_context(cfg.amp, CPU),
-        device=CPU,
-        sync_bn=False,
-    )
+    from raytrain_mnist.data import MnistData
+    from raytrain_mnist.worker.training import as_is, prepare_training
+
+    data = MnistData(images, labels, images[:0], labels[:0], "sample", "test")
+    cfg = dataclasses.replace(cfg, seed=seed)
+    return prepare_training(cfg, data, CPU, prepare_model=as_is, prepare_data_loader=as_is)
 
 
 def test_the_loops_checkpoint_passes_the_resume_check_and_resumes_the_uninterrupted_run(
@@ -384,17 +375,14 @@ def test_a_mid_epoch_checkpoint_resumes_the_uninterrupted_run_bit_for_bit(tmp_pa
     """A checkpoint at step 3 of epoch 2 (what a preemption writes, just in time): a resume
     skips exactly those 3 batches, draws the shifts the uninterrupted run drew from there,
     and ends the epoch with its weights, schedule and metrics."""
-    import dataclasses
-
-    from raytrain_mnist.nn.optim import StepRecipe
-    from raytrain_mnist.worker.loop import set_epoch
+    from raytrain_mnist.worker.batches import set_epoch
     from raytrain_mnist.worker.resume import checkpoint_state, restore, resume_point
 
     cfg = TrainConfig(epochs=3, batch_size=16, lr=0.05, max_shift=2)
     images, labels = (torch.from_numpy(a[:96].copy()) for a in sample_digits)
 
-    def training(seed):
-        return dataclasses.replace(_training(cfg, images, labels, seed), recipe=StepRecipe.of(cfg))
+    def training(seed):  # the recipe is the config's: max_shift 2
+        return _training(cfg, images, labels, seed)
 
     run = training(cfg.seed)
     set_epoch(run.loader, 0, cfg.seed)

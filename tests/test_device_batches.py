@@ -13,21 +13,14 @@ import torch
 from torch.utils.data import DataLoader, DistributedSampler
 
 from raytrain_mnist.config import TrainConfig
+from raytrain_mnist.data import MnistData
 from raytrain_mnist.nn import checkpoint as ckpt
-from raytrain_mnist.nn.optim import (
-    CapturableAdamW,
-    ScheduleTable,
-    StepRecipe,
-    amp_context,
-    build_optimizer,
-    grad_scaler,
-    schedule_table,
-)
-from raytrain_mnist.worker.batches import DeviceBatches
+from raytrain_mnist.nn.optim import CapturableAdamW, ScheduleTable, build_optimizer, schedule_table
+from raytrain_mnist.worker.batches import DeviceBatches, make_train_loader, set_epoch
 from raytrain_mnist.worker.graphs import CAPTURE, EAGER, WARMUP_STEPS, GraphedStep
-from raytrain_mnist.worker.loop import Training, build_model, make_train_loader, set_epoch
 from raytrain_mnist.worker.resume import checkpoint_state, restore, resume_point
-from raytrain_mnist.worker.step import DeviceSteps, train_step
+from raytrain_mnist.worker.step import train_step
+from raytrain_mnist.worker.training import LOADER, Training, as_is, prepare_training
 
 CPU = torch.device("cpu")
 #: fit's default recipe (shifts, label smoothing, one-cycle AdamW) at a tiny size.
@@ -146,29 +139,22 @@ def test_the_schedule_table_is_the_rate_of_every_eager_step(schedule):
     assert resumed.state_dict() == early.state_dict()
 
 
-def _training(images, labels, seed: int, captured: bool = False, mode: str | None = None):
-    """One worker's training objects as the loop assembles them on a device, here the CPU:
-    ``mode`` makes the batches from the order and runs the step through the capture
-    wrapper (None: today's loader loop)."""
-    torch.manual_seed(seed)
-    model = build_model(sync_bn=False)
-    loader = make_train_loader(images, labels, CFG.batch_size, CFG.seed)
-    optimizer, scheduler = build_optimizer(model, CFG, len(loader), captured=captured)
-    training = Training(
-        model=model,
-        module=model,
-        loader=loader,
-        optimizer=optimizer,
-        scheduler=scheduler,
-        scaler=grad_scaler(CFG.amp, CPU),
-        autocast=amp_context(CFG.amp, CPU),
-        device=CPU,
-        sync_bn=False,
-        recipe=StepRecipe.of(CFG),
+def _training(images, labels, seed: int, captured: bool = False, mode: str = LOADER):
+    """One worker's training as the loop prepares it on a device, here the CPU, its weights
+    initialised from ``seed``: ``mode`` makes the batches from the order and runs the step
+    through the capture wrapper (LOADER: the CPU's loader loop); ``captured``: the
+    optimizer and schedule built for capture."""
+    data = MnistData(images, labels, images[:0], labels[:0], "sample", "test")
+    cfg = dataclasses.replace(CFG, seed=seed)
+    return prepare_training(
+        cfg,
+        data,
+        CPU,
+        prepare_model=as_is,
+        prepare_data_loader=as_is,
+        capture=captured,
+        step_mode=mode,
     )
-    if mode is not None:
-        training.device_steps = DeviceSteps(training, images, labels, mode)
-    return training
 
 
 def _trained(training: Training, epochs: int = 2) -> tuple[dict, list[dict]]:
@@ -205,7 +191,7 @@ def test_the_capture_wrapper_falls_back_to_eager_on_cpu_bit_for_bit(digits):
         _same_weights(weights, got)
         _same_epochs(epochs, got_epochs)
         assert run.lr == today.lr and torch.equal(torch.rand(4), draws)
-        assert not run.captured and (run.device_steps.run.prepare_s > 0) == (mode == CAPTURE)
+        assert not run.captured and (run.steps.prepare_s > 0) == (mode == CAPTURE)
     # The captured step's own optimizer and schedule: the warm-up (which makes their state,
     # then zeroes it in place) is undone as completely.
     weights, epochs = _trained(_training(images, labels, 0, captured=True, mode=EAGER))
@@ -259,7 +245,7 @@ def test_the_warm_up_is_undone_in_place_and_a_resume_loads_into_the_same_tensors
     optimizer, schedule = resumed.optimizer, resumed.scheduler
     held = [p for p in resumed.module.parameters()]
     held += [t for s in optimizer.state.values() for t in s.values()]
-    held += [optimizer.lr, schedule.position, resumed.device_steps.batches.at]
+    held += [optimizer.lr, schedule.position, resumed.steps.batches.at]
     pointers = [t.data_ptr() for t in held]
     restore(resumed, ckpt.load(tmp_path))
     assert [t.data_ptr() for t in held] == pointers
@@ -287,9 +273,9 @@ def test_train_step_is_what_the_device_steps_run(digits):
     a = _training(images, labels, 0, mode=EAGER)
     b = _training(images, labels, 0)
     set_epoch(a.loader, 0, CFG.seed)
-    a.device_steps.batches.load_epoch()
+    a.steps.batches.load_epoch()
     torch.manual_seed(3)
-    a.device_steps.run()
+    a.steps.run()
     set_epoch(b.loader, 0, CFG.seed)
     x, y = next(iter(b.loader))
     torch.manual_seed(3)

@@ -380,12 +380,9 @@ def _gpu_training(cfg, data, captured: bool, train_images: int | None = None):
     no DDP), on the first ``train_images`` digits."""
     import dataclasses
 
-    from raytrain_mnist.worker.loop import (
-        assemble_training,
-        build_model,
-        make_train_loader,
-        set_up_cudnn,
-    )
+    from raytrain_mnist.worker.loop import set_up_cudnn
+    from raytrain_mnist.worker.step import DeviceSteps
+    from raytrain_mnist.worker.training import as_is, prepare_training
 
     if train_images is not None:
         data = dataclasses.replace(
@@ -394,11 +391,10 @@ def _gpu_training(cfg, data, captured: bool, train_images: int | None = None):
             train_labels=data.train_labels[:train_images],
         )
     set_up_cudnn()
-    torch.manual_seed(cfg.seed)
-    model = build_model(sync_bn=False).to(CUDA)
-    loader = make_train_loader(data.train_images, data.train_labels, cfg.batch_size, cfg.seed)
-    training = assemble_training(cfg, model, loader, data, CUDA, captured=captured)
-    assert training.captured is captured and training.device_steps is not None
+    training = prepare_training(
+        cfg, data, CUDA, capture=captured, prepare_model=as_is, prepare_data_loader=as_is
+    )
+    assert training.captured is captured and isinstance(training.steps, DeviceSteps)
     return training
 
 
@@ -441,10 +437,10 @@ def test_fp16_overflow_still_skips_the_step_inside_the_graph(mnist_on_gpu):
     cfg = TrainConfig(amp="fp16")
     training = _gpu_training(cfg, mnist_on_gpu, True, train_images=20 * 128)
     set_epoch(training.loader, 0, cfg.seed)
-    steps = training.device_steps.epoch(None)
+    steps = training.steps.epoch(None)
     for _ in range(13):  # the warm-up and capture, then replays
         next(steps)
-    assert training.device_steps.run.graph is not None
+    assert training.steps.run.graph is not None
     before = {k: v.clone() for k, v in training.module.named_parameters()}
     moments = [s["exp_avg"].clone() for s in training.optimizer.state.values()]
     scaler = training.scaler

@@ -4,8 +4,9 @@ holds and how a worker group starts again from it. Run inside a Train worker.
 :func:`checkpoint_state` builds what rank 0 saves (``checkpoint.RESUME_KEYS``),
 :func:`restore` loads it into a freshly prepared :class:`~.loop.Training`, and
 :func:`resume_point` says where the first epoch resumes (:class:`EpochStart`). The
-just-in-time checkpoint of a preemption (:func:`jit_saver`, used by
-:class:`~.preempt.JustInTime`) is the same state at a step within the epoch.
+just-in-time checkpoint of a preemption (:class:`MidEpochSave`, used by
+:class:`~.preempt.JustInTime`) is the same state at a step within the epoch. What a step
+changes, the heart of that state, is listed once: :data:`STEP_STATE`.
 """
 
 from __future__ import annotations
@@ -54,18 +55,37 @@ def resume_state() -> dict[str, Any] | None:
         return ckpt.load(directory)
 
 
+#: What a training step changes, by checkpoint key and the attribute of a
+#: :class:`~.loop.Training` (or a :class:`~.step.Step`) that holds it; with the RNG's state,
+#: the one list of what resumes a run: a checkpoint saves and loads it, a captured step's
+#: warm-up undoes itself with it (:class:`~.step.DeviceSteps`).
+STEP_STATE = {
+    "model": "module",
+    "optimizer": "optimizer",
+    "scheduler": "scheduler",
+    "scaler": "scaler",
+}
+
+
+def step_state(parts) -> dict[str, Any]:
+    """The :data:`STEP_STATE` of ``parts`` (their state_dicts, not copies) and the RNG's."""
+    state = {key: getattr(parts, name).state_dict() for key, name in STEP_STATE.items()}
+    return {**state, "rng": ckpt.rng_state()}
+
+
+def load_step_state(parts, state: dict[str, Any]) -> None:
+    """Put :func:`step_state`'s ``state`` back into ``parts``, in place. The RNG comes back
+    last, so the next draw is the one the uninterrupted run made."""
+    for key, name in STEP_STATE.items():
+        getattr(parts, name).load_state_dict(state[key])
+    ckpt.set_rng_state(state["rng"])
+
+
 def restore(training: Training, state: dict[str, Any]) -> tuple[int, list[dict], float]:
     """Load a checkpoint's ``state`` (as :func:`checkpoint_state` wrote it) into
     ``training`` and the RNG; returns (epochs completed, history, best validation accuracy).
-
-    Every rank loads the same state, so the replicas stay identical; the RNG comes back
-    last, so the next draw is the one the uninterrupted run made.
-    """
-    training.module.load_state_dict(state["model"])
-    training.optimizer.load_state_dict(state["optimizer"])
-    training.scheduler.load_state_dict(state["scheduler"])
-    training.scaler.load_state_dict(state["scaler"])
-    ckpt.set_rng_state(state["rng"])
+    Every rank loads the same state, so the replicas stay identical."""
+    load_step_state(training, state)
     return state["epoch"], state["history"], state["best_val_accuracy"]
 
 
@@ -86,15 +106,11 @@ def checkpoint_state(
         position = ckpt.boundary_position(cfg.to_dict(), epoch, world_size)
     return {
         "position": position,
-        "model": training.module.state_dict(),
-        "optimizer": training.optimizer.state_dict(),
-        "scheduler": training.scheduler.state_dict(),
-        "scaler": training.scaler.state_dict(),
+        **step_state(training),
         "epoch": epoch,
         "best_val_accuracy": best,
         "history": history,
         "config": cfg.to_dict(),
-        "rng": ckpt.rng_state(),
     }
 
 
@@ -119,6 +135,12 @@ class Done:
     history: list[dict] = dataclasses.field(default_factory=list)
     best: float = 0.0
 
+    def add(self, record: dict[str, Any]) -> None:
+        """One more epoch done: its ``record`` (``loop.epoch_record``'s)."""
+        self.epoch += 1
+        self.best = max(self.best, record["val_accuracy"])
+        self.history.append(record)
+
 
 def resume_point(state: dict[str, Any] | None, rank: int) -> tuple[EpochStart | None, dict]:
     """Where a checkpoint's ``state`` resumes: the first epoch's :class:`EpochStart` (None
@@ -138,28 +160,46 @@ def resume_point(state: dict[str, Any] | None, rank: int) -> tuple[EpochStart | 
     return EpochStart(position["step"], sums, state["rng"]), told
 
 
-def jit_saver(training: Training, cfg: TrainConfig, done: Done, keys: dict, rank: int):
-    """The just-in-time checkpoint of :class:`~.preempt.JustInTime`: the epoch's sums so
-    far over every rank, rank 0's state at this step, one report from every rank."""
-    cpu_started = [time.process_time()]  # reset by the loop at each epoch's start
+class MidEpochSave:
+    """The just-in-time checkpoint of :class:`~.preempt.JustInTime`, called as
+    ``save(step, sums, final)``: the epoch's sums so far over every rank, rank 0's state at
+    this step, one report from every rank. ``run_keys``: what each of its reports says
+    about the run (``started_at``, a service's tags); :meth:`epoch_start` at each epoch's
+    start, with the CPU seconds a resumed epoch had already spent."""
 
-    def save(step: int, sums: torch.Tensor, final: bool) -> None:
-        cpu = torch.tensor(
-            [time.process_time() - cpu_started[0]], dtype=torch.float64, device=sums.device
-        )
+    def __init__(
+        self,
+        training: Training,
+        cfg: TrainConfig,
+        done: Done,
+        rank: int,
+        world_size: int,
+        run_keys: dict,
+    ) -> None:
+        self.training, self.cfg, self.done = training, cfg, done
+        self.rank, self.world_size, self.run_keys = rank, world_size, run_keys
+        self.epoch_start()
+
+    def epoch_start(self, carried_cpu_s: float = 0.0) -> None:
+        self._cpu_started, self._carried_cpu_s = time.process_time(), carried_cpu_s
+
+    def __call__(self, step: int, sums: torch.Tensor, final: bool) -> None:
+        done, cpu_s = self.done, time.process_time() - self._cpu_started
+        cpu = torch.tensor([cpu_s], dtype=torch.float64, device=sums.device)
         totals = all_reduce_sum(torch.cat([sums.detach(), cpu])).tolist()
-        world_size = keys["world_size"]
         position = {
             "step": step,
-            "sums": [*totals[:3], totals[3] + keys.get("carried_cpu_s", 0.0)],
-            "sampler_seed": cfg.seed,
+            "sums": [*totals[:3], totals[3] + self._carried_cpu_s],
+            "sampler_seed": self.cfg.seed,
             "sampler_epoch": done.epoch,
-            "world_size": world_size,
+            "world_size": self.world_size,
             "kind": "preemption",
         }
         state = None
-        if rank == 0:
-            state = checkpoint_state(training, cfg, done.epoch, done.best, done.history, position)
+        if self.rank == 0:
+            state = checkpoint_state(
+                self.training, self.cfg, done.epoch, done.best, done.history, position
+            )
         metrics = {
             "progress": "checkpoint",  # not an epoch: the driver keeps it out of the history
             "kind": "preemption",
@@ -167,11 +207,7 @@ def jit_saver(training: Training, cfg: TrainConfig, done: Done, keys: dict, rank
             "epoch": done.epoch,
             "step": step,
             CHECKPOINT_METRIC: float("nan"),  # ranked below every evaluated checkpoint
-            "world_size": world_size,
-            "started_at": keys["started_at"],
-            **keys.get("tags", {}),
+            "world_size": self.world_size,
+            **self.run_keys,
         }
         report_epoch(metrics, state)
-
-    save.cpu_started = cpu_started
-    return save

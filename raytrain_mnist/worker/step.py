@@ -1,36 +1,33 @@
-"""One training step: on a batch it is handed (the CPU's loader), or on CUDA as a rank's
-:class:`DeviceSteps`, whose batches and step live on the device and whose step may be one
-CUDA graph (:mod:`.graphs`). Plain torch; the loop (:mod:`.loop`) runs the epochs."""
+"""A rank's training steps: :func:`train_step` on one batch, and the two ways an epoch
+runs it, one interface (``sums``, ``epoch(start)``) for :func:`run_epoch`:
+
+* :class:`LoaderSteps`: the DataLoader's batches, one step each (the CPU's path);
+* :class:`DeviceSteps`: on CUDA, the batches made on the device from the loader's order
+  (:mod:`.batches`) and the whole step one function of tensors that stay put, maybe
+  captured in one CUDA graph (:mod:`.graphs`).
+
+Plain torch; the loop (:mod:`.loop`) runs the epochs."""
 
 from __future__ import annotations
 
 import copy
+import dataclasses
 import functools
+import time
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.utils.data import DataLoader
 
 from raytrain_mnist.nn import checkpoint as ckpt
 from raytrain_mnist.nn.model import normalize
 from raytrain_mnist.nn.optim import StepRecipe, shift_images
-from raytrain_mnist.worker.batches import DeviceBatches
+from raytrain_mnist.nn.score import all_reduce_sum
+from raytrain_mnist.worker.batches import DeviceBatches, epoch_batches
 from raytrain_mnist.worker.graphs import GraphedStep
-from raytrain_mnist.worker.resume import EpochStart
-
-#: A :class:`~raytrain_mnist.worker.loop.Training` (not imported: the loop imports this).
-Training = Any
-
-
-def set_up_cudnn() -> None:
-    """cuDNN's fixed choice of convolution algorithms, not its benchmark mode: that times
-    every candidate algorithm of every convolution at the first step, the largest part of a
-    cold first step, and a run of a few hundred steps of this small model does not earn
-    it back (benchmarks/gpu.py measures the first step). Deterministic ones: a resumed or
-    captured run then repeats an eager one exactly."""
-    torch.backends.cudnn.benchmark = False
-    torch.backends.cudnn.deterministic = True
+from raytrain_mnist.worker.resume import EpochStart, load_step_state, step_state
 
 
 def train_step(
@@ -76,8 +73,53 @@ def accumulate(
     sums[2] += n  # a Python number: no host-to-device copy
 
 
+@dataclasses.dataclass(frozen=True)
+class Step:
+    """What one optimizer step uses; calling it trains one batch (:func:`train_step`).
+    ``module`` is the plain ConvNet inside ``model`` (DDP's, when wrapped): what is saved."""
+
+    model: nn.Module
+    module: nn.Module
+    optimizer: torch.optim.Optimizer
+    scheduler: Any  # an LRScheduler, or the captured step's ScheduleTable
+    scaler: torch.amp.GradScaler
+    autocast: Any  # a context manager: torch.autocast, or a null context
+    recipe: StepRecipe = StepRecipe()
+
+    def __call__(self, images: torch.Tensor, labels: torch.Tensor):
+        return train_step(
+            self.model,
+            images,
+            labels,
+            self.optimizer,
+            self.scheduler,
+            self.scaler,
+            self.autocast,
+            self.recipe,
+        )
+
+
+class LoaderSteps:
+    """A rank's epochs on its DataLoader's batches (from a resume's step), one step per
+    batch: where the host hands each batch over, as on the CPU."""
+
+    captured = False  # the shape of DeviceSteps: never one CUDA graph
+    prepare_s = 0.0
+
+    def __init__(self, step: Step, loader: DataLoader, device: torch.device) -> None:
+        self.step, self.loader = step, loader
+        self.sums = torch.zeros(3, dtype=torch.float64, device=device)  # loss, correct, count
+
+    def epoch(self, start: EpochStart | None):
+        """The epoch's steps (from ``start``), one per iteration."""
+        for images, labels in epoch_batches(self.loader, start):
+            loss, logits = self.step(images, labels)
+            accumulate(self.sums, loss, logits, labels)
+            yield
+
+
 class DeviceSteps:
-    """A CUDA rank's epochs: the batches made on the device from the loader's order
+    """A CUDA rank's epochs: the batches made on the device from ``loader``'s order
     (:class:`~.batches.DeviceBatches`) and the whole step, its running sums included, one
     function of tensors that stay put, called through :class:`~.graphs.GraphedStep` (as
     ``mode``: one CUDA graph where the run can capture it, else eagerly).
@@ -88,29 +130,32 @@ class DeviceSteps:
     draws, are the loader's all the same.
     """
 
-    def __init__(self, training: Training, images: torch.Tensor, labels: torch.Tensor, mode):
-        # The parts, not the Training (which holds this): no reference cycle keeps a
-        # graph's memory alive after its run.
-        self.batches = batches = DeviceBatches(training.loader, images, labels)
+    def __init__(
+        self, step: Step, loader: DataLoader, images: torch.Tensor, labels: torch.Tensor, mode
+    ) -> None:
+        self.step = step
+        self.batches = batches = DeviceBatches(loader, images, labels)
         self.sums = sums = torch.zeros(3, dtype=torch.float64, device=images.device)
-        model, optimizer, scheduler = training.model, training.optimizer, training.scheduler
-        scaler, autocast, recipe = training.scaler, training.autocast, training.recipe
 
-        def step() -> None:
+        def one_step() -> None:
             images, labels = batches.next()
-            loss, logits = train_step(
-                model, images, labels, optimizer, scheduler, scaler, autocast, recipe
-            )
+            loss, logits = step(images, labels)
             accumulate(sums, loss, logits, labels)
 
-        state = (training.module, optimizer, scheduler, scaler, batches, sums)
-        self.run = GraphedStep(
-            step,
-            functools.partial(_saved, *state),
-            functools.partial(_load, *state),
-            mode,
-            images.device,
-        )
+        # The parts, not self: no reference cycle keeps a graph's memory after its run.
+        parts = (step, batches, sums)
+        saved, load = functools.partial(_saved, *parts), functools.partial(_load, *parts)
+        self.run = GraphedStep(one_step, saved, load, mode, images.device)
+
+    @property
+    def captured(self) -> bool:
+        """The whole step is one CUDA graph (:mod:`.graphs`), replayed every step."""
+        return self.run.captured
+
+    @property
+    def prepare_s(self) -> float:
+        """The warm-up's and the capture's seconds (0 until the first step, or eager)."""
+        return self.run.prepare_s
 
     def epoch(self, start: EpochStart | None):
         """The epoch's steps (from ``start``), one per iteration. The order is drawn where
@@ -124,28 +169,69 @@ class DeviceSteps:
             yield
 
 
-def _saved(module, optimizer, scheduler, scaler, batches, sums) -> dict[str, Any]:
-    """What a step changes, copied: what a checkpoint holds (``resume.checkpoint_state``),
-    and the epoch's position and sums."""
-    return copy.deepcopy(
-        {
-            "model": module.state_dict(),
-            "optimizer": optimizer.state_dict(),
-            "scheduler": scheduler.state_dict(),
-            "scaler": scaler.state_dict(),
-            "rng": ckpt.rng_state(),
-            "at": batches.at,
-            "sums": sums,
-        }
-    )
+def _saved(step: Step, batches: DeviceBatches, sums: torch.Tensor) -> dict[str, Any]:
+    """What a step changes, copied: a checkpoint's step state, the epoch's position and sums."""
+    return copy.deepcopy({**step_state(step), "at": batches.at, "sums": sums})
 
 
-def _load(module, optimizer, scheduler, scaler, batches, sums, state: dict[str, Any]) -> None:
-    """Put :func:`_saved`'s ``state`` back in place, in ``resume.restore``'s order."""
-    module.load_state_dict(state["model"])
-    optimizer.load_state_dict(state["optimizer"])
-    scheduler.load_state_dict(state["scheduler"])
-    scaler.load_state_dict(state["scaler"])
-    ckpt.set_rng_state(state["rng"])
+def _load(step: Step, batches: DeviceBatches, sums: torch.Tensor, state: dict[str, Any]) -> None:
+    """Put :func:`_saved`'s ``state`` back, in place: into the tensors a graph replays."""
+    load_step_state(step, state)
     batches.at.copy_(state["at"])
     sums.copy_(state["sums"])
+
+
+def run_epoch(steps: LoaderSteps | DeviceSteps, on_step=None, start: EpochStart | None = None):
+    """One pass of ``steps`` (from ``start``, when it resumes mid-epoch); returns loss and
+    accuracy over every rank's samples, the epoch's steps (``skipped_steps`` of them done
+    before ``start``), the CPU seconds (user + system) all ranks' processes spent on them,
+    and when the first step had finished (unix time). ``on_step(steps, sums)`` is called
+    after every step with the epoch's steps done and this rank's running (loss sum,
+    correct, count) on the device."""
+    steps.step.model.train()
+    cpu_started = time.process_time()
+    carried = start.sums if start is not None and start.sums is not None else [0.0] * 4
+    sums, device = steps.sums, steps.sums.device
+    sums.zero_()
+    sums += torch.tensor(carried[:3], dtype=torch.float64, device=device)
+    skipped = done = 0 if start is None else start.step
+    first_step_at = None
+    for _ in steps.epoch(start):
+        done += 1
+        if first_step_at is None:  # once per epoch: start-up ends at the first real step
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+            first_step_at = time.time()
+        if on_step is not None:
+            on_step(done, sums)
+    cpu = time.process_time() - cpu_started + carried[3]
+    cpu_t = torch.tensor([cpu], dtype=torch.float64, device=device)
+    loss_sum, correct, count, cpu_s = all_reduce_sum(torch.cat([sums, cpu_t])).tolist()
+    return {
+        "train_loss": loss_sum / count,
+        "train_accuracy": correct / count,
+        "train_images": int(count),
+        "train_steps": done,
+        "skipped_steps": skipped,
+        "cpu_s": cpu_s,
+        "first_step_at": first_step_at,
+    }
+
+
+def train_one_epoch(
+    model: nn.Module,
+    loader,
+    optimizer: torch.optim.Optimizer,
+    scheduler,
+    scaler: torch.amp.GradScaler,
+    autocast,
+    device: torch.device,
+    on_step=None,
+    recipe: StepRecipe = StepRecipe(),
+    start: EpochStart | None = None,
+) -> dict[str, float]:
+    """:func:`run_epoch` of ``loader``'s batches, from loose parts: for plain-torch callers
+    without a :class:`~.loop.Training` (a test's DDP, a benchmark's own loop)."""
+    module = getattr(model, "module", model)
+    step = Step(model, module, optimizer, scheduler, scaler, autocast, recipe)
+    return run_epoch(LoaderSteps(step, loader, device), on_step, start)
