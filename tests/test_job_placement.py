@@ -92,9 +92,9 @@ def cluster():
         shutil.rmtree(root, ignore_errors=True)
 
 
-def _submit(cluster, *flags: str, env: dict | None = None, info: list | None = None) -> str:
+def _submit(cluster, *flags: str, env: dict | None = None, seen: list | None = None) -> str:
     """Submit `evaluate` of a missing run with ``flags``; the node its driver ran on (and
-    the job's info appended to ``info``)."""
+    the job's info appended to ``seen``)."""
     proc = subprocess.run(
         [
             sys.executable,
@@ -128,6 +128,8 @@ def _submit(cluster, *flags: str, env: dict | None = None, info: list | None = N
             break
         assert time.monotonic() < deadline, info
         time.sleep(0.5)
+    if seen is not None:
+        seen.append(info)
     # It ran (evaluate refused the missing run), and the Jobs API says where.
     assert info.driver_exit_code not in (None, 0), info
     where = "the head" if info.driver_node_id == cluster["head"] else "a node offering job_driver"
@@ -135,32 +137,23 @@ def _submit(cluster, *flags: str, env: dict | None = None, info: list | None = N
     return info.driver_node_id
 
 
-def test_the_driver_runs_on_the_driver_node_unless_told_otherwise(cluster, monkeypatch):
+def test_the_driver_runs_on_the_driver_node_unless_told_otherwise_and_env_reaches_it(
+    cluster, monkeypatch
+):
     monkeypatch.delenv("RAYTRAIN_MNIST_DRIVER_RESOURCE", raising=False)
     # By default: the cluster offers job_driver, so the driver goes there, not to the head.
     assert _submit(cluster) == cluster["driver"]
-    assert _submit(cluster, "--driver-resource", "job_driver") == cluster["driver"]
+    # Asked for by name, the same; this job also carries `--env`, which reaches the job's
+    # runtime environment (checked on a job of this test: one job fewer).
+    seen: list = []
+    env_flags = ("--env", "NCCL_DEBUG=INFO", "--env", "PROBE=a=b")
+    driver_node = _submit(cluster, "--driver-resource", "job_driver", *env_flags, seen=seen)
+    assert driver_node == cluster["driver"]
+    (info,) = seen
+    assert info.runtime_env["env_vars"] == {"NCCL_DEBUG": "INFO", "PROBE": "a=b"}
     # Told otherwise: Ray's own placement, the head.
     assert _submit(cluster, "--driver-resource", "none") == cluster["head"]
     assert _submit(cluster, env={"RAYTRAIN_MNIST_DRIVER_RESOURCE": "none"}) == cluster["head"]
-
-
-def test_env_reaches_the_jobs_runtime_environment(cluster):
-    from ray.job_submission import JobSubmissionClient
-
-    proc = subprocess.run(
-        [sys.executable, "-m", "raytrain_mnist", "submit", "--address", cluster["url"]]
-        + ["--no-wait", "--env", "NCCL_DEBUG=INFO", "--env", "PROBE=a=b"]
-        + ["--", "evaluate", "/nonexistent/run"],
-        capture_output=True,
-        text=True,
-        timeout=120,
-        cwd=REPO,
-        stdin=subprocess.DEVNULL,
-    )
-    assert proc.returncode == 0, proc.stdout + proc.stderr
-    info = JobSubmissionClient(cluster["url"]).get_job_info(proc.stdout.strip())
-    assert info.runtime_env["env_vars"] == {"NCCL_DEBUG": "INFO", "PROBE": "a=b"}
 
 
 @pytest.mark.parametrize(

@@ -18,7 +18,7 @@ from raytrain_mnist.config import FitConfig, RunSettings, TrainConfig
 from raytrain_mnist.driver import runs
 from raytrain_mnist.driver.runs import Run, claim
 from raytrain_mnist.errors import UserError
-from tests.conftest import REPO, run_cli
+from tests.conftest import REPO, run_cli_here
 
 # --------------------------------------------------------------------------- names, identity
 
@@ -171,7 +171,8 @@ def test_a_sample_run_is_not_resumed_on_full_mnist(tmp_path, tiny_mnist):
         cfg = FitConfig(TrainConfig(), RunSettings.from_flags(name="r"))
         run.write_json(runs.RUN_FILE, runs.fit_identity(cfg, load_sample()))
     before = _tree(storage)
-    result = run_cli(
+    # Refused before any Ray starts: in this process (the same entry point and streams).
+    result = run_cli_here(
         "fit", "--name", "r", "--storage-path", str(storage), "--data-dir", str(tiny_mnist)
     )
     assert result.returncode == 2, result
