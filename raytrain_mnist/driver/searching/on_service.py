@@ -152,9 +152,9 @@ class TrialRequest:
     (one writer, as ``fit`` holds its run), followed epoch by epoch, cancelled unless it
     ended."""
 
-    def __init__(self, client, request_id: str, epochs: int, held: contextlib.ExitStack):
+    def __init__(self, client, request_id: str | None, epochs: int, held: contextlib.ExitStack):
         self.client, self.id, self.epochs, self._held = client, request_id, epochs, held
-        self._stream = client.channel(request_id)
+        self._stream = client.channel(request_id) if request_id else None
         self._handled = 0  # the stream's items handled (acknowledged at the next drain)
         self._epochs: list[dict] = []  # committed, not yet handed to Tune
         self._end: dict | None = None  # the request's end, once the stream says it
@@ -174,6 +174,13 @@ class TrialRequest:
         try:
             held.enter_context(run.claim())
             client = ServiceClient(setup.service)
+            last = run.latest_metrics()
+            if "progress" not in last and _epoch(last) >= train.epochs:
+                # Its run committed every epoch (its search was stopped as it ended): the
+                # last one is the trial's result, as a plain trial's run trains no more.
+                trial = cls(client, None, train.epochs, held)
+                trial._epochs.append({**last, "checkpoint": run.latest_checkpoint()})
+                return trial
             request_id = client.submit(cfg, run, run.latest_checkpoint())
             if setup.requests is not None:
                 ray.get(setup.requests.add.remote(request_id, name), timeout=60)
@@ -232,10 +239,15 @@ class TrialRequest:
     def close(self, reason: str) -> None:
         """Cancel the request unless it ended, and let go of the run."""
         try:
-            if self._end is None and not self._last_relayed:
+            if self.id is not None and self._end is None and not self._last_relayed:
                 self.client.cancel(self.id, reason)
         finally:
             self._held.close()
+
+
+def _epoch(metrics: dict) -> int:
+    epoch = metrics.get("epoch")
+    return epoch if isinstance(epoch, int) and not isinstance(epoch, bool) else 0
 
 
 def without_progress(run: RunSettings) -> RunSettings:

@@ -1,0 +1,170 @@
+"""`tune --service`: a search whose trials are requests to a warm service, against the same
+search as today's `tune` (every trial a TorchTrainer of its own), on real Ray (CPU, Gloo).
+
+The service is tests/test_service.py's (imported: one fixture, started once for this
+module, as a user's shell starts it); every search is a subprocess, as a user runs it.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from raytrain_mnist.driver.runs import Run
+from raytrain_mnist.driver.searching import on_service
+from raytrain_mnist.errors import UserError
+from tests.conftest import REPO, run_cli_here, wait_for
+from tests.test_service import NAME, service  # noqa: F401 -- the module's service fixture
+
+#: The search of both sides: seed 2 draws lr 0.05 then 1e-6; one trial at a time, so the
+#: hopeless second trial reaches its first rung after the first finished, and ASHA stops it.
+SEARCH = ["--dataset", "mnist", "--batch-size", "32", "--num-samples", "2",
+          "--max-epochs", "3", "--range", "lr=1e-6,0.05", "--search-seed", "2",
+          "--scheduler", "asha", "--grace-period", "1", "--progress", "lines"]  # fmt: skip
+
+
+def _tune(storage: Path, name: str, *flags: str) -> list[str]:
+    return [sys.executable, "-m", "raytrain_mnist", "tune", "--storage-path", str(storage),
+            "--name", name, *flags]  # fmt: skip
+
+
+def _run(command: list[str], env: dict, timeout: float = 600) -> subprocess.CompletedProcess:
+    done = subprocess.run(
+        command, capture_output=True, text=True, cwd=REPO, env=env, timeout=timeout
+    )
+    assert "Traceback" not in done.stdout + done.stderr, done.stdout + done.stderr
+    return done
+
+
+def _trials(experiment: Path) -> dict[str, dict]:
+    """Each trial's ``trial.json`` record, by name."""
+    return {
+        path.parent.name: json.loads(path.read_text())
+        for path in sorted(experiment.glob("runs/*/trial.json"))
+    }
+
+
+# --------------------------------------------------------------------------- no Ray
+
+
+def test_a_search_on_a_service_runs_as_many_trials_as_it_has_free_groups():
+    assert on_service.concurrency({"groups": 4, "free_groups": 3}, None, 8) == 3
+    assert on_service.concurrency({"groups": 4, "free_groups": 0}, None, 8) == 1  # all busy
+    assert on_service.concurrency({"name": "older"}, None, 8) == 1  # says nothing: one
+    assert on_service.concurrency({"groups": 4, "free_groups": 4}, None, 2) == 2  # 2 left
+    assert on_service.concurrency({"groups": 4, "free_groups": 1}, 3, 8) == 3  # asked for
+    with pytest.raises(UserError, match="--max-concurrent-trials 5: service 's' trains 4"):
+        on_service.concurrency({"name": "s", "groups": 4}, 5, 8)
+
+
+def test_a_search_on_no_such_service_is_one_line(tmp_path):
+    done = run_cli_here("tune", "--service", "nosuch", "--storage-path", str(tmp_path))
+    lines = done.stderr.strip().splitlines()
+    assert done.returncode != 0 and len(lines) == 1, done.stderr
+    assert "--service nosuch: no service of that name" in lines[0]
+
+
+# --------------------------------------------------------------------------- on the service
+
+
+@pytest.mark.timeout(1500)
+def test_the_same_search_through_the_service_and_on_its_own_trains_the_same_trials(
+    service,  # noqa: F811 -- the fixture imported above
+    tmp_path,
+    ray_env,
+):
+    """The same ASHA search (seed, space, scheduler, one trial at a time, two workers per
+    trial) through the service and through today's `tune` draws the same trials, stops the
+    same one, and every trial reaches the same validation accuracy at every epoch. On the
+    service no trial's actor imports torch, and the stopped trial's request is cancelled
+    between epochs: its run stays resumable, short of the epochs it would have trained."""
+    storage = service["storage"]
+    data = ["--data-dir", str(service["data"])]
+    too_many = ["--max-concurrent-trials", "9"]
+    refused = _run(_tune(storage, "many", "--service", NAME, *SEARCH, *too_many), service["env"])
+    assert refused.returncode == 2, refused.stdout + refused.stderr
+    assert f"--max-concurrent-trials 9: service '{NAME}' trains" in refused.stderr
+
+    one = ["--max-concurrent-trials", "1", *data]
+    served = _run(_tune(storage, "asha", "--service", NAME, *SEARCH, *one), service["env"])
+    assert served.returncode == 0, served.stdout + served.stderr
+    alone = ["--num-workers", "2", "--cpus-per-worker", "1"]
+    plain = _run(_tune(tmp_path, "asha", *SEARCH, *one, *alone), ray_env)
+    assert plain.returncode == 0, plain.stdout + plain.stderr
+
+    served, alone = _trials(storage / "asha"), _trials(tmp_path / "asha")  # trial -> record
+    assert served.keys() == alone.keys() and len(served) == 2, (served, alone)
+    for name, record in served.items():
+        assert record["config"] == alone[name]["config"]
+        assert record["status"] == alone[name]["status"], (name, record, alone[name])
+        accuracies = [[h["val_accuracy"] for h in r["history"]] for r in (record, alone[name])]
+        assert accuracies[0] == accuracies[1], (name, accuracies)
+    stopped = [n for n, r in served.items() if r["status"] == "stopped early"]
+    assert len(stopped) == 1, served
+    best = [json.loads((d / "asha" / "best.json").read_text()) for d in (storage, tmp_path)]
+    assert best[0]["best_trial"] == best[1]["best_trial"]
+    assert best[0]["best_val_accuracy"] == best[1]["best_val_accuracy"]
+    assert f"--service {NAME}" in best[0]["fit_command"]
+
+    # Each trial's actor said with every epoch whether it had imported torch.
+    results = [
+        json.loads(line)
+        for path in (storage / "asha").glob("trial_*/result.json")
+        for line in path.read_text().splitlines()
+    ]
+    assert len(results) == 4 and not any(r["trial_imported_torch"] for r in results), results
+    # ASHA's stop cancelled the stopped trial's request in its second epoch, not after three.
+    run = Run(str(storage / "asha" / "runs"), stopped[0])
+    assert run.latest_checkpoint() is not None
+    assert run.latest_metrics()["epoch"] < 3
+
+
+@pytest.mark.timeout(900)
+def test_ctrl_c_cancels_the_trials_requests_and_the_same_command_resumes_the_search(
+    service,  # noqa: F811 -- the fixture imported above
+):
+    """Ctrl-C stops the search (exit 130, its resume line) and leaves nothing training on
+    the service; the same command then finishes it, the trial's epochs joined up."""
+    storage = service["storage"]
+    command = _tune(storage, "stopped", "--service", NAME, "--dataset", "mnist",
+                    "--batch-size", "32", "--num-samples", "1", "--max-epochs", "12",
+                    "--scheduler", "fifo", "--progress", "lines")  # fmt: skip
+    driver = subprocess.Popen(
+        command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=REPO,
+        env=service["env"], start_new_session=True,
+    )  # fmt: skip
+    runs = storage / "stopped" / "runs"
+    try:
+        for line in driver.stdout:  # the trial's first epoch commits: stop the search there
+            if " started: " in line:
+                break
+        _first_epoch(runs)
+        driver.send_signal(signal.SIGINT)
+        out, err = driver.communicate(timeout=240)
+    finally:
+        if driver.poll() is None:
+            os.killpg(driver.pid, signal.SIGKILL)
+            driver.wait(timeout=30)
+    assert driver.returncode == 130, out + err
+    assert "resume with: " in err and "Traceback" not in out + err
+    status = _run([sys.executable, "-m", "raytrain_mnist", "service", "status", "--name",
+                   NAME, "--json"], service["env"])  # fmt: skip
+    info = json.loads(status.stdout)
+    assert not info["in_flight"] and not info["queue"], info
+
+    resumed = _run(command, service["env"])
+    assert resumed.returncode == 0, resumed.stdout + resumed.stderr
+    (record,) = _trials(storage / "stopped").values()
+    assert record["status"] == "finished"
+    assert [h["epoch"] for h in record["history"]] == list(range(1, 13))
+
+
+def _first_epoch(runs: Path) -> None:
+    """Wait for the trial's run to hold its first committed checkpoint."""
+    wait_for(lambda: any(runs.glob("*/checkpoint_*")), "the trial's first checkpoint")
