@@ -298,6 +298,11 @@ def test_compare_measures_a_fit_and_the_plain_loop_from_their_records(
         "1",
         "2",
     ]
+    # fit-service: a request to a running service, with the benchmark's training flags.
+    args = argparse.Namespace(data_dir="unused", dataset="mnist", epochs=1, batch_size=128)
+    args.cores, args.workers, args.env_variants, args.service_env = 2, 2, {}, {}
+    service = compare.measure_variant("fit-service", args, {}, tmp_path)
+    assert "--service" in fake.commands[-1] and service["startup_s"] == fit["startup_s"]
 
 
 # --------------------------------------------------------------------------- compile
@@ -444,6 +449,33 @@ def test_chaos_draws_its_plan_and_arms_a_fault_from_rank_0s_progress():
     dealer.on_event(StepProgress({**progress, "epoch": 3, "images": 1000}, epochs=8))
     assert dealer._queue.qsize() == 2
     assert dealer.dealt[0]["restart_note"].startswith("workers restarted")
+
+
+def test_chaos_and_serve_faults_call_the_library_as_it_is():
+    """What their mains (a Cluster, a Serve deployment: not run here) call, with the
+    arguments they pass."""
+    from raytrain_mnist.config import FitConfig, RunSettings, TrainConfig
+    from raytrain_mnist.driver import fit
+    from raytrain_mnist.driver.deployment import serving
+    from raytrain_mnist.serving.app import DEPLOYMENT_NAME
+    from raytrain_mnist.serving.settings import ServeConfig
+
+    settings = RunSettings.from_flags(
+        num_workers=2,
+        cpus_per_worker=1,
+        data_dir="/tmp/data",
+        dataset="mnist",
+        keep_checkpoints=2,
+        storage_path="/tmp/runs",
+        name="calm",
+        address="127.0.0.1:6379",
+        max_failures=6,
+    )
+    cfg = FitConfig(TrainConfig(epochs=8, batch_size=32, lr=0.05, seed=0), settings)
+    inspect.signature(fit).bind(cfg, print)
+    serve_cfg = ServeConfig(host="127.0.0.1", port=8000, replicas=2, ingress="proxy")
+    inspect.signature(serving).bind(serve_cfg, "/tmp/ckpt")
+    assert serve_cfg.max_batch_size >= 1 and DEPLOYMENT_NAME
 
 
 def test_chaos_compares_weights_and_costs_faults_from_a_fits_records(fitted):
