@@ -63,6 +63,13 @@ def test_a_search_on_a_service_runs_as_many_trials_as_it_has_free_groups():
         on_service.concurrency({"name": "s", "groups": 4}, 5, 8)
 
 
+def test_a_trial_on_a_service_asks_a_sliver_of_a_cpu_where_one_is_free():
+    assert on_service.trial_resources(2.0, 4) == {"CPU": on_service.TRIAL_CPU}
+    # The service holds every CPU (a machine its size): a trial asks none, only memory.
+    assert on_service.trial_resources(0.0, 1) == on_service.NO_CPU
+    assert on_service.NO_CPU["CPU"] == 0 and on_service.NO_CPU["memory"] > 0
+
+
 def test_a_search_on_no_such_service_is_one_line(tmp_path):
     done = run_cli_here("tune", "--service", "nosuch", "--storage-path", str(tmp_path))
     lines = done.stderr.strip().splitlines()

@@ -297,7 +297,8 @@ def _trainable(ctx: _Search) -> Any:
                 runs_root=ctx.session.runs_root,
                 plan=ctx.session.plan,
                 requests=ctx.requests,
-            )
+            ),
+            on_service.trial_resources(ray.available_resources().get("CPU", 0), ctx.concurrent),
         )
     setup = TrialSetup(
         train=ctx.train.to_dict(),

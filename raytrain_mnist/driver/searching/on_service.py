@@ -6,7 +6,8 @@ service (:class:`~raytrain_mnist.driver.service.ServiceClient`, as ``fit --servi
 hands each epoch the service commits to Tune as that trial's result, and cancels the
 request when Tune stops the trial (its run keeps its committed checkpoints and resumes
 like any cancelled request). The actor imports neither torch nor Ray Train: it waits on
-the service's queue, and asks the cluster for no CPU.
+the service's queue, and asks at most a sliver of a CPU (none where the service holds
+every one).
 
 Tune tells a trial it stops only between two of its steps; a search stopped mid-epoch
 (Ctrl-C, a lost claim) kills its trials' actors instead. So every trial also registers
@@ -26,13 +27,15 @@ from typing import Any
 
 from raytrain_mnist.config import FitConfig, RunSettings, TrainConfig
 from raytrain_mnist.driver.runs import Run
-from raytrain_mnist.driver.searching.plan import trial_config
+from raytrain_mnist.driver.searching.plan import TRIAL_CPU, trial_config
 from raytrain_mnist.errors import EXIT_USAGE, UserError
 
-#: What a trial on a service asks of the cluster: no CPU (its actor only waits on the
-#: queue, and the service's workers may hold every CPU of a machine their size) and a token
-#: of memory, since Tune refuses a trial that asks for nothing.
-TRIAL_RESOURCES = {"CPU": 0, "memory": 64 * 2**20}
+#: What a trial on a service asks of a cluster whose CPUs the service holds every one of
+#: (a machine the service's size): no CPU, since its actor only waits on the queue, and a
+#: token of memory, since Tune refuses a trial that asks for nothing. Where CPUs are free it
+#: asks a sliver of one (TRIAL_CPU), as any trial does: never placed on a head that
+#: declares none (KubeRay's, whose pod holds the autoscaler's permissions).
+NO_CPU = {"CPU": 0, "memory": 64 * 2**20}
 #: How often a trial asks the queue for its request's stream; each ask renews the
 #: request's lease.
 POLL_S = 0.2
@@ -114,13 +117,17 @@ def requests_of_the_search(client) -> Iterator[Any]:
             ray.kill(requests)
 
 
-def service_trainable(setup: ServiceTrialSetup) -> Any:
+def trial_resources(free_cpus: float, concurrent: int) -> dict:
+    """What each trial asks: a sliver of a CPU where the cluster has them free for every
+    trial at once, else :data:`NO_CPU`."""
+    return {"CPU": TRIAL_CPU} if free_cpus >= concurrent * TRIAL_CPU else dict(NO_CPU)
+
+
+def service_trainable(setup: ServiceTrialSetup, resources: dict) -> Any:
     """The Tune trainable of every trial on the service."""
     from ray import tune
 
-    return tune.with_resources(
-        tune.with_parameters(_trial_class(), setup=setup), dict(TRIAL_RESOURCES)
-    )
+    return tune.with_resources(tune.with_parameters(_trial_class(), setup=setup), resources)
 
 
 def _trial_class() -> type:
