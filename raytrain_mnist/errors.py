@@ -32,6 +32,20 @@ class UserError(Exception):
         self.exit_code = exit_code
 
 
+class Diverged(ValueError):
+    """The training loss is not a number: the run cannot go on from here. Raised by every
+    worker of the run at the same epoch, before that epoch is reported, so the run's last
+    checkpoint is its last good one; the message is the line the user reads."""
+
+
+def diverged_line(exc: BaseException) -> str | None:
+    """The message of the :class:`Diverged` that ended a run, read through Ray's wrapping of
+    a worker's error (whose last line is the worker's exception); None for other errors."""
+    line = cause_line(exc)
+    name = f"{Diverged.__module__}.{Diverged.__qualname__}: "
+    return line.removeprefix(name) if line.startswith(name) else None
+
+
 def _lines(exc: BaseException) -> list[str]:
     return [line.strip() for line in str(exc).splitlines() if line.strip()]
 

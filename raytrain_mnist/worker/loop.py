@@ -30,6 +30,7 @@ from torch import nn
 
 from raytrain_mnist.config import TrainConfig
 from raytrain_mnist.data import MnistData
+from raytrain_mnist.errors import Diverged
 from raytrain_mnist.worker.batches import BatchedTensorDataset, make_train_loader, set_epoch
 from raytrain_mnist.worker.endpoll import EndPoll
 from raytrain_mnist.worker.feed import ProgressFeed
@@ -190,10 +191,6 @@ class StepHooks:
         if last and self.end is not None:
             self.end.now()  # the last evaluation and report follow: if the steps had not asked
         return checks
-
-
-class Diverged(ValueError):
-    """The training loss is not a number: the run cannot go on from here."""
 
 
 def check_finite(train: dict[str, Any], epoch: int, cfg: TrainConfig) -> None:

@@ -25,7 +25,7 @@ from raytrain_mnist.driver.monitor import (
 )
 from raytrain_mnist.driver.relay import INTERRUPTED, on_a_thread, relay
 from raytrain_mnist.driver.runs import RUN_FILE
-from raytrain_mnist.errors import cause_line
+from raytrain_mnist.errors import UserError, cause_line, diverged_line
 
 logger = logging.getLogger(__name__)
 
@@ -164,7 +164,10 @@ def _monitor(ctx: Fit) -> None:
                 )
         except ray.train.TrainingFailedError as exc:
             ctx.trainer_ended = True
-            ctx.error, ctx.logs = exc, cluster.worker_logs_dir()
+            # A diverged run ends in the line a service's run ends in (its request's error).
+            diverged = diverged_line(exc)
+            ctx.error = exc if diverged is None else UserError(diverged)
+            ctx.logs = cluster.worker_logs_dir()
             logger.debug("training failed: %s (worker logs: %s)", cause_line(exc), ctx.logs)
         finally:
             ctx.timeline.mark("fit_returned")
