@@ -64,8 +64,12 @@ def check_every_s() -> float:
         value = 0.0
     if math.isfinite(value) and value > 0:
         return value
-    logger.warning("%s=%r is not a positive number of seconds; checking every %.0f s",
-                   CHECK_EVERY_ENV, text, CHECK_EVERY_S)  # fmt: skip
+    logger.warning(
+        "%s=%r is not a positive number of seconds; checking every %.0f s",
+        CHECK_EVERY_ENV,
+        text,
+        CHECK_EVERY_S,
+    )
     return CHECK_EVERY_S
 
 
