@@ -37,10 +37,21 @@ from raytrain_mnist.uris import check_no_credentials
 ACTIONS = ("start", "status", "stop")
 #: The run settings a service takes: how its workers run and what data they hold.
 SERVICE_FLAGS = (
-    "num_workers", "use_gpu", "gpus_per_worker", "cpus_per_worker", "backend", "init_method",
-    "socket_ifname", "dataset", "data_dir", "storage_path", "address", "max_failures",
-    "max_preemptions", "placement_strategy",
-)  # fmt: skip
+    "num_workers",
+    "use_gpu",
+    "gpus_per_worker",
+    "cpus_per_worker",
+    "backend",
+    "init_method",
+    "socket_ifname",
+    "dataset",
+    "data_dir",
+    "storage_path",
+    "address",
+    "max_failures",
+    "max_preemptions",
+    "placement_strategy",
+)
 
 
 def build_parser(action: str = "start") -> ArgumentParser:

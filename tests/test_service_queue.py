@@ -276,6 +276,28 @@ def test_a_cancel_after_a_drain_ends_the_requests_in_flight_and_waiting(service)
     assert service.state(first) == CANCELLED
 
 
+def test_a_request_the_stop_ended_ends_once_its_last_epoch_is_filed(service):
+    """`service stop` mid-request: the workers end it at once, but the epoch they reported
+    last is filed by the controller afterwards; the requester hears of the end only once
+    every group has ended, so its summary holds that epoch."""
+    queue = service.queue
+    request_id = service.submit("a")
+    queue.take(TOKEN, 0, 0.0)
+    queue.stop("cancel")
+    queue.done(TOKEN, 0, request_id, CANCELLED)
+    assert service.state(request_id) == RUNNING and queue.info()["served"] == 1
+    queue.put(TOKEN, request_id, {"epoch": 2})  # the controller's last commit
+    queue.closed(TOKEN)
+    assert queue.state(request_id) == {
+        "state": CANCELLED,
+        "place": None,
+        "epoch": 2,
+        "error": "the service stopped",
+    }
+    _, items = queue.drain(request_id)
+    assert [i.get("epoch") for i in items][-2:] == [2, None]  # the epoch, then the end
+
+
 # --------------------------------------------------------------------------- requesters
 
 
@@ -431,3 +453,15 @@ def test_a_stream_keeps_what_is_not_acknowledged(service):
     assert dropped == 2 and [i.get("epoch") for i in items] == [2]
     assert queue.drain(request_id, 99)[0] == 3  # never past what it held
     assert queue.state(request_id)["epoch"] == 2
+
+
+def test_status_shows_one_row_per_field_and_json_has_no_nan(service):
+    """A stored field holding a line feed or an escape never forges a row of `service
+    status`, and `--json` gets None where a number is not finite."""
+    from raytrain_mnist.service import finite, format_status
+
+    info = {**service.queue.info(), "name": "svc\nserved:       999", "logs": "\x1b[2Jx"}
+    shown = format_status(info).splitlines()
+    assert [line.split(":")[0] for line in shown].count("served") == 1
+    assert "\x1b" not in format_status(info) and "^[[2Jx" in format_status(info)
+    assert finite({"a": [float("nan"), 1.5], "b": float("inf")}) == {"a": [None, 1.5], "b": None}

@@ -128,9 +128,14 @@ def _request(ctx: Fit, client) -> None:
         raise
 
     ctx.monitor = RunMonitor(
-        client.channel(request_id), cfg.train.epochs, ctx.prior, ctx.emit, ctx.timeline,
-        on_epoch=ctx.on_epoch, poll_s=ctx.poll_s,
-    )  # fmt: skip
+        client.channel(request_id),
+        cfg.train.epochs,
+        ctx.prior,
+        ctx.emit,
+        ctx.timeline,
+        on_epoch=ctx.on_epoch,
+        poll_s=ctx.poll_s,
+    )
     with ctx.monitor:
         outcome = relay(
             lambda: client.follow(request_id, ctx.emit, cfg.train.epochs),

@@ -292,7 +292,22 @@ class ServiceQueue:
             self._served += 1
             if entry["cancel"] and status == CANCELLED:
                 error = entry["cancel"]
+            if self._stopping == "cancel":  # its last epochs may still be on their way
+                entry["pending"] = (status, error or "the service stopped")
+                self._changed()
+                return
             self._end(request_id, status, error)
+
+    def closed(self, token: str) -> None:
+        """The service's driver: every group's ``fit()`` has returned, so their controllers
+        have filed every epoch their workers reported. The requests the stop ended end now:
+        a requester's summary is never behind the checkpoint filed last."""
+        self._check_worker(token)
+        with self._cond:
+            for request_id, entry in self._requests.items():
+                if entry.get("pending") and entry["state"] not in ENDED:
+                    self._end(request_id, *entry.pop("pending"))
+            self._changed()
 
     def put(self, token: str, request_id: str, item: dict) -> None:
         """Rank 0's progress and the controller's committed epochs, for the requester."""

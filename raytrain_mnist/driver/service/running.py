@@ -260,6 +260,9 @@ def _serve(spec, queue, token: str, data, cpus: int, emit: EventSink, ready) -> 
         outcome = relay(lambda: _fit_all(trainers, queue), stop, name="service", stop_wait_s=120)
     except ray.train.TrainingFailedError as exc:
         return ServiceResult("failed", _served(queue), cause_line(exc))
+    finally:
+        with contextlib.suppress(Exception):  # the queue ends with this driver either way
+            ray.get(queue.closed.remote(token), timeout=30)
     last = _last_info(queue)
     if last.get("failed"):
         return ServiceResult("failed", last.get("served", 0), last["failed"])
