@@ -2,7 +2,8 @@
 runs it, `fit --service` from several shells, Ctrl-C, SIGKILL, a worker killed, bad requests.
 
 One service serves the whole module (its start is the Ray run this file pays for once): two
-workers of one CPU on tiny MNIST, its own local Ray, in a subprocess like a user's shell.
+groups of two workers of one CPU on tiny MNIST, its own local Ray, in a subprocess like a
+user's shell. Raw Ray clients attack it as another driver on the cluster could.
 Every request is a `fit --service` subprocess too. Everything waits on events (lines a
 command prints, files a run holds), never on time.
 """
@@ -62,11 +63,23 @@ def service(tmp_path_factory, tiny_mnist, sample_digits):
         _start_service(service)
         yield service
         driver, seen = service["driver"], service["seen"]
-        stopped = subprocess.run(
-            [sys.executable, "-m", "raytrain_mnist", "service", "stop", "--name", NAME],
-            capture_output=True, text=True, cwd=REPO, env=env, timeout=120,
-        )  # fmt: skip
+        # Stopped mid-request: the run's summary holds the epoch filed last.
+        with _running(service, "stopped-mid", "--epochs", "50") as (proc, lines):
+            _until(proc, "epoch   1/50", lines)
+            stopped = subprocess.run(
+                [sys.executable, "-m", "raytrain_mnist", "service", "stop", "--name", NAME],
+                capture_output=True,
+                text=True,
+                cwd=REPO,
+                env=env,
+                timeout=120,
+            )
+            lines.append(proc.communicate(timeout=120)[0])
         assert stopped.returncode == 0, stopped.stdout + stopped.stderr
+        summary = json.loads((root / "runs" / "stopped-mid" / "summary.json").read_text())
+        filed = Run(str(root / "runs"), "stopped-mid").latest_metrics()["epoch"]
+        assert summary["epochs_completed"] == filed, "".join(lines)
+        assert "Traceback" not in "".join(lines)
         rest, _ = driver.communicate(timeout=120)
         assert driver.returncode == 0, "".join(seen) + rest
         assert f"service '{NAME}' stopped after" in rest, rest
@@ -84,9 +97,27 @@ def service(tmp_path_factory, tiny_mnist, sample_digits):
 def _start_service(service: dict) -> None:
     """`raytrain-mnist service start` in the foreground, on a Ray of its own, until it says
     it is ready: two workers of one CPU on tiny MNIST."""
-    command = [sys.executable, "-m", "raytrain_mnist", "service", "start", "--name", NAME,
-               "--num-workers", "2", "--cpus-per-worker", "1", "--dataset", "mnist",
-               "--data-dir", str(service["data"]), "--storage-path", str(service["storage"])]  # fmt: skip
+    command = [
+        sys.executable,
+        "-m",
+        "raytrain_mnist",
+        "service",
+        "start",
+        "--name",
+        NAME,
+        "--num-workers",
+        "2",
+        "--groups",
+        "2",
+        "--cpus-per-worker",
+        "1",
+        "--dataset",
+        "mnist",
+        "--data-dir",
+        str(service["data"]),
+        "--storage-path",
+        str(service["storage"]),
+    ]
     service["seen"] = []
     service["driver"] = driver = subprocess.Popen(
         command,
@@ -102,22 +133,43 @@ def _start_service(service: dict) -> None:
 
 
 def _fit(service, name: str, *extra: str) -> list[str]:
-    return [sys.executable, "-m", "raytrain_mnist", "fit", "--service", NAME, "--storage-path",
-            str(service["storage"]), "--name", name, *TRAIN, *extra]  # fmt: skip
+    return [
+        sys.executable,
+        "-m",
+        "raytrain_mnist",
+        "fit",
+        "--service",
+        NAME,
+        "--storage-path",
+        str(service["storage"]),
+        "--name",
+        name,
+        *TRAIN,
+        *extra,
+    ]
 
 
 def _run(service, name: str, *extra: str, timeout: float = 300) -> subprocess.CompletedProcess:
     return subprocess.run(
         _fit(service, name, *extra),
-        capture_output=True, text=True, cwd=REPO, env=service["env"], timeout=timeout,
-    )  # fmt: skip
+        capture_output=True,
+        text=True,
+        cwd=REPO,
+        env=service["env"],
+        timeout=timeout,
+    )
 
 
 def _start(service, name: str, *extra: str) -> subprocess.Popen:
     return subprocess.Popen(
-        _fit(service, name, *extra), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-        text=True, cwd=REPO, env=service["env"], start_new_session=True,
-    )  # fmt: skip
+        _fit(service, name, *extra),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        cwd=REPO,
+        env=service["env"],
+        start_new_session=True,
+    )
 
 
 @contextlib.contextmanager
@@ -156,11 +208,11 @@ def _same(a: dict, b: dict) -> bool:
 
 
 def test_a_service_run_is_an_ordinary_run_and_the_same_request_gives_the_same_weights(
-    service, tiny_mnist
+    service,
 ):
     """Through the service, `fit` prints what it prints without one and leaves an ordinary
     run: summary, run.json and the checkpoints in Ray Train's own record, so `runs` and
-    `evaluate` read it; the same name again is already finished, `--fresh` trains it again
+    `evaluate` read it with no flag beyond the run; the same name again is already finished, `--fresh` trains it again
     from a fresh model and optimizer: the very same weights, as two plain fits give."""
     storage = service["storage"]
     first = _run(service, "same", "--epochs", "3")
@@ -179,8 +231,8 @@ def test_a_service_run_is_an_ordinary_run_and_the_same_request_gives_the_same_we
 
     listed = run_cli_here("runs", "--storage-path", str(storage))
     assert listed.returncode == 0 and "same" in listed.stdout and "finished" in listed.stdout
-    scored = run_cli_here("evaluate", str(storage / "same"), "--data-dir", str(tiny_mnist),
-                          "--dataset", "mnist", "--json")  # fmt: skip
+    # The run records the service's --data-dir, as a plain fit records its own: no flag.
+    scored = run_cli_here("evaluate", str(storage / "same"), "--json")
     assert scored.returncode == 0, scored.stderr
     assert json.loads(scored.stdout)["accuracy"] == pytest.approx(summary["best_val_accuracy"])
 
@@ -192,23 +244,31 @@ def test_a_service_run_is_an_ordinary_run_and_the_same_request_gives_the_same_we
     assert (storage / "same.previous-1").is_dir()
 
 
-def test_requests_from_two_shells_queue_in_order_and_the_waiting_one_says_its_place(service):
-    """A second shell's request waits behind the first and says so; Ctrl-C on the first
-    cancels it (exit 130, resumable) and the second trains next."""
+def test_two_groups_train_two_shells_at_once_and_a_third_waits_its_turn(service):
+    """Two shells' requests train at once, one on each group; a third waits and says its
+    place; Ctrl-C on the first cancels it (exit 130, resumable) and the third trains on the
+    group it freed."""
     storage = service["storage"]
     with _running(service, "first", "--epochs", "100") as (first, seen):
         _until(first, "first step", seen)
-        with _running(service, "second", "--epochs", "1") as (second, waited):
-            _until(second, "waiting for service 'svc': number 1 in its queue", waited)
-            first.send_signal(signal.SIGINT)
-            rest, _ = first.communicate(timeout=120)
-            after, _ = second.communicate(timeout=300)
+        with _running(service, "second", "--epochs", "100") as (second, seen2):
+            _until(second, "first step", seen2)  # on the other group, while first trains
+            with _running(service, "third", "--epochs", "1") as (third, waited):
+                _until(third, "waiting for service 'svc': number 1 in its queue", waited)
+                first.send_signal(signal.SIGINT)
+                rest, _ = first.communicate(timeout=120)
+                after, _ = third.communicate(timeout=300)
+            second.send_signal(signal.SIGINT)
+            rest2, _ = second.communicate(timeout=120)
     assert first.returncode == 130, "".join(seen) + rest
-    assert second.returncode == 0, "".join(waited) + after
+    assert third.returncode == 0, "".join(waited) + after
+    assert second.returncode == 130, "".join(seen2) + rest2
     a = Run(str(storage), "first").latest_metrics()
-    b = json.loads((storage / "second" / "summary.json").read_text())
-    # FIFO: the second request trained once the first had stopped.
-    assert b["history"][0]["first_step_at"] > a["evaluated_at"]
+    b = Run(str(storage), "second").latest_metrics()
+    c = json.loads((storage / "third" / "summary.json").read_text())
+    assert a["epoch"] >= 1 and b["epoch"] >= 1  # both committed epochs side by side
+    # FIFO: the third request trained once the first had stopped.
+    assert c["history"][0]["first_step_at"] > a["evaluated_at"]
 
 
 def test_ctrl_c_cancels_the_request_and_the_same_command_resumes_it(service):
@@ -237,6 +297,7 @@ def test_a_killed_worker_restarts_the_group_and_the_request_resumes_exactly(serv
     are those of the same request never interrupted. The kill follows the first committed
     epoch at once, five epochs before the request could end."""
     storage = service["storage"]
+    before = [g["restarts"] for g in _status(service)["group_states"]]
     with _running(service, "killed", "--epochs", "6") as (proc, seen):
         _until(proc, "epoch   1/6", seen)
         run = Run(str(storage), "killed")
@@ -246,6 +307,8 @@ def test_a_killed_worker_restarts_the_group_and_the_request_resumes_exactly(serv
     out = "".join(seen) + rest
     assert proc.returncode == 0, out
     assert "workers restarted from the checkpoint of epoch" in out, out
+    after = [g["restarts"] for g in _status(service)["group_states"]]
+    assert sorted(a - b for a, b in zip(after, before, strict=True)) == [0, 1]  # its group only
     reference = _run(service, "unkilled", "--epochs", "6")
     assert reference.returncode == 0, reference.stdout + reference.stderr
     assert _same(_weights(storage / "killed"), _weights(storage / "unkilled"))
@@ -291,47 +354,181 @@ def test_what_the_service_cannot_honour_is_refused_in_one_line(service, flags, m
     assert not (service["storage"] / "refused").exists()
 
 
-def test_the_queue_refuses_a_request_that_writes_outside_its_roots_or_escapes(service):
-    """A request is data the queue checks again: a client that skips `fit`'s checks (its own
-    Ray driver) still cannot make the service write elsewhere."""
-    script = f"""
-import json, ray
+#: What a raw Ray client runs first: it joins the service's Ray as any driver can, and
+#: holds the claim of the runs it names (``claimed(name)``), as ``fit`` would.
+RAW = f"""
+import contextlib, json, time, ray
+from raytrain_mnist.config import TrainConfig
 from raytrain_mnist.driver import cluster, service
+from raytrain_mnist.driver.runs import Run
+from raytrain_mnist.driver.service.request import write_claim
+from raytrain_mnist.service_request import ServiceRequest
 cluster._connect_to(service.ServiceClient.address_of({NAME!r}, None))
 queue = service.find_queue({NAME!r})
-train = {{"epochs": 1}}
-from raytrain_mnist.config import TrainConfig
-train = TrainConfig(epochs=1).to_dict()
-base = dict(train=train, resume_from=None, progress=False, compile=False, cuda_graphs="auto")
-answers = [
-    ray.get(queue.submit.remote({{**base, "storage": "/tmp/elsewhere", "name": "x"}}, 2)),
-    ray.get(queue.submit.remote({{**base, "storage": {str(service["storage"])!r}, "name": "../x"}}, 2)),
-    ray.get(queue.submit.remote({{**base, "storage": {str(service["storage"])!r}, "name": "x",
-                                  "resume_from": "/etc"}}, 2)),
-    ray.get(queue.submit.remote({{**base, "storage": {str(service["storage"])!r}, "name": "x",
-                                  "code": "import os"}}, 2)),
-]
-print(json.dumps(answers))
+job = ray.get_runtime_context().get_job_id()
+claims = contextlib.ExitStack()
+def claimed(storage, name, **changes):
+    run = claims.enter_context(Run(storage, name).claim())
+    write_claim(run.files, "token-" + name)
+    request = ServiceRequest(TrainConfig(epochs=1, batch_size=32), storage, name, keep=2,
+                             claim="token-" + name)
+    return {{**request.to_dict(), **changes}}
+def answer(call):
+    try:
+        return ray.get(call, timeout=60)
+    except Exception as exc:
+        return {{"raised": str(exc).strip().splitlines()[-1]}}
 """
-    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
-                          cwd=REPO, env=service["env"], timeout=120)  # fmt: skip
+
+
+def _raw(service, body: str) -> dict:
+    """What a raw Ray client's script prints last, as JSON."""
+    done = subprocess.run(
+        [sys.executable, "-c", RAW + body],
+        capture_output=True,
+        text=True,
+        cwd=REPO,
+        env=service["env"],
+        timeout=300,
+    )
     assert done.returncode == 0, done.stdout + done.stderr
-    answers = json.loads(done.stdout.strip().splitlines()[-1])
-    assert all("refused" in a for a in answers), answers
-    assert "outside the service's storage roots" in answers[0]["refused"]
-    assert "not a plain name" in answers[1]["refused"]
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def _status(service) -> dict:
+    done = subprocess.run(
+        [sys.executable, "-m", "raytrain_mnist", "service", "status", "--name", NAME, "--json"],
+        capture_output=True,
+        text=True,
+        cwd=REPO,
+        env=service["env"],
+        timeout=120,
+    )
+    assert done.returncode == 0, done.stdout + done.stderr
+    return json.loads(done.stdout)
+
+
+def test_a_raw_client_can_neither_escape_the_roots_nor_act_as_a_worker(service, tmp_path):
+    """A client that skips `fit`'s checks (its own Ray driver on the cluster) cannot make
+    the service write outside its roots, train a run it does not hold, read the request in
+    flight or file a checkpoint; 200 long polls never hold `service status` up."""
+    storage = str(service["storage"])
+    (service["storage"] / "planted").symlink_to(tmp_path)
+    answers = _raw(
+        service,
+        f"""
+base = claimed({storage!r}, "raw")
+refused = [ray.get(queue.submit.remote(r, job)) for r in [
+    {{**base, "storage": {str(tmp_path)!r}}},
+    {{**base, "storage": "file://" + {storage!r} + "/%2e%2e"}},
+    {{**base, "storage": {storage!r} + "/planted/.."}},
+    {{**base, "name": "planted"}},
+    {{**base, "name": "../x"}},
+    {{**base, "resume_from": "/etc"}},
+    {{**base, "code": "import os"}},
+    {{**base, "claim": "guess"}},
+    {{**base, "train": TrainConfig(epochs=1, batch_size=4096).to_dict()}},
+]] + [ray.get(queue.submit.remote(base, "ffffffff"))]
+worker = [answer(queue.take.remote("guess", 0, 0.0)),
+          answer(queue.filed.remote("guess", "x", "/etc")),
+          answer(queue.group_started.remote(None, 0, 0.0, 1, "cpu"))]
+unknown = {{"state": "cancelled", "place": None, "error": "unknown request"}}
+polls = [queue.state.remote("0" * 32, unknown, 5.0) for _ in range(200)]  # each waits 5 s
+started = time.monotonic()
+ray.get(queue.info.remote(), timeout=30)
+print(json.dumps({{"refused": refused, "worker": worker, "info_s": time.monotonic() - started}}))
+""",
+    )
+    refused = [a.get("refused", a) for a in answers["refused"]]
+    assert all(isinstance(r, str) for r in refused), refused
+    assert all("outside the service's storage roots" in r for r in refused[:3]), refused
+    assert "is a symbolic link" in refused[3] and "is not a plain name" in refused[4]
+    assert "is not one of run 'raw''s" in refused[5] and "a request holds" in refused[6]
+    assert "is not claimed by this request's requester" in refused[7]
+    assert "an epoch would have no step" in refused[8]
+    assert "is no live Ray job on this cluster" in refused[9]
+    assert all("only the service's own workers" in w["raised"] for w in answers["worker"])
+    assert answers["info_s"] < 1.0, answers
+    assert not any(tmp_path.iterdir())
+
+
+def test_a_poison_request_fails_alone_and_the_one_behind_it_trains(service):
+    """A request whose checkpoint makes its workers fail every time (inside its run, so
+    the queue takes it) fails its group twice, then fails alone with one line; that group
+    restarts without it, the other never restarts, and a good request finishes."""
+    storage = str(service["storage"])
+    before = _status(service)["group_states"]
+    answers = _raw(
+        service,
+        f"""
+import torch
+from raytrain_mnist.nn.checkpoint import FORMAT
+poison = claimed({storage!r}, "poison")
+bad = {storage!r} + "/poison/checkpoint_bad"
+import os; os.makedirs(bad)
+torch.save({{"format": FORMAT, "epoch": 1, "history": []}}, bad + "/state.pt")
+ids = [ray.get(queue.submit.remote({{**poison, "resume_from": bad}}, job))["id"],
+       ray.get(queue.submit.remote(claimed({storage!r}, "good"), job))["id"]]
+states = [None, None]
+while any(s is None or s["state"] not in ("finished", "failed", "cancelled") for s in states):
+    states = [ray.get(queue.state.remote(i, s, 1.0)) for i, s in zip(ids, states)]
+print(json.dumps(states))
+""",
+    )
+    assert answers[0]["state"] == "failed", answers
+    assert answers[0]["error"].startswith("the request failed its worker group 2 times"), answers
+    assert answers[1]["state"] == "finished", answers
+    after = _status(service)["group_states"]
+    assert sorted(a["restarts"] - b["restarts"] for a, b in zip(after, before, strict=True)) == [
+        0,
+        2,
+    ]
+    assert _status(service)["failed"] is None
+
+
+def test_a_second_start_of_a_running_name_is_refused_and_leaves_it_be(service):
+    again = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "raytrain_mnist",
+            "service",
+            "start",
+            "--name",
+            NAME,
+            "--num-workers",
+            "1",
+            "--storage-path",
+            str(service["storage"]),
+        ],
+        capture_output=True,
+        text=True,
+        cwd=REPO,
+        env=service["env"],
+        timeout=120,
+    )
+    assert again.returncode == 2, again.stdout + again.stderr
+    assert f"a service named '{NAME}' already runs on this machine" in again.stderr
+    assert _status(service)["name"] == NAME  # its registry entry still finds it
 
 
 def test_service_status_shows_its_workers_queue_and_what_it_served(service):
     done = subprocess.run(
         [sys.executable, "-m", "raytrain_mnist", "service", "status", "--name", NAME, "--json"],
-        capture_output=True, text=True, cwd=REPO, env=service["env"], timeout=120,
-    )  # fmt: skip
+        capture_output=True,
+        text=True,
+        cwd=REPO,
+        env=service["env"],
+        timeout=120,
+    )
     assert done.returncode == 0, done.stdout + done.stderr
     info = json.loads(done.stdout)
     assert info["workers"] == 2 and info["device"] == "cpu" and info["backend"] == "gloo"
     assert info["queue"] == 0 and info["served"] >= 1
+    assert info["groups"] == 2 and info["free_groups"] == 2
+    assert [g["group"] for g in info["group_states"]] == [0, 1]
     assert "workers:" in done.stderr and "served:" in done.stderr
+    assert "group 1:" in done.stderr
 
 
 def test_the_service_driver_killed_ends_its_request_resumable_by_a_new_start(service):
@@ -358,8 +555,9 @@ def test_the_service_driver_killed_ends_its_request_resumable_by_a_new_start(ser
     # poll for their raylet); ended now, so that the new service starts on free cores.
     kill_marked(service["env"][MARKER_VAR])
     _start_service(service)
-    resumed = subprocess.run(resume, capture_output=True, text=True, cwd=REPO,
-                             env=service["env"], timeout=300)  # fmt: skip
+    resumed = subprocess.run(
+        resume, capture_output=True, text=True, cwd=REPO, env=service["env"], timeout=300
+    )
     assert resumed.returncode == 0, resumed.stdout + resumed.stderr
     assert f"resumed from the checkpoint of epoch {epochs}" in resumed.stdout, resumed.stdout
     summary = json.loads((service["storage"] / "driver-lost" / "summary.json").read_text())
