@@ -11,7 +11,7 @@ from typing import Any
 
 from raytrain_mnist.config import TrainConfig
 from raytrain_mnist.errors import ConfigError
-from raytrain_mnist.run_settings import TorchSettings
+from raytrain_mnist.run_settings import CheckpointSettings, TorchSettings
 
 
 class RequestError(ValueError):
@@ -77,9 +77,10 @@ class ServiceRequest:
         for key in ("progress", "compile"):
             if not isinstance(values[key], bool):
                 raise RequestError(f"a request's {key} is true or false")
-        keep = values["keep"]
-        if isinstance(keep, bool) or not isinstance(keep, int) or not 1 <= keep <= 1000:
-            raise RequestError("a request's keep is a count of checkpoints from 1 to 1000")
+        try:  # the rule of --keep-checkpoints, in its one home
+            keep = CheckpointSettings(keep_checkpoints=values["keep"]).keep_checkpoints
+        except ConfigError as exc:
+            raise RequestError(str(exc)) from None
         resume = values["resume_from"]
         if resume is not None and not isinstance(resume, str):
             raise RequestError("a request's resume_from is a path or None")
