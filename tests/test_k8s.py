@@ -35,6 +35,8 @@ DOC = REPO / "docs" / "kubernetes.md"
 DOCKERFILE = K8S / "Dockerfile"
 #: The training service's RayJob, on the standing cluster (no cluster spec of its own).
 SERVICE_JOB = K8S / "rayjob-service.yaml"
+#: A search through that service, on the same cluster.
+SEARCH_JOB = K8S / "rayjob-tune-service.yaml"
 PYPROJECT = tomllib.loads((REPO / "pyproject.toml").read_text())
 
 #: kind -> (manifest, the CRD file that defines the kind)
@@ -523,6 +525,26 @@ def test_the_training_service_job_runs_on_the_standing_cluster(crds):
     assert len(job["metadata"]["name"]) <= MAX_NAME
 
 
+def test_the_search_through_the_service_runs_on_the_standing_cluster(crds):
+    """k8s/rayjob-tune-service.yaml: a RayJob on the same cluster as the service, whose
+    entrypoint the tune command's own parser takes: a search through service `mnist` under
+    its storage root, named (applied again, it resumes)."""
+    job = yaml.safe_load(SEARCH_JOB.read_text())
+    assert problems(job, crds["RayJob"]) == []
+    spec, service = job["spec"], yaml.safe_load(SERVICE_JOB.read_text())["spec"]
+    assert spec["clusterSelector"] == service["clusterSelector"]
+    assert "rayClusterSpec" not in spec and "backoffLimit" not in spec
+    assert spec["entrypointNumCpus"] >= 1  # on a worker pod, not the head's
+    words = shlex.split(spec["entrypoint"])
+    assert words[:3] == ["python", "-m", "raytrain_mnist.tune"], words
+    cmd = load_command("tune").parse(words[3:])
+    served = load_command("service").parse(shlex.split(service["entrypoint"])[3:])
+    assert cmd.run.scaling.service == served.name and cmd.auto_workers
+    assert cmd.run.storage.storage_path == served.run.storage.storage_path
+    assert cmd.run.storage.name and cmd.settings.scheduler == "asha"
+    assert len(job["metadata"]["name"]) <= MAX_NAME
+
+
 # --------------------------------------------------------------------------- the service
 
 
@@ -618,5 +640,7 @@ def test_guide_commands_parse_and_links_lead_somewhere():
 def test_the_manifests_are_what_the_guide_applies():
     """Nothing in k8s/ that the guide and this file do not cover."""
     files = {p.name for p in K8S.iterdir()}
-    assert files == {p.name for p, _ in MANIFESTS.values()} | {DOCKERFILE.name, SERVICE_JOB.name}
+    jobs = {DOCKERFILE.name, SERVICE_JOB.name, SEARCH_JOB.name}
+    assert files == {p.name for p, _ in MANIFESTS.values()} | jobs
     assert f"kubectl apply -f k8s/{SERVICE_JOB.name}" in DOC.read_text()
+    assert f"kubectl apply -f k8s/{SEARCH_JOB.name}" in (REPO / "docs" / "service.md").read_text()

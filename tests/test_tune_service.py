@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import shlex
 import signal
 import subprocess
 import sys
@@ -24,14 +25,15 @@ from tests.test_service import NAME, service  # noqa: F401 -- the module's servi
 
 #: The search of both sides: seed 2 draws lr 0.05 then 1e-6; one trial at a time, so the
 #: hopeless second trial reaches its first rung after the first finished, and ASHA stops it.
-SEARCH = ["--dataset", "mnist", "--batch-size", "32", "--num-samples", "2",
-          "--max-epochs", "3", "--range", "lr=1e-6,0.05", "--search-seed", "2",
-          "--scheduler", "asha", "--grace-period", "1", "--progress", "lines"]  # fmt: skip
+SEARCH = shlex.split(
+    "--dataset mnist --batch-size 32 --num-samples 2 --max-epochs 3 --range lr=1e-6,0.05 "
+    "--search-seed 2 --scheduler asha --grace-period 1 --progress lines"
+)
 
 
 def _tune(storage: Path, name: str, *flags: str) -> list[str]:
-    return [sys.executable, "-m", "raytrain_mnist", "tune", "--storage-path", str(storage),
-            "--name", name, *flags]  # fmt: skip
+    tune = [sys.executable, "-m", "raytrain_mnist", "tune"]
+    return [*tune, "--storage-path", str(storage), "--name", name, *flags]
 
 
 def _run(command: list[str], env: dict, timeout: float = 600) -> subprocess.CompletedProcess:
@@ -139,13 +141,19 @@ def test_ctrl_c_cancels_the_trials_requests_and_the_same_command_resumes_the_sea
     """Ctrl-C stops the search (exit 130, its resume line) and leaves nothing training on
     the service; the same command then finishes it, the trial's epochs joined up."""
     storage = service["storage"]
-    command = _tune(storage, "stopped", "--service", NAME, "--dataset", "mnist",
-                    "--batch-size", "32", "--num-samples", "1", "--max-epochs", "12",
-                    "--scheduler", "fifo", "--progress", "lines")  # fmt: skip
+    flags = "--dataset mnist --batch-size 32 --num-samples 1 --max-epochs 12 --progress lines"
+    command = _tune(
+        storage, "stopped", "--service", NAME, "--scheduler", "fifo", *shlex.split(flags)
+    )
     driver = subprocess.Popen(
-        command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=REPO,
-        env=service["env"], start_new_session=True,
-    )  # fmt: skip
+        command,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        cwd=REPO,
+        env=service["env"],
+        start_new_session=True,
+    )
     runs = storage / "stopped" / "runs"
     try:
         for line in driver.stdout:  # the trial's first epoch commits: stop the search there
@@ -160,8 +168,8 @@ def test_ctrl_c_cancels_the_trials_requests_and_the_same_command_resumes_the_sea
             driver.wait(timeout=30)
     assert driver.returncode == 130, out + err
     assert "resume with: " in err and "Traceback" not in out + err
-    status = _run([sys.executable, "-m", "raytrain_mnist", "service", "status", "--name",
-                   NAME, "--json"], service["env"])  # fmt: skip
+    status_command = ["service", "status", "--name", NAME, "--json"]
+    status = _run([sys.executable, "-m", "raytrain_mnist", *status_command], service["env"])
     info = json.loads(status.stdout)
     assert not info["in_flight"] and not info["queue"], info
 
