@@ -17,20 +17,42 @@ Per repeat: the search's start-up (command start to the first trial's first step
 trial's training (first step to last evaluation), each gap between trials, the teardown
 (last evaluation to exit), the wall, and the plain loop's start-up, training and wall.
 Writes ``results.json`` and ``results.md`` into ``--out``.
+
+With ``--service`` it compares instead the same ASHA search (``--trials`` trials of up to
+``--epochs`` epochs, one worker each, ``--search-seed``) on one running head, interleaved:
+today's ``tune --address`` (a TorchTrainer per trial, one trial at a time) against ``tune
+--address --service`` through a one-group service started on that head (docs/service.md,
+"Searching through a service"). Per search: the wall, the start-up, each gap between two
+trials (one at a time: what a trial pays besides its training), the teardown, the trials
+stopped early, the best trial and its accuracy::
+
+    python -m benchmarks.trials --service --data-dir ../shared/data/mnist --trials 8 \
+        --epochs 2 --repeats 2 --out benchmarks/results/trials_service
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import itertools
 import json
 import os
+import shlex
+import signal
+import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
 
-from benchmarks.compare import _median, _parse_result, loop_row, machine, run_measured
+from benchmarks.compare import (
+    _median,
+    _parse_result,
+    loop_row,
+    machine,
+    run_measured,
+    warm_head,
+)
 
 
 def tune_command(args, storage: Path, name: str) -> list[str]:
@@ -175,11 +197,15 @@ def main(argv=None) -> int:
     parser.add_argument("--epochs", type=int, default=1)
     parser.add_argument("--cores", type=int, default=os.cpu_count())
     parser.add_argument("--dataset", default="mnist", choices=["mnist", "sample"])
+    parser.add_argument("--service", action="store_true", help="compare tune --service")
+    parser.add_argument("--search-seed", type=int, default=0)
     args = parser.parse_args(argv)
     if args.trials < 2:
         parser.error("--trials must be at least 2: the gaps between trials are the point")
     env = {**os.environ, "RAY_AUTH_MODE": os.environ.get("RAY_AUTH_MODE", "disabled")}
     env["PYTHONUNBUFFERED"] = "1"
+    if args.service:
+        return compare_service(args, env)
     searches, plains = [], []
     with tempfile.TemporaryDirectory(prefix="raytrain_trials_") as storage:
         for repeat in range(args.repeats):
@@ -202,6 +228,139 @@ def main(argv=None) -> int:
     (out / "results.md").write_text(render(result))
     print(render(result))
     return 0
+
+
+# --------------------------------------------------------------------------- --service
+
+#: The benchmark's service, on its head.
+SERVICE = "bench-trials"
+
+
+def search_command(args, address: str, storage: Path, name: str, service: bool) -> list[str]:
+    """The ASHA search of both sides: the same trials, one worker each, one at a time."""
+    flags = shlex.split(
+        f"--num-samples {args.trials} --max-epochs {args.epochs} --scheduler asha "
+        f"--search-seed {args.search_seed} --num-workers 1 --cpus-per-worker {args.cores} "
+        f"--dataset {args.dataset} --progress off --no-tensorboard --json"
+    )
+    where = ["--address", address, "--data-dir", args.data_dir, "--storage-path", str(storage)]
+    side = ["--service", SERVICE] if service else ["--max-concurrent-trials", "1"]
+    return [sys.executable, "-m", "raytrain_mnist.tune", *flags, *where, "--name", name, *side]
+
+
+@contextlib.contextmanager
+def service_on(args, env: dict, address: str, storage: Path):
+    """A one-group service of one worker x ``args.cores`` CPUs on the head at ``address``,
+    as a user starts one, ready; stopped with ``service stop`` afterwards."""
+    base = [sys.executable, "-m", "raytrain_mnist", "service"]
+    where = ["--name", SERVICE, "--address", address]
+    size = shlex.split(f"--num-workers 1 --cpus-per-worker {args.cores} --dataset {args.dataset}")
+    data = ["--data-dir", args.data_dir, "--storage-path", str(storage)]
+    driver = subprocess.Popen(
+        [*base, "start", *where, *size, *data],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        env=env,
+        start_new_session=True,
+    )
+    try:
+        for line in driver.stdout:
+            if f"service '{SERVICE}' ready" in line:
+                break
+        else:
+            raise RuntimeError("the benchmark's service ended before it was ready")
+        yield
+        subprocess.run([*base, "stop", *where], env=env, capture_output=True, timeout=300)
+        driver.wait(timeout=120)
+    finally:
+        if driver.poll() is None:
+            os.killpg(driver.pid, signal.SIGKILL)
+
+
+def measure_search(args, env: dict, address: str, storage: Path, name: str, service: bool):
+    """One search, timed from its command's start to its exit; its trials as they ended."""
+    _, start, wall, _, _ = run_measured(search_command(args, address, storage, name, service), env)
+    best = json.loads((storage / name / "best.json").read_text())
+    row = tune_row(trial_moments(storage, name), start, wall)
+    if service:  # its worker group started long before: the gap has no such parts
+        del row["to_train_function_s"], row["to_first_step_s"]
+    row.update(
+        stopped_early=sorted(t["trial_id"] for t in best["trials"] if t["stopped_early"]),
+        best_trial=best["best_trial"],
+        best_val_accuracy=best["best_val_accuracy"],
+    )
+    return row
+
+
+def compare_service(args, env: dict) -> int:
+    """``--service``: the same ASHA search on one head, today's and through a service."""
+    sides: dict[str, list[dict]] = {"tune": [], "tune --service": []}
+    # The head holds the service's worker and a plain trial's at once (the service's idles
+    # while the plain search trains), plus the trial actors' slivers.
+    head_args = argparse.Namespace(cores=2 * args.cores + 1)
+    with tempfile.TemporaryDirectory(prefix="raytrain_trials_svc_") as storage:
+        storage = Path(storage)
+        bench_env = {**env, "RAYTRAIN_MNIST_CACHE": str(storage / "cache")}
+        with (
+            warm_head(head_args, bench_env) as address,
+            service_on(args, bench_env, address, storage),
+        ):
+            for repeat in range(args.repeats):
+                # Same names, other storage: the trials' names come from the settings.
+                for side in sides if repeat % 2 == 0 else reversed(sides):
+                    root = storage / side.replace(" ", "").replace("-", "") / str(repeat)
+                    row = measure_search(args, bench_env, address, root, "asha", side != "tune")
+                    sides[side].append(row)
+                    print(f"[{repeat + 1}/{args.repeats}] {side} {json.dumps(row)}")
+    result = {"machine": machine(), "settings": vars(args), "sides": sides}
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "results.json").write_text(json.dumps(result, indent=2))
+    (out / "results.md").write_text(render_service(result))
+    print(render_service(result))
+    return 0
+
+
+def render_service(result: dict) -> str:
+    s, sides = result["settings"], result["sides"]
+    plain, served = sides["tune"], sides["tune --service"]
+
+    def med(rows, key):
+        values = [v for r in rows for v in (r[key] if isinstance(r[key], list) else [r[key]])]
+        return _median(values) if values else None
+
+    def cell(rows, key):
+        value = med(rows, key)
+        return "—" if value is None else f"{value:.1f}"
+
+    ratio = med(served, "wall_s") / med(plain, "wall_s")
+    same = all(
+        (a["stopped_early"], a["best_trial"], a["best_val_accuracy"])
+        == (b["stopped_early"], b["best_trial"], b["best_val_accuracy"])
+        for a, b in zip(plain, served, strict=True)
+    )
+    rows = [
+        ("wall", "wall_s"),
+        ("start-up (command start to the first step)", "startup_s"),
+        ("**between two trials** (a trial's cost besides its training)", "between_trials_s"),
+        ("a trial's training", "training_s"),
+        ("teardown (last evaluation to exit)", "teardown_s"),
+    ]
+    lines = [
+        f"Machine: {result['machine']}. {s['dataset']}, an ASHA search of {s['trials']} "
+        f"trials of up to {s['epochs']} epoch(s), one worker x {s['cores']} CPU each, "
+        f"search seed {s['search_seed']}, on one running head; {len(plain)} search(es) a "
+        "side, interleaved; seconds, median over searches (between trials: over every gap).",
+        "",
+        "| seconds | tune | tune --service |",
+        "|---|---:|---:|",
+        *(f"| {label} | {cell(plain, key)} | {cell(served, key)} |" for label, key in rows),
+        "",
+        f"Wall ratio (service / today's): {ratio:.2f}. The same trials stopped early and the "
+        f"same best trial and accuracy on both sides: {'yes' if same else 'NO'}.",
+    ]
+    return "\n".join(lines) + "\n"
 
 
 if __name__ == "__main__":
