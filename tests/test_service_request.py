@@ -18,6 +18,7 @@ from raytrain_mnist.driver.service.request import (
     CLAIM_FILE,
     canonical,
     check_request,
+    forget_claim,
     within_roots,
     write_claim,
 )
@@ -189,7 +190,9 @@ def test_a_claim_token_is_never_written_through_a_link(tmp_path):
         (tmp_path / "r" / CLAIM_FILE).symlink_to(target)
         write_claim(run.files, "token")
         assert not (tmp_path / "r" / CLAIM_FILE).is_symlink()
+        forget_claim(run.files)  # the request was refused: the run is left as it was
     assert target.read_text() == "keep"
+    assert not (tmp_path / "r").exists()
 
 
 def test_an_unreadable_claim_is_no_claim(roots):

@@ -23,7 +23,7 @@ from raytrain_mnist.driver.service.queue import (
     find_queue,
     registry_file,
 )
-from raytrain_mnist.driver.service.request import within_roots, write_claim
+from raytrain_mnist.driver.service.request import forget_claim, within_roots, write_claim
 from raytrain_mnist.errors import EXIT_USAGE, UserError, cause_line
 from raytrain_mnist.service_request import ServiceRequest
 
@@ -136,6 +136,7 @@ class ServiceClient:
         job = ray.get_runtime_context().get_job_id()  # the queue asks the GCS if it is alive
         answer = ray.get(self.queue.submit.remote(request.to_dict(), job), timeout=60)
         if "refused" in answer:
+            forget_claim(run.files)  # a refused run is left as it was found
             raise UserError(f"service '{self.name}' refused the run: {answer['refused']}")
         return answer["id"]
 

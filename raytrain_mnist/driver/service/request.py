@@ -167,3 +167,12 @@ def write_claim(files: RunStorage, token: str) -> None:
         with contextlib.suppress(FileNotFoundError):
             os.unlink(os.path.join(files.dir, CLAIM_FILE))  # never written through a link
     files.write_bytes(CLAIM_FILE, token.encode())
+
+
+def forget_claim(files: RunStorage) -> None:
+    """Remove the token :func:`write_claim` wrote (a refused request's run)."""
+    with contextlib.suppress(Exception):  # what is left is a token no request holds
+        if files.local:
+            os.unlink(os.path.join(files.dir, CLAIM_FILE))
+        else:
+            files.filesystem.delete_file(files.path(CLAIM_FILE))
