@@ -465,3 +465,28 @@ def test_status_shows_one_row_per_field_and_json_has_no_nan(service):
     assert [line.split(":")[0] for line in shown].count("served") == 1
     assert "\x1b" not in format_status(info) and "^[[2Jx" in format_status(info)
     assert finite({"a": [float("nan"), 1.5], "b": float("inf")}) == {"a": [None, 1.5], "b": None}
+
+
+def test_a_name_whose_service_still_runs_here_is_not_started_again(tmp_path, monkeypatch):
+    """The registry entry of a running service (its process alive) refuses a second start
+    of the name; an entry whose process is gone, or was reused, is a stale one."""
+    import json
+    import os
+
+    import psutil
+
+    from raytrain_mnist.driver.service.queue import registry_file
+    from raytrain_mnist.driver.service.running import _check_not_registered
+    from raytrain_mnist.errors import UserError
+
+    monkeypatch.setenv("RAYTRAIN_MNIST_CACHE", str(tmp_path))
+    entry = registry_file("svc")
+    entry.parent.mkdir(parents=True)
+    parent = psutil.Process(os.getppid())
+    record = {"address": "127.0.0.1:1\n", "pid": parent.pid, "pid_started": parent.create_time()}
+    entry.write_text(json.dumps(record))
+    with pytest.raises(UserError, match="a service named 'svc' already runs on this machine"):
+        _check_not_registered("svc")
+    entry.write_text(json.dumps({**record, "pid_started": record["pid_started"] - 1}))
+    _check_not_registered("svc")  # that pid is another process now
+    _check_not_registered("other")
