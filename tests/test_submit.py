@@ -5,7 +5,9 @@ token auth on with a token file in a temporary directory (never ~/.ray/auth_toke
 session under that directory too (so no other Ray on this machine finds it). Every process
 of that head carries a marker in its environment; the fixture kills whatever carries the
 marker (`ray start --block`, its node, the job drivers), and nothing else: no `ray stop`,
-which would stop every Ray on the machine.
+which would stop every Ray on the machine. One test joins a node offering `job_driver` to
+the head for its own length (where a job's driver runs: tests/test_job_placement.py's
+question, asked here rather than of a Ray cluster of its own).
 """
 
 from __future__ import annotations
@@ -138,7 +140,13 @@ def head(sample_digits):
     url = f"http://127.0.0.1:{dashboard}"
     try:
         _wait_for_jobs_api(url, token, proc, root / "ray_start.log")
+        deadline = time.monotonic() + 90
+        while not (head_node := [n for n in _nodes(url, token) if n.get("is_head_node")]):
+            assert time.monotonic() < deadline, _nodes(url, token)  # the state API lists it
+            time.sleep(0.5)
         yield {
+            "env": env,
+            "node_id": head_node[0]["node_id"],
             "url": url,
             "gcs": f"127.0.0.1:{gcs}",
             "token": token,
@@ -330,13 +338,16 @@ def test_bf16_fit_job_is_followed_to_success_and_ctrl_c_detaches(head, tmp_path)
     assert_one_line_error(proc, "no job 'raysubmit_nope'")
 
 
-def _jobs_api(head, path: str) -> str:
-    """What the Jobs API answers at ``path``, as it sends it."""
-    request = urllib.request.Request(
-        f"{head['url']}{path}", headers={"Authorization": f"Bearer {head['token']}"}
-    )
+def _get(url: str, token: str, path: str) -> str:
+    """What the head's dashboard at ``url`` answers at ``path``, as it sends it."""
+    request = urllib.request.Request(f"{url}{path}", headers={"Authorization": f"Bearer {token}"})
     with urllib.request.urlopen(request, timeout=30) as response:
         return response.read().decode()
+
+
+def _jobs_api(head, path: str) -> str:
+    """What the Jobs API answers at ``path``, as it sends it."""
+    return _get(head["url"], head["token"], path)
 
 
 def _working_dir(head, job_id: str) -> Path:
@@ -695,6 +706,140 @@ def _copies_of(head, token: str) -> dict:
     # packages, in its store or as the .zip files it fetches, must open.
     assert not [u for u in found["unopened"] if u.startswith("gcs ") or u.endswith(".zip")], found
     return found
+
+
+# --------------------------------------------------------------------------- a driver node
+
+
+def _nodes(url: str, token: str) -> list[dict]:
+    """The cluster's nodes, as the state API of its dashboard at ``url`` lists them."""
+    return json.loads(_get(url, token, "/api/v0/nodes?limit=100&detail=1"))["data"]["result"][
+        "result"
+    ]
+
+
+def _alive_nodes(head) -> dict[str, dict]:
+    """The cluster's live nodes by id."""
+    return {n["node_id"]: n for n in _nodes(head["url"], head["token"]) if n["state"] == "ALIVE"}
+
+
+#: A node that joins the head at argv[1] with one CPU and one argv[4] (`job_driver`), on
+#: loopback as the head is, until SIGTERM: `ray start` refuses to join in the single-node
+#: mode that keeps a node on loopback; Ray's own test clusters start a node this way
+#: (ray.cluster_utils).
+_DRIVER_NODE = """
+import signal, sys, threading
+from ray._private.node import Node
+from ray._private.parameter import RayParams
+
+params = RayParams(gcs_address=sys.argv[1], node_ip_address="127.0.0.1", num_cpus=1,
+    num_gpus=0, resources={sys.argv[4]: 1}, dashboard_agent_listen_port=int(sys.argv[2]),
+    metrics_export_port=int(sys.argv[3]), include_log_monitor=False, node_manager_port=0,
+    min_worker_port=0, max_worker_port=0)
+stop = threading.Event()
+signal.signal(signal.SIGTERM, lambda *_: stop.set())
+node = Node(params, head=False, shutdown_at_exit=False, spawn_reaper=False)
+print("joined", node.unique_id, flush=True)
+stop.wait()
+node.kill_all_processes(check_alive=False, allow_graceful=True)
+"""
+
+
+def _place(head, *flags: str, env: dict | None = None, seen: list | None = None) -> str:
+    """Submit `evaluate` of a missing run with ``flags``; the node its driver ran on (and
+    the job's record from the Jobs API appended to ``seen``)."""
+    proc = run_submit(
+        *("--address", head["url"], "--no-wait", *flags, "--", "evaluate", "/nonexistent/run"),
+        env={
+            **client_env(head, RAY_AUTH_MODE="token", RAY_AUTH_TOKEN_PATH=str(head["token_path"])),
+            **(env or {}),
+        },
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    job_id = proc.stdout.strip()
+    deadline = time.monotonic() + 120
+    while (info := json.loads(_jobs_api(head, f"/api/jobs/{job_id}")))["status"] not in (
+        "SUCCEEDED",
+        "FAILED",
+        "STOPPED",
+    ):
+        assert time.monotonic() < deadline, info
+        time.sleep(0.5)
+    if seen is not None:
+        seen.append(info)
+    # It ran (evaluate refused the missing run), and the Jobs API says where.
+    assert info["driver_exit_code"] not in (None, 0), info
+    where = (
+        "the head" if info["driver_node_id"] == head["node_id"] else "a node offering job_driver"
+    )
+    assert f"(driver on {where})" in proc.stderr, proc.stderr
+    return info["driver_node_id"]
+
+
+def test_the_driver_runs_on_a_driver_node_unless_told_otherwise_and_env_reaches_it(
+    head, monkeypatch
+):
+    """On a cluster with a node that offers `job_driver` (cluster.yaml's ray.driver.cpu),
+    `submit` runs the job's driver there unless told otherwise (`--driver-resource none`:
+    the head); `--env` reaches the job's runtime environment. The node joins this module's
+    head for this test (as a driver node joins a cluster) and leaves it before the test
+    ends, so every other test here sees a cluster without one (their drivers: the head). The
+    job is a real submit of `evaluate` of a run that does not exist (it fails in seconds;
+    where its driver ran is the point): the Jobs API records the driver's node."""
+    monkeypatch.delenv("RAYTRAIN_MNIST_DRIVER_RESOURCE", raising=False)
+    node_marker = uuid.uuid4().hex
+    agent, metrics = free_ports(2)
+    env = {**head["env"], MARKER_VAR: node_marker}  # its own marker: this node alone
+    log = head["root"] / "driver_node.log"
+    with open(log, "wb") as out:
+        node = subprocess.Popen(
+            [sys.executable, "-c", _DRIVER_NODE, head["gcs"], str(agent), str(metrics)]
+            + [jobs.DRIVER_RESOURCE],
+            env=env,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+            stdin=subprocess.DEVNULL,
+        )
+    try:
+        deadline = time.monotonic() + 120
+        while not (
+            driver := [
+                node_id
+                for node_id, n in _alive_nodes(head).items()
+                if (n.get("resources_total") or {}).get(jobs.DRIVER_RESOURCE)
+            ]
+        ):
+            assert node.poll() is None and time.monotonic() < deadline, log.read_text()[-3000:]
+            time.sleep(0.5)
+        (driver_node,) = driver
+        # By default: the cluster offers job_driver, so the driver goes there, not to the head.
+        assert _place(head) == driver_node
+        # Asked for by name, the same; this job also carries `--env`, which reaches the
+        # job's runtime environment.
+        seen: list = []
+        env_flags = ("--env", "NCCL_DEBUG=INFO", "--env", "PROBE=a=b")
+        assert _place(head, "--driver-resource", jobs.DRIVER_RESOURCE, *env_flags, seen=seen) == (
+            driver_node
+        )
+        (info,) = seen
+        assert info["runtime_env"]["env_vars"] == {"NCCL_DEBUG": "INFO", "PROBE": "a=b"}
+        # Told otherwise: Ray's own placement, the head.
+        assert _place(head, "--driver-resource", "none") == head["node_id"]
+        assert _place(head, env={"RAYTRAIN_MNIST_DRIVER_RESOURCE": "none"}) == head["node_id"]
+    finally:
+        # The node leaves as `ray stop` would stop it (SIGTERM: its raylet leaves the GCS),
+        # and the test waits until the cluster no longer lists it: later jobs go to the head.
+        node.send_signal(signal.SIGTERM)
+        deadline = time.monotonic() + 120
+        while any(
+            (n.get("resources_total") or {}).get(jobs.DRIVER_RESOURCE)
+            for n in _alive_nodes(head).values()
+        ):
+            assert time.monotonic() < deadline, "the driver node is still listed as alive"
+            time.sleep(0.5)
+        kill_marked(node_marker)
+        node.wait(timeout=30)
 
 
 # --------------------------------------------------------------------------- no cluster needed
