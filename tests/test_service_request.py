@@ -200,3 +200,15 @@ def test_an_unreadable_claim_is_no_claim(roots):
         os.unlink(roots["root"] / "r" / CLAIM_FILE)
     (roots["root"] / "r" / CLAIM_FILE).mkdir()
     _refused(_request(roots["root"]), roots["rules"], "is not claimed")
+
+
+def test_a_run_on_an_object_store_is_claimed_by_its_lease_and_token(s3):
+    """On S3 the claim is a lease beside the run: a token without it is no claim."""
+    root = s3()
+    rules = {"storage_roots": [root], "num_workers": 2, "data": {"train_size": 600}}
+    with Run(root, "r").claim() as run:
+        write_claim(run.files, "token")
+        assert check_request(_request(root), rules).run_dir == f"{root}/r"
+        _refused(_request(root, claim="guess"), rules, "is not claimed")
+    write_claim(Run(root, "r").files, "token")  # the lease is gone with its command
+    _refused(_request(root), rules, "is not claimed")

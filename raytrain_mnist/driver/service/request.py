@@ -136,6 +136,8 @@ def check_claim(storage: str, name: str, token: str) -> None:
         path = os.path.join(files.dir, CLAIM_FILE)
         if os.path.islink(path) or not os.path.isfile(path):
             raise refused
+    elif not _lease_held(files):
+        raise refused
     try:
         found = files.read_bytes(CLAIM_FILE, limit=1024)
     except Exception:  # unreadable is unclaimed
@@ -159,6 +161,18 @@ def _lock_held(path: str) -> bool:
     finally:
         os.close(fd)  # a lock taken here goes with the descriptor
     return False
+
+
+def _lease_held(files: RunStorage) -> bool:
+    """Whether a run on an object store has a lease beside it (:class:`~..runs.claim.Lease`:
+    whether it is stale only its rivals can judge, by watching it)."""
+    import pyarrow.fs
+
+    lease = f"{files.base.rpartition('/')[0]}/.{files.name}.lease"
+    try:
+        return files.filesystem.get_file_info(lease).type == pyarrow.fs.FileType.File
+    except Exception:  # a store that cannot be asked holds no claim we can see
+        return False
 
 
 def write_claim(files: RunStorage, token: str) -> None:
