@@ -281,3 +281,33 @@ def test_train_step_is_what_the_device_steps_run(digits):
     torch.manual_seed(3)
     train_step(b.model, x, y, b.optimizer, b.scheduler, b.scaler, b.autocast, b.recipe)
     _same_weights(b.module.state_dict(), a.module.state_dict())
+
+
+@pytest.mark.parametrize("mode", [LOADER, EAGER])
+def test_an_epochs_metrics_are_summed_over_every_rank(digits, monkeypatch, mode):
+    """Either steps object's epoch reports every rank's loss, hits and images (one
+    all-reduce of the sums): here a stand-in second rank that trained what this one did."""
+    import types
+
+    import torch.distributed as dist
+
+    from raytrain_mnist.nn import score
+
+    images, labels = digits
+    alone = _training(images, labels, 0, mode=mode)
+    set_epoch(alone.loader, 0, CFG.seed)
+    one = alone.train_one_epoch()
+    paired = _training(images, labels, 0, mode=mode)  # seeded again: the same draws
+    second_rank = types.SimpleNamespace(
+        is_available=lambda: True,
+        is_initialized=lambda: True,
+        get_world_size=lambda group=None: 2,
+        all_reduce=lambda tensor, op=None: tensor.mul_(2),
+        ReduceOp=dist.ReduceOp,
+    )
+    monkeypatch.setattr(score, "dist", second_rank)  # what the sums' all-reduce sees
+    set_epoch(paired.loader, 0, CFG.seed)
+    two = paired.train_one_epoch()
+    assert two["train_images"] == 2 * one["train_images"] == 2 * STEPS * CFG.batch_size
+    assert two["train_loss"] == one["train_loss"]
+    assert two["train_accuracy"] == one["train_accuracy"]

@@ -162,11 +162,10 @@ class StepHooks:
 
     def ready(self, worker: WorkerSetup, prepared_at: float, resumed: dict[str, Any]) -> None:
         """Tell the driver the run is set up and about to train (rank 0's feed)."""
-        device, world_size = worker.device.type, worker.world_size
         self.feed.ready(
-            world_size,
+            worker.world_size,
             worker.started_at,
-            device=device,
+            device=worker.device.type,
             backend=backend(),
             prepared_at=prepared_at,
             **resumed,

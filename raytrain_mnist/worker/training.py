@@ -1,7 +1,7 @@
 """What one worker trains with (:class:`Training`) and the one constructor of it,
 :func:`prepare_training`: the worker's loop calls it with Ray's DDP and sampler wrappers
-(the defaults), the tests and benchmarks with their own (none, or torchrun's), so they all
-train the very object a worker trains. Importing this module does not import Ray."""
+(the defaults, imported when they are used), the tests and benchmarks with their own
+(none, or torchrun's), so they all train the very object a worker trains, in any process."""
 
 from __future__ import annotations
 
@@ -153,7 +153,7 @@ def as_is(thing):
 
 def _wrappers(prepare_model, prepare_data_loader):
     """The wrappers given, Ray Train's where none is (imported here: only a Ray Train
-    worker calls them, and the module imports without Ray)."""
+    worker calls them; ray.train.torch is not imported until then)."""
     if prepare_model is None or prepare_data_loader is None:
         import ray.train.torch
 
