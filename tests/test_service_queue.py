@@ -353,7 +353,7 @@ def test_the_queue_refuses_past_its_bound(service, monkeypatch):
         lambda q, t: q.group_failed(t, 0, "forged"),
     ],
 )
-@pytest.mark.parametrize("token", ["", "guess", None, TOKEN.upper()])
+@pytest.mark.parametrize("token", ["", "guess", None, TOKEN.upper(), "é" * 18, b"x"])
 def test_the_workers_methods_answer_only_the_services_workers(service, call, token):
     service.submit("a")
     with pytest.raises(NotAWorker):

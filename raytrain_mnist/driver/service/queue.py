@@ -170,7 +170,9 @@ class ServiceQueue:
     # ------------------------------------------------------------ the workers' side
 
     def _check_worker(self, token: Any) -> None:
-        if not (isinstance(token, str) and self._token and hmac.compare_digest(token, self._token)):
+        mine = self._token.encode()
+        given = token.encode("utf-8", "replace") if isinstance(token, str) else b""
+        if not (mine and hmac.compare_digest(given, mine)):  # in constant time
             raise NotAWorker("only the service's own workers may call this")
 
     def group_started(
