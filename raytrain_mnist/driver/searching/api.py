@@ -282,6 +282,7 @@ def _build(ctx: _Search) -> TuneRun:
         pending=ctx.pending,
         scheduler=scheduler(ctx.settings, ctx.train.epochs, ctx.session.ended.values()),
         concurrent=ctx.concurrent,
+        reuse_actors=ctx.client is not None,  # a service's trials reset between trials
     )
 
 

@@ -133,18 +133,26 @@ def service_trainable(setup: ServiceTrialSetup, resources: dict) -> Any:
 def _trial_class() -> type:
     """A Tune class trainable: Tune calls ``cleanup`` when it stops the trial (ASHA, the
     end of the search), where a function trainable gets no word of it before its actor
-    is killed. One ``step`` is one committed epoch."""
+    is killed; ``reset_config`` when it hands the actor the next trial (the search reuses
+    its actors: a new one costs a Python importing Ray Tune, seconds a trial on a service
+    would otherwise pay). One ``step`` is one committed epoch."""
     from ray import tune
 
     class ServiceTrial(tune.Trainable):
         def setup(self, config: dict, setup: ServiceTrialSetup) -> None:
+            self.search, self.request = setup, None
             self.request = TrialRequest.send(config["trial"], setup)
 
         def step(self) -> dict:
             return self.request.next_epoch()
 
+        def reset_config(self, new_config: dict) -> bool:
+            self.cleanup()  # the last trial's request (stopped, or ended) and its run
+            self.request = TrialRequest.send(new_config["trial"], self.search)
+            return True
+
         def cleanup(self) -> None:
-            request = getattr(self, "request", None)
+            request, self.request = getattr(self, "request", None), None
             if request is not None:
                 request.close("the search stopped its trial")
 

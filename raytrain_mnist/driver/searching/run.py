@@ -323,6 +323,9 @@ class TuneRun:
     pending: list[str]
     scheduler: Any
     concurrent: int  # trials at once
+    #: A trainable that resets between trials (a service's trial: on_service) keeps its
+    #: actor for the next trial.
+    reuse_actors: bool = False
 
     def __call__(self) -> None:
         # tune.run, not a Tuner: a Tuner's results load a failed trial's pickled error
@@ -345,11 +348,12 @@ class TuneRun:
             callbacks=[trial_events(), quiet_progress()],
             raise_on_failed_trial=False,
             verbose=0,
-            # A new actor per trial. Tune reuses one only if the last trial's thread ends
-            # within 2 s of its stop (TUNE_FUNCTION_THREAD_TIMEOUT_S); a trial the scheduler
-            # stops is still inside its Train run's epoch then, so the next trial on that
-            # actor failed to reset and never ran (a search "interrupted" by nobody).
-            reuse_actors=False,
+            # Fit's trials: a new actor per trial. Tune reuses one only if the last trial's
+            # thread ends within 2 s of its stop (TUNE_FUNCTION_THREAD_TIMEOUT_S); a trial
+            # the scheduler stops is still inside its Train run's epoch then, so the next
+            # trial on that actor failed to reset and never ran (a search "interrupted" by
+            # nobody).
+            reuse_actors=self.reuse_actors,
         )
 
 
