@@ -213,7 +213,12 @@ class TrialRequest:
             if self._end is not None:
                 self._check_end()
             time.sleep(POLL_S)
-            dropped, items = ray.get(self._stream.drain.remote(self._handled), timeout=60)
+            try:
+                dropped, items = ray.get(self._stream.drain.remote(self._handled), timeout=60)
+            except ray.exceptions.GetTimeoutError:  # a loaded machine: asked again
+                continue
+            except ray.exceptions.RayActorError:
+                raise UserError(f"service '{self.client.name}' went away") from None
             for item in items[self._handled - dropped :]:
                 self._take(item)
             self._handled = dropped + len(items)
