@@ -138,10 +138,12 @@ def test_the_same_search_through_the_service_and_on_its_own_trains_the_same_tria
 def test_ctrl_c_cancels_the_trials_requests_and_the_same_command_resumes_the_search(
     service,  # noqa: F811 -- the fixture imported above
 ):
-    """Ctrl-C stops the search (exit 130, its resume line) and leaves nothing training on
-    the service; the same command then finishes it, the trial's epochs joined up."""
+    """The search runs as many trials at once as the service has free groups. Ctrl-C
+    stops it (exit 130, its resume line) and leaves nothing training on the service; the
+    same command then finishes it, every trial's epochs joined up."""
     storage = service["storage"]
-    flags = "--dataset mnist --batch-size 32 --num-samples 1 --max-epochs 12 --progress lines"
+    free = _service_status(service).get("free_groups") or 1
+    flags = "--dataset mnist --batch-size 32 --num-samples 2 --max-epochs 8 --progress lines"
     command = _tune(
         storage, "stopped", "--service", NAME, "--scheduler", "fifo", *shlex.split(flags)
     )
@@ -154,30 +156,37 @@ def test_ctrl_c_cancels_the_trials_requests_and_the_same_command_resumes_the_sea
         env=service["env"],
         start_new_session=True,
     )
-    runs = storage / "stopped" / "runs"
+    seen: list[str] = []
     try:
-        for line in driver.stdout:  # the trial's first epoch commits: stop the search there
+        for line in driver.stdout:  # a trial's first epoch commits: stop the search there
+            seen.append(line)
             if " started: " in line:
                 break
-        _first_epoch(runs)
+        _first_epoch(storage / "stopped" / "runs")
         driver.send_signal(signal.SIGINT)
         out, err = driver.communicate(timeout=240)
     finally:
         if driver.poll() is None:
             os.killpg(driver.pid, signal.SIGKILL)
             driver.wait(timeout=30)
+    out = "".join(seen) + out
     assert driver.returncode == 130, out + err
+    assert f"{min(free, 2)} at a time" in out, out
     assert "resume with: " in err and "Traceback" not in out + err
-    status_command = ["service", "status", "--name", NAME, "--json"]
-    status = _run([sys.executable, "-m", "raytrain_mnist", *status_command], service["env"])
-    info = json.loads(status.stdout)
+    info = _service_status(service)
     assert not info["in_flight"] and not info["queue"], info
 
     resumed = _run(command, service["env"])
     assert resumed.returncode == 0, resumed.stdout + resumed.stderr
-    (record,) = _trials(storage / "stopped").values()
-    assert record["status"] == "finished"
-    assert [h["epoch"] for h in record["history"]] == list(range(1, 13))
+    records = _trials(storage / "stopped").values()
+    assert [r["status"] for r in records] == ["finished", "finished"], records
+    assert all([h["epoch"] for h in r["history"]] == list(range(1, 9)) for r in records)
+
+
+def _service_status(running: dict) -> dict:
+    """``service status --json`` of the module's service."""
+    status = [sys.executable, "-m", "raytrain_mnist", "service", "status", "--name", NAME]
+    return json.loads(_run([*status, "--json"], running["env"]).stdout)
 
 
 def _first_epoch(runs: Path) -> None:
