@@ -7,6 +7,7 @@ module, as a user's shell starts it); every search is a subprocess, as a user ru
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shlex
@@ -70,6 +71,46 @@ def test_a_trial_on_a_service_asks_a_sliver_of_a_cpu_where_one_is_free():
     # The service holds every CPU (a machine its size): a trial asks none, only memory.
     assert on_service.trial_resources(0.0, 1) == on_service.NO_CPU
     assert on_service.NO_CPU["CPU"] == 0 and on_service.NO_CPU["memory"] > 0
+
+
+class _Client:
+    """A ServiceClient as a trial uses one once its request is sent."""
+
+    name = "s"
+
+    def __init__(self) -> None:
+        self.cancelled: list[str] = []
+
+    def channel(self, request_id: str):
+        return None
+
+    def cancel(self, request_id: str, reason: str) -> None:
+        self.cancelled.append(request_id)
+
+
+def test_a_trial_relays_committed_epochs_and_cancels_only_a_request_still_training():
+    client = _Client()
+    stopped = on_service.TrialRequest(client, "r1", 3, contextlib.ExitStack())
+    stopped._take({"progress": "step", "epoch": 1})  # rank 0's progress: not an epoch
+    stopped._take({"epoch": 1, "val_accuracy": 0.5, "checkpoint": "/c1", "received": 2.0})
+    result = stopped._result(stopped._epochs.pop(0))
+    assert result["checkpoint_path"] == "/c1" and "received" not in result
+    assert result["trial_imported_torch"] == ("torch" in sys.modules)
+    assert "done" not in result
+    stopped.close("ASHA stopped it")  # after epoch 1 of 3: the request trains on
+    assert client.cancelled == ["r1"]
+
+    finished = on_service.TrialRequest(client, "r2", 1, contextlib.ExitStack())
+    finished._take({"epoch": 1, "val_accuracy": 0.9, "checkpoint": None})
+    assert finished._result(finished._epochs.pop(0))["done"] is True
+    finished.close("the trial ended")  # its last epoch went to Tune: nothing to cancel
+
+    failed = on_service.TrialRequest(client, "r3", 2, contextlib.ExitStack())
+    failed._take({"progress": "request", "state": "failed", "error": "training diverged"})
+    with pytest.raises(UserError, match="service 's': training diverged"):
+        failed._check_end()
+    failed.close("the trial failed")
+    assert client.cancelled == ["r1"]
 
 
 def test_a_search_on_no_such_service_is_one_line(tmp_path):
