@@ -298,12 +298,32 @@ class RunSettings:
     #: The flags' order in --help, resume commands and run records (the order they had as
     #: one flat class); a flag not named here follows, in its section's order.
     flag_order = (
-        "num_workers", "resize_check_s", "progress", "use_gpu", "gpus_per_worker",
-        "cpus_per_worker", "backend", "init_method", "dataset", "data_dir", "storage_path",
-        "name", "fresh", "address", "service", "max_failures", "max_preemptions", "keep_checkpoints",
-        "placement_strategy", "no_tensorboard", "mlflow", "mlflow_uri", "socket_ifname", "compile",
+        "num_workers",
+        "resize_check_s",
+        "progress",
+        "use_gpu",
+        "gpus_per_worker",
+        "cpus_per_worker",
+        "backend",
+        "init_method",
+        "dataset",
+        "data_dir",
+        "storage_path",
+        "name",
+        "fresh",
+        "address",
+        "service",
+        "max_failures",
+        "max_preemptions",
+        "keep_checkpoints",
+        "placement_strategy",
+        "no_tensorboard",
+        "mlflow",
+        "mlflow_uri",
+        "socket_ifname",
+        "compile",
         "cuda_graphs",
-    )  # fmt: skip
+    )
 
     def __post_init__(self) -> None:
         if self.address is not None:

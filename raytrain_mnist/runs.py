@@ -110,8 +110,10 @@ def format_table(entries: Sequence[RunEntry]) -> str:
     widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
     lines = []
     for row, entry in zip(rows, [None, *entries], strict=True):
-        text = "  ".join(cell.ljust(w) if i < 3 else cell.rjust(w) for i, (cell, w) in
-                         enumerate(zip(row, widths, strict=True)))  # fmt: skip
+        text = "  ".join(
+            cell.ljust(w) if i < 3 else cell.rjust(w)
+            for i, (cell, w) in enumerate(zip(row, widths, strict=True))
+        )
         path = "PATH" if entry is None else printable(entry.path, lines=False)
         problem = "" if entry is None or not entry.problem else f"  ({entry.problem})"
         lines.append(f"{text}  {path}{printable(problem, lines=False)}")

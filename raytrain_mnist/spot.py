@@ -274,9 +274,14 @@ def run_bounded(what: str, words: list[str], timeout_s: float) -> str:
     RuntimeError (one line) otherwise. It runs in a process group of its own, killed whole at
     the timeout: ``ray`` starts children of its own."""
     with subprocess.Popen(
-        words, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-        text=True, errors="replace", start_new_session=True,
-    ) as child:  # fmt: skip
+        words,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        stdin=subprocess.DEVNULL,
+        text=True,
+        errors="replace",
+        start_new_session=True,
+    ) as child:
         try:
             out, _ = child.communicate(timeout=timeout_s)
         except subprocess.TimeoutExpired:
@@ -314,11 +319,19 @@ def this_node_id(address: str, timeout_s: float = DRAIN_TIMEOUT_S) -> str:
 def drain_command(address: str, node_id: str, found: dict) -> list[str]:
     """The ``ray drain-node`` words for notice ``found`` on node ``node_id``."""
     return [
-        "ray", "drain-node", "--address", address, "--node-id", node_id,
-        "--reason", "DRAIN_NODE_REASON_PREEMPTION",
-        "--reason-message", f"spot instance-action {found.get('action')} at {found.get('time')}",
-        "--deadline-remaining-seconds", str(found["remaining_s"]),
-    ]  # fmt: skip
+        "ray",
+        "drain-node",
+        "--address",
+        address,
+        "--node-id",
+        node_id,
+        "--reason",
+        "DRAIN_NODE_REASON_PREEMPTION",
+        "--reason-message",
+        f"spot instance-action {found.get('action')} at {found.get('time')}",
+        "--deadline-remaining-seconds",
+        str(found["remaining_s"]),
+    ]
 
 
 class Drainer:
@@ -359,8 +372,10 @@ class Drainer:
             if time.monotonic() + wait >= deadline:
                 logger.error(
                     "spot watcher: the notice's deadline came with node %s not drained after "
-                    "%d tries; watching on", self.node_id or "(unknown)", failures,
-                )  # fmt: skip
+                    "%d tries; watching on",
+                    self.node_id or "(unknown)",
+                    failures,
+                )
                 return False
             self._sleep(wait)
 
@@ -370,8 +385,11 @@ class Drainer:
         words = drain_command(self.address, node_id, found)
         logger.warning(
             "spot notice: %s at %s (%d s left); draining node %s",
-            found["action"], found["time"], found["remaining_s"], node_id,
-        )  # fmt: skip
+            found["action"],
+            found["time"],
+            found["remaining_s"],
+            node_id,
+        )
         if self.dry_run:
             print(" ".join(words), flush=True)
             return
@@ -405,13 +423,17 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--interval", type=float, default=5.0, help="seconds between looks")
     parser.add_argument("--metadata-url", default=METADATA_URL, help="the instance metadata")
     parser.add_argument(
-        "--metadata-timeout", type=float, default=METADATA_TIMEOUT_S,
+        "--metadata-timeout",
+        type=float,
+        default=METADATA_TIMEOUT_S,
         help="seconds one whole metadata answer may take",
-    )  # fmt: skip
+    )
     parser.add_argument(
-        "--drain-timeout", type=float, default=DRAIN_TIMEOUT_S,
+        "--drain-timeout",
+        type=float,
+        default=DRAIN_TIMEOUT_S,
         help="seconds one `ray drain-node` may run before it is killed and tried again",
-    )  # fmt: skip
+    )
     parser.add_argument("--once", action="store_true", help="look once, then exit")
     parser.add_argument("--dry-run", action="store_true", help="print the drain, do not run it")
     args = parser.parse_args(argv)

@@ -440,7 +440,11 @@ class RunMonitor:
         elif resized:
             return  # the resize's line said it
         elif m.get("resumed_from_step"):
-            self.on_event(Note(f"workers restarted from the checkpoint at step "
-                               f"{m['resumed_from_step']} of epoch {resumed + 1}"))  # fmt: skip
+            self.on_event(
+                Note(
+                    f"workers restarted from the checkpoint at step "
+                    f"{m['resumed_from_step']} of epoch {resumed + 1}"
+                )
+            )
         else:
             self.on_event(Note(f"workers restarted from the checkpoint of epoch {resumed}"))

@@ -87,8 +87,9 @@ def fit(
             ),
         )
     if cfg.run.scaling.service is not None:
-        return fit_on_service(cfg, Serialized(on_event or log_event), poll_s, started_at,
-                               invocation)  # fmt: skip
+        return fit_on_service(
+            cfg, Serialized(on_event or log_event), poll_s, started_at, invocation
+        )
     ctx = prepare(cfg, Serialized(on_event or log_event), poll_s, started_at)
     with ctx.run.claim(ctx.cfg.run.storage.fresh):
         ctx.run.held.handled = True  # a lost claim stops the run, with one line (Stopping)

@@ -111,8 +111,14 @@ def _directories(root: str) -> list[str]:
 #: own one line (UserError), a value that fails its check (ValueError), and what a shape
 #: this listing did not foresee makes Python raise.
 _UNREADABLE = (
-    UserError, ValueError, TypeError, LookupError, AttributeError, ArithmeticError, RecursionError
-)  # fmt: skip
+    UserError,
+    ValueError,
+    TypeError,
+    LookupError,
+    AttributeError,
+    ArithmeticError,
+    RecursionError,
+)
 
 
 def read_entry(files: RunStorage) -> RunEntry | None:
@@ -130,9 +136,18 @@ def read_entry(files: RunStorage) -> RunEntry | None:
         return _fit_entry(files, running)
     except _UNREADABLE as exc:
         return RunEntry(
-            files.name, "?", "damaged", None, None, None, None, None, None, files.dir,
+            files.name,
+            "?",
+            "damaged",
+            None,
+            None,
+            None,
+            None,
+            None,
+            None,
+            files.dir,
             problem=first_line(exc),
-        )  # fmt: skip
+        )
 
 
 def _object(record: dict, key: str, where: str) -> dict:

@@ -146,8 +146,14 @@ class Session:
             # run committed epoch 8, Tune's results stop at 7; the controller hands reports to
             # the trial over a queue of its own). A trial that ended on its own: its Train
             # run's record of what it committed is the one that counts.
-            history = trial_history(self.runs_root, name, self.train_of(name),
-                                    self.seen.get(name, {}), self.metric, through_run=True)  # fmt: skip
+            history = trial_history(
+                self.runs_root,
+                name,
+                self.train_of(name),
+                self.seen.get(name, {}),
+                self.metric,
+                through_run=True,
+            )
         last = history[-1]["epoch"] if history else 0
         if last >= epochs:
             status = TRIAL_FINISHED
