@@ -1,5 +1,6 @@
 """docs/iam/worker-policy.json, held by an IAM user, against an S3 server that enforces IAM:
 an ``s3://`` run end to end through the CLI, every command holding only the policy (fit,
+with ``--json``, and a newcomer's first hour after it: runs, runs show, predict, export;
 "already finished", other settings refused, ``--fresh`` keeping the old run, a second command
 refused while it runs, Ctrl-C, resume, evaluate); nothing outside the runs prefix is
 reachable; a policy without an unconditioned ``s3:ListBucket`` on the bucket fails the run in
@@ -73,6 +74,7 @@ from tests.conftest import (
     kill_marked,
     marked,
     no_process_left,
+    run_cli_here,
     signal_all,
     tiny_run_flags,
 )
@@ -314,13 +316,15 @@ def _train_workers(marker: str) -> list[int]:
     return pids
 
 
-@pytest.mark.timeout(1800)  # three fits, three refusals and an evaluation: loaded, long
+@pytest.mark.timeout(1800)  # three fits, three refusals, a walk-through, an evaluation: long
 def test_an_s3_run_is_claimed_refused_kept_stopped_resumed_and_evaluated_under_the_policy(
-    iam_s3, tiny_mnist, tmp_path
+    iam_s3, tiny_mnist, sample_digits, tmp_path, monkeypatch
 ):
     """Through the real CLI, every command holding only the worker policy: everything a
     local run guarantees, and every byte Ray Train and the run records write and read goes
-    through the policy."""
+    through the policy. The first fit is also a newcomer's first hour on S3 (``--json``,
+    then runs, runs show, predict and export reading the run from the bucket): one s3 fit
+    for both."""
     env = iam_s3.env(iam_s3.user(as_moto_checks_it(the_policy(iam_s3.bucket))))
     admin = iam_s3.client("s3", iam_s3.admin)
     prefix, storage = _prefix(json.loads(POLICY.read_text())), _storage(iam_s3)
@@ -329,11 +333,12 @@ def test_an_s3_run_is_claimed_refused_kept_stopped_resumed_and_evaluated_under_t
         key = f"{prefix}/{name}/summary.json"
         return json.loads(admin.get_object(Bucket=iam_s3.bucket, Key=key)["Body"].read())
 
-    first = _cli(env, "fit", *_fit_args(iam_s3, tiny_mnist, "s3run", 2))
+    first = _cli(env, "fit", *_fit_args(iam_s3, tiny_mnist, "s3run", 2), "--json")
     assert first.returncode == 0, first.stdout + first.stderr
     summary = summary_of("s3run")
     assert summary["status"] == "finished" and summary["epochs_completed"] == 2, summary
     assert summary["best_checkpoint"].startswith(f"{storage}/s3run/checkpoint_"), summary
+    _the_first_hour(first, storage, env, sample_digits, tmp_path, monkeypatch)
 
     again = _cli(env, "fit", *_fit_args(iam_s3, tiny_mnist, "s3run", 2))
     assert again.returncode == 0 and "already finished" in again.stdout, again
@@ -421,6 +426,70 @@ def test_an_s3_run_is_claimed_refused_kept_stopped_resumed_and_evaluated_under_t
     }
     assert any(k.startswith(f"{prefix}/s3run/checkpoint_") for k in keys), keys
     assert all(k.startswith(f"{prefix}/") or k.startswith("elsewhere/") for k in keys), keys
+
+
+def _the_first_hour(fit, storage: str, env: dict, sample_digits, tmp_path, monkeypatch) -> None:
+    """``fit --json`` into s3:// (``fit``, the command's result), then runs, runs show,
+    predict on PNG files of test digits and export, each through the real CLI, reading the
+    run from the bucket, holding what ``env`` holds. fit ran in a process of its own (it
+    starts its Ray); the rest start none, so they run in this one (``run_cli_here``: the same
+    entry point, stdout and stderr apart)."""
+    from PIL import Image
+
+    summary = json.loads(fit.stdout)  # stdout holds the one object, nothing else
+    assert summary["status"] == "finished" and summary["name"] == "s3run"
+    assert summary["run_dir"] == f"{storage}/s3run"
+    assert "epoch   1/2" in fit.stderr  # the run's lines went to stderr
+
+    for key in [k for k in os.environ if k.startswith("AWS_")]:
+        monkeypatch.delenv(key)
+    for key, value in env.items():
+        if key.startswith("AWS_"):
+            monkeypatch.setenv(key, value)  # this process holds the worker policy too
+    runs = json.loads(run_cli_here("runs", "--storage-path", storage, "--json").stdout)
+    (entry,) = runs["runs"]
+    assert (entry["name"], entry["status"], entry["epochs_done"]) == ("s3run", "finished", 2)
+    assert entry["best_val_accuracy"] == summary["best_val_accuracy"]
+    show = run_cli_here("runs", "show", "s3run", "--storage-path", storage)
+    assert show.returncode == 0, show.stderr
+    assert f"best checkpoint: {summary['best_checkpoint']}" in show.stdout
+    assert "fit" in show.stdout.split("train again with:")[1]
+
+    images, _ = sample_digits
+    pngs = []
+    for i in range(8):  # the tiny set's first test digits, dark on light, 112x112
+        path = tmp_path / f"digit{i}.png"
+        Image.fromarray(255 - images[2048 + i]).resize((112, 112)).save(path)
+        pngs.append(str(path))
+    predict = run_cli_here("predict", f"{storage}/s3run", *pngs, "--json")
+    assert predict.returncode == 0, predict.stderr
+    predicted = json.loads(predict.stdout)["predictions"]
+    assert [p["source"] for p in predicted] == pngs
+    assert all(0 <= p["label"] <= 9 for p in predicted)
+
+    output = tmp_path / "first.pt2"
+    export = run_cli_here(
+        "export", f"{storage}/s3run", "--format", "pt2", "--output", str(output), "--json"
+    )
+    assert export.returncode == 0, export.stderr
+    assert json.loads(export.stdout)["output"] == str(output)
+    assert Path(f"{output}.json").is_file()
+    _check_program(output, pngs, predicted)
+
+
+def _check_program(path: Path, pngs: list[str], predicted: list[dict]) -> None:
+    """The exported program labels the PNGs as predict did."""
+    import numpy as np
+    import torch
+
+    from raytrain_mnist.nn.model import normalize
+    from raytrain_mnist.serving.images import png_to_mnist
+
+    pixels = np.stack([png_to_mnist(Path(p).read_bytes()) for p in pngs])
+    program = torch.export.load(str(path)).module()
+    with torch.no_grad():
+        logits = program(normalize(torch.from_numpy(pixels)))
+    assert logits.argmax(1).tolist() == [p["label"] for p in predicted]
 
 
 def _without_list_bucket(policy: dict) -> dict:
