@@ -160,29 +160,3 @@ def test_workers_that_wait_past_the_bound_stop_with_what_holds_the_cluster(ray_l
     assert f"{held[:12]} 1 x {{1 CPU}}" in line and "in use" in line
     assert "run the search again: it resumes" in line
     assert reaper.removed == []
-
-
-def test_a_stalled_trial_stops_the_whole_search_as_no_interruption():
-    """The reaper's line reaches Tune's stopper through the session: the search stops, and
-    it is not an interruption (run_trials raises the line as the search's one error)."""
-    from raytrain_mnist.config import TrainConfig
-    from raytrain_mnist.driver.events import log_event
-    from raytrain_mnist.driver.searching import run as tune_run
-
-    session = tune_run.Session(
-        sink=log_event,
-        plan={},
-        searched=[],
-        train=TrainConfig(),
-        metric="val_accuracy",
-        runs_root="unused",
-        ended={},
-    )
-    token = tune_run.SESSION.set(session)
-    try:
-        stopper = tune_run.search_stop()
-        assert not stopper.stop_all()
-        session.stalled = "a trial's workers could not be placed for 5 s: ..."
-        assert stopper.stop_all() and not session.interrupted
-    finally:
-        tune_run.SESSION.reset(token)

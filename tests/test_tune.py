@@ -8,6 +8,7 @@ found by that directory and stopped.
 
 from __future__ import annotations
 
+import contextlib
 import csv
 import dataclasses
 import io
@@ -613,33 +614,42 @@ with open({str(tmp_path / "library.json")!r}, "w") as f:
     assert argv[argv.index("-m") + 1 : argv.index("-m") + 3] == ["raytrain_mnist", "fit"]
 
 
+@contextlib.contextmanager
+def _stopper_of(**session):
+    """Tune's stopper of a search whose session has no trials (``session``: its fields)."""
+    from raytrain_mnist.driver.events import log_event
+    from raytrain_mnist.driver.searching import run as tune_run
+
+    defaults = dict(plan={}, searched=[], train=TrainConfig(), runs_root="unused", ended={})
+    made = tune_run.Session(sink=log_event, metric="val_accuracy", **{**defaults, **session})
+    token = tune_run.SESSION.set(made)
+    try:
+        yield tune_run.search_stop(), made
+    finally:
+        tune_run.SESSION.reset(token)
+
+
 def test_a_lost_experiment_claim_stops_every_trial():
     """The Tune stopper ends the whole search once the experiment's hold is lost (another
     command's token in its lease), as it does after Ctrl-C; before that it lets trials run."""
-    from raytrain_mnist.driver.events import log_event
     from raytrain_mnist.driver.runs import Claim
-    from raytrain_mnist.driver.searching import run as tune_run
 
     claim = Claim()
-    session = tune_run.Session(
-        sink=log_event,
-        plan={},
-        searched=[],
-        train=TrainConfig(),
-        metric="val_accuracy",
-        runs_root="unused",
-        ended={},
-        claim=claim,
-    )
-    token = tune_run.SESSION.set(session)
-    try:
-        stopper = tune_run.search_stop()
+    with _stopper_of(claim=claim) as (stopper, _):
         assert not stopper.stop_all()
         claim.handled = True
         claim.lose("the lease on search 'x' was taken by another command")
         assert stopper.stop_all()
-    finally:
-        tune_run.SESSION.reset(token)
+
+
+def test_a_stalled_trial_stops_the_whole_search_as_no_interruption():
+    """The placement reaper's line reaches Tune's stopper through the session: the search
+    stops, and it is not an interruption (run_trials raises the line as the search's one
+    error)."""
+    with _stopper_of() as (stopper, session):
+        assert not stopper.stop_all()
+        session.stalled = "a trial's workers could not be placed for 5 s: ..."
+        assert stopper.stop_all() and not session.interrupted
 
 
 def test_tunes_own_trial_progress_lines_are_not_printed(capsys):
