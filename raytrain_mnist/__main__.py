@@ -23,7 +23,7 @@ COMMANDS = {
     "export": "export a checkpoint's model as a torch.export program (pt2) or ONNX",
     "submit": "run fit, tune, evaluate or serve on a Ray cluster through the Jobs API",
     "serve": "serve a checkpoint over HTTP with Ray Serve: JSON API and a page to draw on",
-    "service": "a warm training service: one worker group that trains `fit --service` runs",
+    "service": "a warm training service: worker groups that train `fit --service` runs and trials",
 }
 #: Shells ``raytrain-mnist completion SHELL`` writes a completion script for.
 COMPLETION_SHELLS = ("bash", "zsh")

@@ -203,7 +203,8 @@ def add_target_argument(parser: argparse.ArgumentParser) -> None:
         type=_target,
         metavar="RUN_DIR_OR_CHECKPOINT",
         help="a run directory (its best checkpoint), a Tune experiment (its "
-        "best trial's), a checkpoint directory or a state.pt file; a "
+        "best trial's) or one of its trials' runs, a checkpoint directory or a state.pt "
+        "file; a "
         "local path or a URI such as s3://bucket/runs/NAME",
     )
 

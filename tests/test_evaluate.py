@@ -126,16 +126,21 @@ def test_a_bare_checkpoint_dir_uses_the_flags(trained_run, tiny_mnist, tmp_path)
     assert report["accuracy"] == report["reported_val_accuracy"]
 
 
-def test_a_tune_experiment_dir_resolves_to_its_best_checkpoint(
+def test_a_tune_experiment_and_its_trials_runs_resolve_to_their_best_checkpoints(
     trained_run, tiny_mnist, tmp_path, capsys
 ):
-    """tune's layout: <experiment>/search.json, best.json, runs/<trial id>/ (a Train run);
-    the best trial's best kept checkpoint is taken, by Ray's record of what it committed."""
+    """tune's layout: <experiment>/search.json (it says where the search read MNIST),
+    best.json, runs/<trial id>/ (a Train run with no summary.json); the best trial's best kept
+    checkpoint is taken, by Ray's record of what it committed, and a trial's run gives its
+    own, with no flag beyond the path."""
     experiment = tmp_path / "tune-2w-x"
     trial_run = experiment / "runs" / "t0"
     shutil.copytree(trained_run["run_dir"], trial_run)
+    (trial_run / "summary.json").unlink()
+    (trial_run / "run.json").unlink()
     checkpoint = trial_run / Path(trained_run["best_checkpoint"]).name
-    (experiment / "search.json").write_text(json.dumps({"dataset": "mnist"}))
+    search = {"dataset": "mnist", "metric": "val_accuracy", "mode": "max"}
+    (experiment / "search.json").write_text(json.dumps({**search, "data_dir": str(tiny_mnist)}))
     (experiment / "best.json").write_text(
         json.dumps(
             {
@@ -147,12 +152,17 @@ def test_a_tune_experiment_dir_resolves_to_its_best_checkpoint(
             }
         )
     )
-    report = evaluate_checkpoint(experiment, data_dir=str(tiny_mnist), out=tmp_path / "out")
+    report = evaluate_checkpoint(experiment, out=tmp_path / "out")
     assert capsys.readouterr().out == ""  # a library call: the result, never a print
     assert report.checkpoint == str(checkpoint.resolve()) and report.dataset == "mnist"
     assert report.accuracy == report.reported_val_accuracy
+    trial = evaluate_checkpoint(trial_run, out=tmp_path / "trial")
+    assert (trial.checkpoint, trial.accuracy) == (report.checkpoint, report.accuracy)
     with pytest.raises(UserError, match="trained and scored on the 'mnist'"):
         evaluate_checkpoint(experiment, dataset="sample")
+    (experiment / "search.json").write_text(json.dumps({**search, "mode": "sideways"}))
+    with pytest.raises(UserError, match="is not a search record of raytrain_mnist"):
+        evaluate_checkpoint(trial_run)
 
 
 def test_the_most_confident_errors_are_ranked_once_for_the_report_and_the_picture():

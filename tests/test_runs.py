@@ -41,6 +41,18 @@ def test_identity_names_the_data_and_says_what_changed(sample_digits):
     assert "data.kind: 'sample' then, 'mnist' now" in runs.describe_difference(sample, other)
 
 
+def test_a_search_resumed_from_another_copy_of_its_data_is_the_same_search(tmp_path):
+    """search.json records where the search read MNIST beside its identity; a resume that
+    reads the same data (its fingerprint) from elsewhere continues it, other data does not."""
+    search = Run(tmp_path, "s", record=runs.SEARCH_FILE)
+    identity = {"train": {"lr": 0.1}, "data": {"kind": "mnist", "sha1": "abc"}}
+    search.write_json(runs.SEARCH_FILE, {**identity, runs.DATA_DIR_KEY: "/data/a"})
+    search.check_identity(identity, "search")  # the same data read from /data/b
+    other = {**identity, "data": {"kind": "mnist", "sha1": "def"}}
+    with pytest.raises(UserError, match="data.sha1: 'abc' then, 'def' now"):
+        search.check_identity(other, "search")
+
+
 @pytest.mark.parametrize(
     "uri", ["s3://AKIAEXAMPLE:wJalrXUtnFEMI@bucket/runs", "gs://user:wJalrXUtnFEMI@b/x"]
 )

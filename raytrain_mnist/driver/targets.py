@@ -2,7 +2,8 @@
 
 ``evaluate`` and ``serve`` take the same argument: a run directory (its ``summary.json``
 names the best checkpoint), a Tune experiment directory (its ``best.json`` names the best
-trial), a checkpoint directory (``fit``'s ``checkpoint_*`` or a Tune trial's) or a
+trial), a trial's run inside one (``<experiment>/runs/<trial>``: its best checkpoint), a
+checkpoint directory (``fit``'s ``checkpoint_*`` or a Tune trial's) or a
 ``state.pt`` file; a local path or a URI. :func:`resolve_target` turns it into a
 :class:`Target`. Only checkpoints that lie inside the run given are followed: a path
 recorded in a file of the run never leads elsewhere: the best trial named in ``best.json`` is
@@ -20,6 +21,7 @@ from pathlib import Path
 from raytrain_mnist.config import CHECKPOINT_METRIC
 from raytrain_mnist.driver.runs import (
     BEST_FILE,
+    DATA_DIR_KEY,
     RUNS_DIR,
     SEARCH_FILE,
     STATE_FILE,
@@ -116,6 +118,8 @@ def _recorded_target(run: Run) -> Target:
         if checkpoint is None:
             raise UserError(f"the best trial of {run.dir} ({trial}) kept no checkpoint")
         return Target(checkpoint, _search_summary(run), run)
+    if summary is None and (trial := _trial_target(run)) is not None:
+        return trial
     if summary is None:
         if run.local:
             found = sorted(Path(run.dir).glob(f"checkpoint_*/{STATE_FILE}"))
@@ -135,6 +139,29 @@ def _recorded_target(run: Run) -> Target:
             f"{summary.get('status', 'unknown')}); train it first"
         )
     return Target(checkpoint, summary, run)
+
+
+def _trial_target(run: Run) -> Target | None:
+    """A trial's run inside a search (``<experiment>/runs/<trial>``, which holds no
+    ``summary.json``): its best kept checkpoint by the search's metric, and the data the
+    search trained on. None when ``run`` is not one."""
+    parents = _parents(run.dir)
+    if len(parents) < 2 or parents[0].rstrip("/").rpartition("/")[2] != RUNS_DIR:
+        return None
+    experiment = Run.at(parents[1], record=SEARCH_FILE)
+    search = quietly(lambda: experiment.read_json(SEARCH_FILE))
+    if not isinstance(search, dict):
+        return None
+    metric, mode = search.get("metric", CHECKPOINT_METRIC), search.get("mode", "max")
+    if not isinstance(metric, str) or mode not in ("max", "min"):
+        raise UserError(
+            f"{experiment.dir}/{SEARCH_FILE} is not a search record of raytrain_mnist "
+            f"(metric {metric!r}, mode {mode!r}); move it away"
+        )
+    checkpoint = run.best_checkpoint(metric, mode)
+    if checkpoint is None:
+        raise UserError(f"trial {run.name} of search {experiment.dir} kept no checkpoint yet")
+    return Target(checkpoint, _search_summary(experiment, search), run)
 
 
 def _checkpoint_target(checkpoint: str, run: Run | None) -> Target:
@@ -161,8 +188,15 @@ def _parents(path: str) -> list[str]:
 
 
 def _search_summary(experiment: Run, search: dict | None = None) -> dict:
+    """A search's record in the shape of a run's summary: its data set, the data's identity
+    and where the search read it (``config.run.data_dir``, as a fit's summary says)."""
     search = search if search is not None else (experiment.read_json(SEARCH_FILE) or {})
-    return {"dataset": search.get("dataset"), "name": experiment.name, "data": search.get("data")}
+    return {
+        "dataset": search.get("dataset"),
+        "name": experiment.name,
+        "data": search.get("data"),
+        "config": {"run": {"data_dir": search.get(DATA_DIR_KEY)}},
+    }
 
 
 def quietly(read):

@@ -37,6 +37,7 @@ from raytrain_mnist.driver.runs.claim import LEASE_TTL_S, Claim, hold
 from raytrain_mnist.driver.runs.records import (
     BEST_FILE,
     CURVES_FILE,
+    DATA_DIR_KEY,
     RUN_FILE,
     RUNS_DIR,
     SEARCH_FILE,
@@ -71,6 +72,7 @@ __all__ = [
     "RUNS_DIR",
     "RUN_FILE",
     "SEARCH_FILE",
+    "DATA_DIR_KEY",
     "SNAPSHOT_FILE",
     "STATE_FILE",
     "SUMMARY_FILE",

@@ -33,6 +33,10 @@ SNAPSHOT_FILE = "checkpoint_manager_snapshot.json"
 STATE_FILE = "state.pt"
 #: A Tune experiment's records: its identity (like a run's run.json) and its best trial.
 SEARCH_FILE = "search.json"
+#: What a search's record holds beside its identity: where the search read MNIST (resolved),
+#: for ``evaluate`` and ``serve`` of its trials. Not compared on a resume: another copy of
+#: the same data is the same search (the data's fingerprint, ``data``, is compared).
+DATA_DIR_KEY = "data_dir"
 BEST_FILE = "best.json"
 #: ``<experiment>/runs/<trial id>``: each trial's Train run.
 RUNS_DIR = "runs"
@@ -125,6 +129,8 @@ class RunRecords:
     def check_identity(self, identity: dict, what: str = "run") -> None:
         """Refuse (exit 2) to continue a run that was started with other settings or data."""
         previous = self.identity()
+        if isinstance(previous, dict):
+            previous = {k: v for k, v in previous.items() if k != DATA_DIR_KEY}
         if previous is not None and previous != identity:
             raise UserError(
                 f"{what} '{self.files.name}' in {self.files.root} was started with other "

@@ -10,13 +10,21 @@ import dataclasses
 import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 from raytrain_mnist.config import RunSettings, TrainConfig
 from raytrain_mnist.driver import cluster
 from raytrain_mnist.driver.events import EventSink, Note, SearchStarting, log_event
 from raytrain_mnist.driver.fitting import default_invocation
-from raytrain_mnist.driver.runs import BEST_FILE, RUNS_DIR, SEARCH_FILE, Run, data_identity
+from raytrain_mnist.driver.runs import (
+    BEST_FILE,
+    DATA_DIR_KEY,
+    RUNS_DIR,
+    SEARCH_FILE,
+    Run,
+    data_identity,
+)
 from raytrain_mnist.driver.searching import on_service
 from raytrain_mnist.driver.searching.plan import (
     PLAN_FILE,
@@ -175,7 +183,10 @@ def _open(ctx: _Search) -> None:
     """Check what the experiment holds, record the search, and read the trials that ended."""
     experiment = ctx.experiment
     ctx.resuming = check_experiment(experiment, ctx.identity, ctx.plan, ctx.settings.resume)
-    experiment.write_json(SEARCH_FILE, ctx.identity)
+    # Where the trials' data came from (a service's own), for evaluate and serve of them.
+    data_dir = ctx.run.data.data_dir
+    where = None if data_dir is None else str(Path(data_dir).expanduser().resolve())
+    experiment.write_json(SEARCH_FILE, {**ctx.identity, DATA_DIR_KEY: where})
     experiment.write_json(PLAN_FILE, plan_record(ctx.plan))
     ended = read_ended_trials(experiment, ctx.plan, ctx.train, ctx.settings.metric)
     ctx.session = Session(
