@@ -28,6 +28,14 @@ stopped early, the best trial and its accuracy::
 
     python -m benchmarks.trials --service --data-dir ../shared/data/mnist --trials 8 \
         --epochs 2 --repeats 2 --out benchmarks/results/trials_service
+
+With ``--service --groups K`` it compares the same search through a service of K groups of
+one worker x cores/K CPUs (K trials at once) against one group of one worker x all the cores,
+in images trained per second of the search's wall (the issue's "several worker groups behind
+one queue")::
+
+    python -m benchmarks.trials --service --groups 2 --data-dir ../shared/data/mnist \
+        --trials 8 --epochs 2 --out benchmarks/results/trials_groups
 """
 
 from __future__ import annotations
@@ -199,11 +207,23 @@ def main(argv=None) -> int:
     parser.add_argument("--dataset", default="mnist", choices=["mnist", "sample"])
     parser.add_argument("--service", action="store_true", help="compare tune --service")
     parser.add_argument("--search-seed", type=int, default=0)
+    parser.add_argument(
+        "--groups",
+        type=int,
+        default=1,
+        help="with --service: compare a service of this many groups against one group",
+    )
     args = parser.parse_args(argv)
+    if args.groups < 1 or args.cores % args.groups:
+        parser.error("--groups must be at least 1 and divide --cores")
+    if args.groups > 1 and not args.service:
+        parser.error("--groups compares services: add --service")
     if args.trials < 2:
         parser.error("--trials must be at least 2: the gaps between trials are the point")
     env = {**os.environ, "RAY_AUTH_MODE": os.environ.get("RAY_AUTH_MODE", "disabled")}
     env["PYTHONUNBUFFERED"] = "1"
+    if args.service and args.groups > 1:
+        return compare_groups(args, env)
     if args.service:
         return compare_service(args, env)
     searches, plains = [], []
@@ -236,25 +256,34 @@ def main(argv=None) -> int:
 SERVICE = "bench-trials"
 
 
-def search_command(args, address: str, storage: Path, name: str, service: bool) -> list[str]:
-    """The ASHA search of both sides: the same trials, one worker each, one at a time."""
+def search_command(
+    args, address: str, storage: Path, name: str, service: bool, groups: int = 1
+) -> list[str]:
+    """The ASHA search of both sides: the same trials, one worker each, one at a time (or
+    through a service of ``groups`` groups, as many at once)."""
     flags = shlex.split(
         f"--num-samples {args.trials} --max-epochs {args.epochs} --scheduler asha "
-        f"--search-seed {args.search_seed} --num-workers 1 --cpus-per-worker {args.cores} "
+        f"--search-seed {args.search_seed} --num-workers 1 "
+        f"--cpus-per-worker {args.cores // groups} "
         f"--dataset {args.dataset} --progress off --no-tensorboard --json"
     )
     where = ["--address", address, "--data-dir", args.data_dir, "--storage-path", str(storage)]
-    side = ["--service", SERVICE] if service else ["--max-concurrent-trials", "1"]
+    at_once = ["--max-concurrent-trials", str(groups)]
+    side = ["--service", SERVICE, *at_once] if service else at_once
     return [sys.executable, "-m", "raytrain_mnist.tune", *flags, *where, "--name", name, *side]
 
 
 @contextlib.contextmanager
-def service_on(args, env: dict, address: str, storage: Path):
-    """A one-group service of one worker x ``args.cores`` CPUs on the head at ``address``,
-    as a user starts one, ready; stopped with ``service stop`` afterwards."""
+def service_on(args, env: dict, address: str, storage: Path, groups: int = 1):
+    """A service of ``groups`` groups of one worker x ``args.cores // groups`` CPUs on the
+    head at ``address``, as a user starts one, ready; stopped with ``service stop``
+    afterwards."""
     base = [sys.executable, "-m", "raytrain_mnist", "service"]
     where = ["--name", SERVICE, "--address", address]
-    size = shlex.split(f"--num-workers 1 --cpus-per-worker {args.cores} --dataset {args.dataset}")
+    size = shlex.split(
+        f"--num-workers 1 --cpus-per-worker {args.cores // groups} --groups {groups} "
+        f"--dataset {args.dataset}"
+    )
     data = ["--data-dir", args.data_dir, "--storage-path", str(storage)]
     driver = subprocess.Popen(
         [*base, "start", *where, *size, *data],
@@ -278,12 +307,20 @@ def service_on(args, env: dict, address: str, storage: Path):
             os.killpg(driver.pid, signal.SIGKILL)
 
 
-def measure_search(args, env: dict, address: str, storage: Path, name: str, service: bool):
+def measure_search(
+    args, env: dict, address: str, storage: Path, name: str, service: bool, groups: int = 1
+):
     """One search, timed from its command's start to its exit; its trials as they ended."""
-    _, start, wall, _, _ = run_measured(search_command(args, address, storage, name, service), env)
+    command = search_command(args, address, storage, name, service, groups)
+    _, start, wall, _, _ = run_measured(command, env)
     best = json.loads((storage / name / "best.json").read_text())
-    row = tune_row(trial_moments(storage, name), start, wall)
-    if service:  # its worker group started long before: the gap has no such parts
+    search = json.loads((storage / name / "search.json").read_text())
+    epochs = sum(t["epochs_run"] for t in best["trials"])
+    row = tune_row(trial_moments(storage, name), start, wall) if groups == 1 else {}
+    row.update(
+        wall_s=wall, epochs=epochs, images_per_s=epochs * search["data"]["train_size"] / wall
+    )
+    if service and groups == 1:  # its worker group started long before: no such parts
         del row["to_train_function_s"], row["to_first_step_s"]
     row.update(
         stopped_early=sorted(t["trial_id"] for t in best["trials"] if t["stopped_early"]),
@@ -320,6 +357,64 @@ def compare_service(args, env: dict) -> int:
     (out / "results.md").write_text(render_service(result))
     print(render_service(result))
     return 0
+
+
+def compare_groups(args, env: dict) -> int:
+    """``--service --groups K``: the same ASHA search through a service of K groups of one
+    worker x cores/K CPUs (K trials at once) and through one group of one worker x all the
+    cores (one at a time), on one head, interleaved: images trained per second of the
+    search's wall."""
+    sides: dict[str, list[dict]] = {"1 group": [], f"{args.groups} groups": []}
+    head_args = argparse.Namespace(cores=args.cores + 1)  # the services one at a time
+    with tempfile.TemporaryDirectory(prefix="raytrain_trials_groups_") as storage:
+        storage = Path(storage)
+        bench_env = {**env, "RAYTRAIN_MNIST_CACHE": str(storage / "cache")}
+        with warm_head(head_args, bench_env) as address:
+            for repeat in range(args.repeats):
+                for side in sides if repeat % 2 == 0 else reversed(sides):
+                    groups = 1 if side == "1 group" else args.groups
+                    root = storage / f"g{groups}" / str(repeat)
+                    with service_on(args, bench_env, address, root, groups):
+                        row = measure_search(args, bench_env, address, root, "asha", True, groups)
+                    sides[side].append(row)
+                    print(f"[{repeat + 1}/{args.repeats}] {side} {json.dumps(row)}", flush=True)
+    result = {"machine": machine(), "settings": vars(args), "sides": sides}
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "results.json").write_text(json.dumps(result, indent=2))
+    (out / "results.md").write_text(render_groups(result))
+    print(render_groups(result))
+    return 0
+
+
+def render_groups(result: dict) -> str:
+    s, sides = result["settings"], result["sides"]
+    (one, one_rows), (many, many_rows) = sides.items()
+
+    def med(rows, key):
+        return _median([r[key] for r in rows])
+
+    ratio = med(many_rows, "images_per_s") / med(one_rows, "images_per_s")
+    return "\n".join(
+        [
+            f"Machine: {result['machine']}. {s['dataset']}, an ASHA search of {s['trials']} "
+            f"trials of up to {s['epochs']} epoch(s), search seed {s['search_seed']}, through "
+            f"a service on one running head: {one} of one worker x {s['cores']} CPU(s) (one "
+            f"trial at a time) against {many} of one worker x {s['cores'] // s['groups']} "
+            f"CPU(s) each ({s['groups']} trials at once); {len(one_rows)} search(es) a side, "
+            "interleaved; medians.",
+            "",
+            f"| | {one} | {many} |",
+            "|---|---:|---:|",
+            f"| wall (s) | {med(one_rows, 'wall_s'):.1f} | {med(many_rows, 'wall_s'):.1f} |",
+            f"| epochs trained | {med(one_rows, 'epochs'):.0f} | {med(many_rows, 'epochs'):.0f} |",
+            f"| **images/s** | {med(one_rows, 'images_per_s'):.0f} | "
+            f"{med(many_rows, 'images_per_s'):.0f} |",
+            "",
+            f"Images/s ratio ({many} / {one}): {ratio:.2f}.",
+            "",
+        ]
+    )
 
 
 def render_service(result: dict) -> str:

@@ -615,6 +615,28 @@ def test_trials_runs_tune_as_a_user_would_and_makes_its_table():
     assert "| **between two trials**" in trials.render(result)
 
 
+def test_trials_groups_searches_through_services_of_each_size_and_compares_images_per_s():
+    from benchmarks import trials
+
+    args = argparse.Namespace(
+        trials=8, epochs=2, dataset="mnist", data_dir="../shared/data/mnist", cores=2
+    )
+    args.search_seed = 0
+    command = trials.search_command(args, "127.0.0.1:6379", Path("/tmp/runs"), "asha", True, 2)
+    parse_package_command("tune", command[command.index("raytrain_mnist.tune") + 1 :])
+    flags = " ".join(command)
+    assert "--max-concurrent-trials 2" in flags and "--cpus-per-worker 1" in flags
+    assert f"--service {trials.SERVICE}" in flags
+    args.groups, args.repeats = 2, 1
+    one = {"wall_s": 200.0, "epochs": 12, "images_per_s": 3600.0}
+    two = {"wall_s": 150.0, "epochs": 12, "images_per_s": 4800.0}
+    result = {"machine": "here", "settings": vars(args)}
+    result["sides"] = {"1 group": [one], "2 groups": [two]}
+    table = trials.render_groups(result)
+    assert "| **images/s** | 3600 | 4800 |" in table
+    assert "Images/s ratio (2 groups / 1 group): 1.33." in table
+
+
 def test_ray_start_tries_what_it_measures_and_writes_its_table(tmp_path, monkeypatch):
     """The trial script's hooks still exist (Ray's ``Node.start_api_server``, our
     ``lean_local_ray`` and ``start_local`` as it calls them); the rest is its table."""
