@@ -339,6 +339,10 @@ def s3(monkeypatch_module) -> MotoS3:
 # needs one and stopped right after the last; the tests that share them run back to back.
 
 _SHARED = ("ray_local", "two_nodes")
+#: The suite's warm service (tests/warm_service.py): its users are one xdist group of their
+#: own (a service is a Ray of its own, in a subprocess), and it stops after the last of them.
+_SERVICE = "service"
+_SERVICE_GROUP = "warm-service"
 _STOP_AFTER_LAST_USER: dict[str, object] = {}  # name -> its stop function, once started
 _LAST_USER: dict[str, str] = {}  # name -> node id of the last test that uses it
 
@@ -380,7 +384,7 @@ _SLOW_FIXTURES = frozenset(
         "gpu_ray",  # test_gpu
         "one_worker_nccl",  # test_gpu
         "iam_s3",  # test_iam
-        "service",  # test_service
+        _SERVICE,  # tests/warm_service.py
     }
 )
 
@@ -427,6 +431,7 @@ def _is_slow(item) -> bool:
 
 _SHARED_GROUP = "shared-rays"
 _LONGEST = (
+    _SERVICE_GROUP,
     "test_ray_up.py",
     "test_tune.py",
     "test_signals.py",
@@ -444,7 +449,9 @@ _LONGEST = (
 
 
 def _group(item) -> str:
-    return _SHARED_GROUP if _shared_by(item) else item.path.name
+    if _shared_by(item):
+        return _SHARED_GROUP
+    return _SERVICE_GROUP if _SERVICE in item.fixturenames else item.path.name
 
 
 @pytest.hookimpl(tryfirst=True)  # before `-m` deselects by marker, and before xdist groups
@@ -508,6 +515,8 @@ def pytest_collection_finish(session):
     for item in session.items:  # after -k and deselection: the tests that will run
         if rank := _shared_by(item):
             _LAST_USER[_SHARED[rank - 1]] = item.nodeid
+        elif _SERVICE in item.fixturenames:
+            _LAST_USER[_SERVICE] = item.nodeid
 
 
 @pytest.hookimpl(tryfirst=True)
@@ -603,7 +612,7 @@ def _refuse_auto_init() -> None:
 _refuse_auto_init()
 
 
-def _stopping(name: str, stop):
+def stopped_after_last_user(name: str, stop):
     """Register ``stop`` to run after the last test that uses ``name``; return a function
     for the fixture's own teardown that runs it at most once."""
     done = []
@@ -638,7 +647,7 @@ def ray_local():
             logging_level="WARNING",
             log_to_driver=False,
         )  # fit prints what matters
-    stop = _stopping("ray_local", ray.shutdown)
+    stop = stopped_after_last_user("ray_local", ray.shutdown)
     yield ray
     stop()
 
@@ -668,7 +677,7 @@ def _two_nodes_cluster():
         )
         nodes = [cluster.add_node(num_cpus=1) for _ in range(2)]
     cluster.wait_for_nodes()
-    stop = _stopping("two_nodes", cluster.shutdown)
+    stop = stopped_after_last_user("two_nodes", cluster.shutdown)
     yield cluster, nodes
     stop()
 
@@ -777,3 +786,8 @@ def run_cli(*args: str, env: dict | None = None, timeout: float = 300, cwd=None)
         cwd=cwd or REPO,
         env={**os.environ, **(env or {})},
     )
+
+
+# The suite's warm service, a fixture of every test file that asks for it (defined beside its
+# helpers; a fixture imported here is one fixture, started once per test process).
+from tests.warm_service import service  # noqa: E402, F401

@@ -1,23 +1,21 @@
 """The warm training service end to end on real Ray (CPU, Gloo): `service start` as a user
 runs it, `fit --service` from several shells, Ctrl-C, SIGKILL, a worker killed, bad requests.
 
-One service serves the whole module (its start is the Ray run this file pays for once): two
-groups of two workers of one CPU on tiny MNIST, its own local Ray, in a subprocess like a
-user's shell. Raw Ray clients attack it as another driver on the cluster could.
+The service is the suite's one (tests/warm_service.py: its start is the Ray run this file
+and tests/test_tune_service.py pay for once): two groups of two workers of one CPU on tiny
+MNIST, its own local Ray, in a subprocess like a user's shell. Raw Ray clients attack it as another driver on the cluster could.
 Every request is a `fit --service` subprocess too. Everything waits on events (lines a
 command prints, files a run holds), never on time.
 """
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import shlex
 import signal
 import subprocess
 import sys
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -29,169 +27,16 @@ from tests.conftest import (
     MARKER_VAR,
     REPO,
     kill_marked,
-    no_process_left,
     run_cli_here,
     wait_for,
 )
-
-NAME = "svc"
-#: The training flags of every request here: tiny data, batches of 32 over two workers.
-TRAIN = ["--batch-size", "32", "--lr", "0.05", "--progress", "lines"]
-
-
-@pytest.fixture(scope="module")
-def service(tmp_path_factory, tiny_mnist, sample_digits):
-    """`raytrain-mnist service start` in the foreground, as a user's shell runs it; stopped
-    by `service stop` after the module's last test, which checks nothing of it is left."""
-    import shutil
-    import tempfile
-    import uuid
-
-    root = tmp_path_factory.mktemp("service")
-    ray_tmp = Path(tempfile.mkdtemp(prefix="rs", dir="/tmp"))
-    env = {
-        **os.environ,
-        "PYTHONUNBUFFERED": "1",
-        "RAY_TMPDIR": str(ray_tmp),
-        MARKER_VAR: uuid.uuid4().hex,
-        "RAYTRAIN_MNIST_CACHE": str(root / "cache"),  # where the service registers itself
-        # A requester killed with SIGKILL is given up on after this much silence.
-        "RAYTRAIN_MNIST_REQUEST_LEASE_S": "4",
-    }
-    service = {"env": env, "storage": root / "runs", "data": tiny_mnist}
-    try:
-        _start_service(service)
-        yield service
-        driver, seen = service["driver"], service["seen"]
-        # Stopped mid-request: the run's summary holds the epoch filed last.
-        with _running(service, "stopped-mid", "--epochs", "50") as (proc, lines):
-            _until(proc, "epoch   1/50", lines)
-            stopped = subprocess.run(
-                [sys.executable, "-m", "raytrain_mnist", "service", "stop", "--name", NAME],
-                capture_output=True,
-                text=True,
-                cwd=REPO,
-                env=env,
-                timeout=120,
-            )
-            lines.append(proc.communicate(timeout=120)[0])
-        assert stopped.returncode == 0, stopped.stdout + stopped.stderr
-        summary = json.loads((root / "runs" / "stopped-mid" / "summary.json").read_text())
-        filed = Run(str(root / "runs"), "stopped-mid").latest_metrics()["epoch"]
-        assert summary["epochs_completed"] == filed, "".join(lines)
-        assert "Traceback" not in "".join(lines)
-        rest, _ = driver.communicate(timeout=120)
-        assert driver.returncode == 0, "".join(seen) + rest
-        assert f"service '{NAME}' stopped after" in rest, rest
-        assert "Traceback" not in "".join(seen) + rest
-        no_process_left(env[MARKER_VAR])
-    finally:
-        driver = service.get("driver")
-        if driver is not None and driver.poll() is None:
-            os.killpg(driver.pid, signal.SIGKILL)
-            driver.wait(timeout=30)
-        kill_marked(env[MARKER_VAR])
-        shutil.rmtree(ray_tmp, ignore_errors=True)
-
-
-def _start_service(service: dict) -> None:
-    """`raytrain-mnist service start` in the foreground, on a Ray of its own, until it says
-    it is ready: two workers of one CPU on tiny MNIST."""
-    command = [
-        sys.executable,
-        "-m",
-        "raytrain_mnist",
-        "service",
-        "start",
-        "--name",
-        NAME,
-        "--num-workers",
-        "2",
-        "--groups",
-        "2",
-        "--cpus-per-worker",
-        "1",
-        "--dataset",
-        "mnist",
-        "--data-dir",
-        str(service["data"]),
-        "--storage-path",
-        str(service["storage"]),
-    ]
-    service["seen"] = []
-    service["driver"] = driver = subprocess.Popen(
-        command,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-        cwd=REPO,
-        env=service["env"],
-        start_new_session=True,
-    )
-    _until(driver, f"service '{NAME}' ready", service["seen"])
-    assert driver.poll() is None, "".join(service["seen"])
-
-
-def _fit(service, name: str, *extra: str) -> list[str]:
-    return [
-        sys.executable,
-        "-m",
-        "raytrain_mnist",
-        "fit",
-        "--service",
-        NAME,
-        "--storage-path",
-        str(service["storage"]),
-        "--name",
-        name,
-        *TRAIN,
-        *extra,
-    ]
-
-
-def _run(service, name: str, *extra: str, timeout: float = 300) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        _fit(service, name, *extra),
-        capture_output=True,
-        text=True,
-        cwd=REPO,
-        env=service["env"],
-        timeout=timeout,
-    )
-
-
-def _start(service, name: str, *extra: str) -> subprocess.Popen:
-    return subprocess.Popen(
-        _fit(service, name, *extra),
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-        cwd=REPO,
-        env=service["env"],
-        start_new_session=True,
-    )
-
-
-@contextlib.contextmanager
-def _running(service, name: str, *extra: str) -> Iterator[tuple[subprocess.Popen, list[str]]]:
-    """A `fit --service` started in its own session, and the lines read from it so far;
-    killed on the way out if it is still running (a failed assertion)."""
-    proc = _start(service, name, *extra)
-    try:
-        yield proc, []
-    finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait(timeout=30)
-
-
-def _until(proc: subprocess.Popen, text: str, seen: list[str]) -> None:
-    """Read ``proc``'s output until a line holds ``text``."""
-    for line in proc.stdout:
-        seen.append(line)
-        if text in line:
-            return
-    raise AssertionError(f"{text!r} never came: " + "".join(seen))
+from tests.warm_service import (
+    NAME,
+    run_fit,
+    running,
+    start_service,
+    until,
+)
 
 
 def _weights(run_dir: Path) -> dict[str, torch.Tensor]:
@@ -215,7 +60,7 @@ def test_a_service_run_is_an_ordinary_run_and_the_same_request_gives_the_same_we
     `evaluate` read it with no flag beyond the run; the same name again is already finished, `--fresh` trains it again
     from a fresh model and optimizer: the very same weights, as two plain fits give."""
     storage = service["storage"]
-    first = _run(service, "same", "--epochs", "3")
+    first = run_fit(service, "same", "--epochs", "3")
     assert first.returncode == 0, first.stdout + first.stderr
     out = first.stdout
     assert "starting run 'same' on service 'svc': 2 worker(s)" in out, out
@@ -236,9 +81,9 @@ def test_a_service_run_is_an_ordinary_run_and_the_same_request_gives_the_same_we
     assert scored.returncode == 0, scored.stderr
     assert json.loads(scored.stdout)["accuracy"] == pytest.approx(summary["best_val_accuracy"])
 
-    again = _run(service, "same", "--epochs", "3")
+    again = run_fit(service, "same", "--epochs", "3")
     assert again.returncode == 0 and "already finished" in again.stdout, again.stdout
-    fresh = _run(service, "same", "--epochs", "3", "--fresh")
+    fresh = run_fit(service, "same", "--epochs", "3", "--fresh")
     assert fresh.returncode == 0, fresh.stdout + fresh.stderr
     assert _same(before, _weights(storage / "same"))
     assert (storage / "same.previous-1").is_dir()
@@ -249,12 +94,12 @@ def test_two_groups_train_two_shells_at_once_and_a_third_waits_its_turn(service)
     place; Ctrl-C on the first cancels it (exit 130, resumable) and the third trains on the
     group it freed."""
     storage = service["storage"]
-    with _running(service, "first", "--epochs", "100") as (first, seen):
-        _until(first, "first step", seen)
-        with _running(service, "second", "--epochs", "100") as (second, seen2):
-            _until(second, "first step", seen2)  # on the other group, while first trains
-            with _running(service, "third", "--epochs", "1") as (third, waited):
-                _until(third, "waiting for service 'svc': number 1 in its queue", waited)
+    with running(service, "first", "--epochs", "100") as (first, seen):
+        until(first, "first step", seen)
+        with running(service, "second", "--epochs", "100") as (second, seen2):
+            until(second, "first step", seen2)  # on the other group, while first trains
+            with running(service, "third", "--epochs", "1") as (third, waited):
+                until(third, "waiting for service 'svc': number 1 in its queue", waited)
                 first.send_signal(signal.SIGINT)
                 rest, _ = first.communicate(timeout=120)
                 after, _ = third.communicate(timeout=300)
@@ -274,8 +119,8 @@ def test_two_groups_train_two_shells_at_once_and_a_third_waits_its_turn(service)
 def test_ctrl_c_cancels_the_request_and_the_same_command_resumes_it(service):
     """Ctrl-C on a `fit --service` cancels its request (exit 130, the resume line); the
     service goes on serving, and the same command resumes the run from its checkpoint."""
-    with _running(service, "stopped", "--epochs", "8") as (proc, seen):
-        _until(proc, "epoch   1/8", seen)
+    with running(service, "stopped", "--epochs", "8") as (proc, seen):
+        until(proc, "epoch   1/8", seen)
         proc.send_signal(signal.SIGINT)
         rest, _ = proc.communicate(timeout=120)
     out = "".join(seen) + rest
@@ -285,7 +130,7 @@ def test_ctrl_c_cancels_the_request_and_the_same_command_resumes_it(service):
         and "--service svc" in out
         and "raytrain-mnist: interrupted" in out
     )
-    resumed = _run(service, "stopped", "--epochs", "8")
+    resumed = run_fit(service, "stopped", "--epochs", "8")
     assert resumed.returncode == 0, resumed.stdout + resumed.stderr
     summary = json.loads((service["storage"] / "stopped" / "summary.json").read_text())
     assert summary["resumed_from_epoch"] >= 1 and summary["epochs_completed"] == 8
@@ -298,8 +143,8 @@ def test_a_killed_worker_restarts_the_group_and_the_request_resumes_exactly(serv
     epoch at once, five epochs before the request could end."""
     storage = service["storage"]
     before = [g["restarts"] for g in _status(service)["group_states"]]
-    with _running(service, "killed", "--epochs", "6") as (proc, seen):
-        _until(proc, "epoch   1/6", seen)
+    with running(service, "killed", "--epochs", "6") as (proc, seen):
+        until(proc, "epoch   1/6", seen)
         run = Run(str(storage), "killed")
         workers = wait_for(lambda: run.latest_metrics().get("workers"), "a committed epoch")
         os.kill(workers[1]["pid"], signal.SIGKILL)
@@ -309,18 +154,18 @@ def test_a_killed_worker_restarts_the_group_and_the_request_resumes_exactly(serv
     assert "workers restarted from the checkpoint of epoch" in out, out
     after = [g["restarts"] for g in _status(service)["group_states"]]
     assert sorted(a - b for a, b in zip(after, before, strict=True)) == [0, 1]  # its group only
-    reference = _run(service, "unkilled", "--epochs", "6")
+    reference = run_fit(service, "unkilled", "--epochs", "6")
     assert reference.returncode == 0, reference.stdout + reference.stderr
     assert _same(_weights(storage / "killed"), _weights(storage / "unkilled"))
 
 
 def test_a_requester_killed_with_sigkill_loses_its_request_once_its_lease_lapses(service):
-    with _running(service, "orphan", "--epochs", "50") as (proc, seen):
-        _until(proc, "epoch   1/50", seen)
+    with running(service, "orphan", "--epochs", "50") as (proc, seen):
+        until(proc, "epoch   1/50", seen)
         os.killpg(proc.pid, signal.SIGKILL)
         proc.wait(timeout=30)
     # The service drops the silent request (4 s here) and takes the next one.
-    after = _run(service, "after-orphan", "--epochs", "1", timeout=240)
+    after = run_fit(service, "after-orphan", "--epochs", "1", timeout=240)
     assert after.returncode == 0, after.stdout + after.stderr
     run = Run(str(service["storage"]), "orphan")
     epochs = run.latest_metrics()["epoch"]
@@ -328,12 +173,12 @@ def test_a_requester_killed_with_sigkill_loses_its_request_once_its_lease_lapses
 
 
 def test_a_diverging_request_fails_alone_in_one_line(service):
-    bad = _run(service, "diverges", "--epochs", "2", "--lr", "1e6", "--optimizer", "sgd")
+    bad = run_fit(service, "diverges", "--epochs", "2", "--lr", "1e6", "--optimizer", "sgd")
     assert bad.returncode == 1, bad.stdout + bad.stderr
     err = [line for line in bad.stderr.splitlines() if line.strip()]
     assert err[-1].startswith("raytrain-mnist: error: training failed: training diverged"), err
     assert "Traceback" not in bad.stderr
-    ok = _run(service, "after-divergence", "--epochs", "1")
+    ok = run_fit(service, "after-divergence", "--epochs", "1")
     assert ok.returncode == 0, ok.stdout + ok.stderr
 
 
@@ -347,7 +192,7 @@ def test_a_diverging_request_fails_alone_in_one_line(service):
     ],
 )
 def test_what_the_service_cannot_honour_is_refused_in_one_line(service, flags, message):
-    bad = _run(service, "refused", "--epochs", "1", *flags)
+    bad = run_fit(service, "refused", "--epochs", "1", *flags)
     assert bad.returncode == 2, bad.stdout + bad.stderr
     err = [line for line in bad.stderr.splitlines() if line.strip()]
     assert len(err) == 1 and message in err[0], bad.stderr
@@ -536,8 +381,8 @@ def test_the_service_driver_killed_ends_its_request_resumable_by_a_new_start(ser
     the requester ends in one line that gives its resume command; `service start` again with
     the same name serves, and that very command resumes the run from its last filed
     checkpoint. Last in the module: the service after it is the new one."""
-    with _running(service, "driver-lost", "--epochs", "8") as (proc, seen):
-        _until(proc, "epoch   1/8", seen)
+    with running(service, "driver-lost", "--epochs", "8") as (proc, seen):
+        until(proc, "epoch   1/8", seen)
         service["driver"].kill()
         rest, _ = proc.communicate(timeout=180)
     service["driver"].wait(timeout=60)
@@ -554,7 +399,7 @@ def test_the_service_driver_killed_ends_its_request_resumable_by_a_new_start(ser
     # What is left of the killed service's Ray, Ray's reaper ends within a minute (its agents
     # poll for their raylet); ended now, so that the new service starts on free cores.
     kill_marked(service["env"][MARKER_VAR])
-    _start_service(service)
+    start_service(service)
     resumed = subprocess.run(
         resume, capture_output=True, text=True, cwd=REPO, env=service["env"], timeout=300
     )

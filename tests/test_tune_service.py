@@ -1,8 +1,8 @@
 """`tune --service`: a search whose trials are requests to a warm service, against the same
 search as today's `tune` (every trial a TorchTrainer of its own), on real Ray (CPU, Gloo).
 
-The service is tests/test_service.py's (imported: one fixture, started once for this
-module, as a user's shell starts it); every search is a subprocess, as a user runs it.
+The service is the suite's one (tests/warm_service.py, shared with tests/test_service.py,
+started as a user's shell starts it); every search is a subprocess, as a user runs it.
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ from raytrain_mnist.driver.runs import Run
 from raytrain_mnist.driver.searching import on_service
 from raytrain_mnist.errors import UserError
 from tests.conftest import REPO, run_cli_here, wait_for
-from tests.test_service import NAME, service  # noqa: F401 -- the module's service fixture
+from tests.warm_service import NAME
 
 #: The search of both sides: seed 2 draws lr 0.05 then 1e-6; one trial at a time, so the
 #: hopeless second trial reaches its first rung after the first finished, and ASHA stops it.
@@ -125,7 +125,7 @@ def test_a_search_on_no_such_service_is_one_line(tmp_path):
 
 @pytest.mark.timeout(1500)
 def test_the_same_search_through_the_service_and_on_its_own_trains_the_same_trials(
-    service,  # noqa: F811 -- the fixture imported above
+    service,
     tmp_path,
     ray_env,
 ):
@@ -174,10 +174,27 @@ def test_the_same_search_through_the_service_and_on_its_own_trains_the_same_tria
     assert run.latest_checkpoint() is not None
     assert run.latest_metrics()["epoch"] < 3
 
+    # A service-trained trial's run is an ordinary run: evaluate, predict and export take it
+    # with no flag beyond its path (the search recorded where the service read MNIST), and
+    # evaluate scores what the trial reported.
+    trial = str(storage / "asha" / "runs" / best[0]["best_trial"])
+    images = str(service["data"] / "MNIST" / "raw" / "t10k-images-idx3-ubyte")
+    pt2 = str(tmp_path / "best.pt2")
+    scored = run_cli_here("evaluate", trial, "--json")
+    assert scored.returncode == 0, scored.stdout + scored.stderr
+    report = json.loads(scored.stdout)
+    assert report["accuracy"] == report["reported_val_accuracy"], report
+    for command in (
+        ["predict", trial, images],
+        ["export", trial, "--format", "pt2", "--output", pt2],
+    ):
+        done = run_cli_here(*command)
+        assert done.returncode == 0 and not done.stderr, (command, done.stdout + done.stderr)
+
 
 @pytest.mark.timeout(900)
 def test_ctrl_c_cancels_the_trials_requests_and_the_same_command_resumes_the_search(
-    service,  # noqa: F811 -- the fixture imported above
+    service,
 ):
     """The search runs as many trials at once as the service has free groups. Ctrl-C
     stops it (exit 130, its resume line) and leaves nothing training on the service; the
