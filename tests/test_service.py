@@ -32,6 +32,7 @@ from tests.conftest import (
 )
 from tests.warm_service import (
     NAME,
+    TRAIN,
     run_fit,
     running,
     start_service,
@@ -80,6 +81,34 @@ def test_a_service_run_is_an_ordinary_run_and_the_same_request_gives_the_same_we
     scored = run_cli_here("evaluate", str(storage / "same"), "--json")
     assert scored.returncode == 0, scored.stderr
     assert json.loads(scored.stdout)["accuracy"] == pytest.approx(summary["best_val_accuracy"])
+
+    # predict and export take it as they take a plain run; a plain fit of the same name and
+    # data (the service's) finds it finished, as it would find its own.
+    images = str(service["data"] / "MNIST" / "raw" / "t10k-images-idx3-ubyte")
+    pt2 = str(storage / "same.pt2")
+    for command in (
+        ["predict", str(storage / "same"), images],
+        ["export", str(storage / "same"), "--format", "pt2", "--output", pt2],
+        [
+            "fit",
+            "--storage-path",
+            str(storage),
+            "--name",
+            "same",
+            "--data-dir",
+            str(service["data"]),
+            "--dataset",
+            "mnist",
+            "--num-workers",
+            "2",
+            "--epochs",
+            "3",
+            *TRAIN,
+        ],
+    ):
+        done = run_cli_here(*command)
+        assert done.returncode == 0 and not done.stderr, (command, done.stdout + done.stderr)
+    assert "already finished" in done.stdout, done.stdout
 
     again = run_fit(service, "same", "--epochs", "3")
     assert again.returncode == 0 and "already finished" in again.stdout, again.stdout
