@@ -5,9 +5,11 @@
 ``TorchTrainer`` and writes ``summary.json`` and ``training_curves.png``. It never touches
 a tensor itself. It is a row of named stages over one :class:`~.stages.Fit`: *prepare*,
 *open*, *connect*, *build*, *monitor*, *summarize*, then *write* while Ray shuts down
-(:func:`~.on_trainer.train` alone orders the stop, whatever stopped the run). With
-``--service`` the same stages run around a request to a warm service instead of a trainer
-of the run's own (:mod:`.on_service`). What happens on the way reaches the caller as
+(:func:`~.on_trainer.train` alone orders the stop, whatever stopped the run). One sequence
+over two backends: a TorchTrainer of the run's own (:class:`~.on_trainer.TrainerBackend`)
+or, with ``--service``, a request to a warm service (:class:`~.on_service.ServiceBackend`);
+both follow the run with :func:`~.stages.follow` and say why it stops with
+:func:`~.stages.stopping`. What happens on the way reaches the caller as
 :mod:`~raytrain_mnist.driver.events` (the CLI renders them; a notebook passes its own sink
 or reads the log), and the outcome as a :class:`FitResult`::
 
@@ -28,9 +30,10 @@ from collections.abc import Sequence
 
 from raytrain_mnist.config import FitConfig
 from raytrain_mnist.driver.events import EventSink, log_event
-from raytrain_mnist.driver.fitting.on_service import fit_on_service
-from raytrain_mnist.driver.fitting.on_trainer import train
+from raytrain_mnist.driver.fitting.on_service import ServiceBackend
+from raytrain_mnist.driver.fitting.on_trainer import TrainerBackend
 from raytrain_mnist.driver.fitting.stages import (
+    Backend,
     FitResult,
     Serialized,
     default_invocation,
@@ -86,16 +89,17 @@ def fit(
                 cfg.run, scaling=dataclasses.replace(cfg.run.scaling, service=service)
             ),
         )
-    if cfg.run.scaling.service is not None:
-        return fit_on_service(
-            cfg, Serialized(on_event or log_event), poll_s, started_at, invocation
-        )
-    ctx = prepare(cfg, Serialized(on_event or log_event), poll_s, started_at)
-    with ctx.run.claim(ctx.cfg.run.storage.fresh):
-        ctx.run.held.handled = True  # a lost claim stops the run, with one line (Stopping)
-        finished = open_run(ctx)
-        if finished is not None:
-            return finished
-        train(ctx)
-        record_end(ctx)
+    emit = Serialized(on_event or log_event)
+    name = cfg.run.scaling.service
+    backend: Backend = TrainerBackend() if name is None else ServiceBackend(name)
+    with backend.reached(cfg, emit, started_at) as cfg:
+        ctx = prepare(cfg, emit, poll_s, started_at, service=backend.client)
+        backend.ready(ctx)
+        with ctx.run.claim(ctx.cfg.run.storage.fresh):
+            ctx.run.held.handled = True  # a lost claim stops the run, with one line (Stopping)
+            finished = open_run(ctx)
+            if finished is not None:
+                return finished
+            backend.train(ctx)
+            record_end(ctx)
     return result_of(ctx, invocation)

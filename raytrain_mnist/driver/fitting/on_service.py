@@ -3,79 +3,72 @@
 
 from __future__ import annotations
 
+import contextlib
 import logging
-from collections.abc import Sequence
 
-from raytrain_mnist.config import (
-    FitConfig,
-)
+from raytrain_mnist.config import FitConfig
 from raytrain_mnist.driver import cluster
-from raytrain_mnist.driver.events import EventSink, Phase, Stopping
+from raytrain_mnist.driver.events import EventSink, Phase
 from raytrain_mnist.driver.fitting.stages import (
     Fit,
-    FitResult,
     Plotting,
+    follow,
     let_go_of_ray,
-    open_run,
-    prepare,
-    record_end,
-    result_of,
     start_timeline,
+    stopping,
     summarize,
     write_files,
 )
-from raytrain_mnist.driver.monitor import (
-    RunMonitor,
-)
-from raytrain_mnist.driver.relay import INTERRUPTED, on_a_thread, relay
+from raytrain_mnist.driver.relay import on_a_thread
 from raytrain_mnist.driver.runs import RUN_FILE
 from raytrain_mnist.errors import UserError
 
 logger = logging.getLogger(__name__)
 
 
-def fit_on_service(
-    cfg: FitConfig,
-    emit: EventSink,
-    poll_s: float,
-    started_at: float | None,
-    invocation: Sequence[str] | None,
-) -> FitResult:
-    """``fit --service``: the same run (its name, claim, identity, files, resume) trained by
-    a warm service's workers (:mod:`~raytrain_mnist.driver.service`) instead of a new
-    TorchTrainer. This command connects to the service's Ray, checks the service can honour
-    the run, claims it, sends the request and follows it; Ctrl-C cancels the request."""
-    from raytrain_mnist.driver.service import ServiceClient
+class ServiceBackend:
+    """``fit --service NAME``: the same run (its name, claim, identity, files, resume)
+    trained by a warm service's workers instead of a new TorchTrainer. The command connects
+    to the service's Ray first (the service holds the data and says what it can honour),
+    then claims the run, sends the request and follows it; Ctrl-C cancels the request."""
 
-    _, timeline = start_timeline(started_at)
-    address = ServiceClient.address_of(cfg.run.scaling.service, cfg.run.address)
-    emit(Phase(f"connecting to Ray at {address}", timeline.mark("ray_starting")))
-    with cluster.connect(address, cluster.Request(0, 1, False), dashboard=False):
-        # The imports of the run's end and tracking (matplotlib, tensorboard), now, while
-        # this command waits on the service and its claim: a request trains at once, on
-        # cores they would otherwise share with it (after ray.init: beside it, they slow it).
-        on_a_thread(_warm_up, name="imports")
-        try:
-            client = ServiceClient(cfg.run.scaling.service)
-            cfg = client.fitted(cfg)
-            ctx = prepare(cfg, emit, poll_s, started_at, service=client)
-            ctx.timeline, ctx.address, ctx.disconnects = timeline, address, True
-            ctx.cpus_per_worker = client.info["cpus_per_worker"]
-            ctx.phase("Ray ready", "ray_ready")
-            with ctx.run.claim(ctx.cfg.run.storage.fresh):
-                ctx.run.held.handled = True
-                finished = open_run(ctx)
-                if finished is not None:
-                    return finished
-                _request(ctx, client)
-                _disconnect(ctx)
-                record_end(ctx)
-        finally:
-            import ray
+    def __init__(self, name: str) -> None:
+        self.name = name
+        self.client = None  # the ServiceClient, once connected
+        self.address: str | None = None
+        self.timeline = None  # from before the connection: its seconds count
 
-            if ray.is_initialized():  # stopped before _disconnect: a refusal, an error
-                ray.shutdown()
-    return result_of(ctx, invocation)
+    @contextlib.contextmanager
+    def reached(self, cfg: FitConfig, emit: EventSink, started_at: float | None):
+        """Connected to the service's Ray; yields ``cfg`` as the service trains it (its
+        worker count, device and data), or raises the one line of what it cannot honour."""
+        from raytrain_mnist.driver.service import ServiceClient
+
+        _, self.timeline = start_timeline(started_at)
+        self.address = ServiceClient.address_of(self.name, cfg.run.address)
+        emit(Phase(f"connecting to Ray at {self.address}", self.timeline.mark("ray_starting")))
+        with cluster.connect(self.address, cluster.Request(0, 1, False), dashboard=False):
+            # The imports of the run's end and tracking (matplotlib, tensorboard), now, while
+            # this command waits on the service and its claim: a request trains at once, on
+            # cores they would otherwise share with it (after ray.init: beside it, they slow it).
+            on_a_thread(_warm_up, name="imports")
+            try:
+                self.client = ServiceClient(self.name)
+                yield self.client.fitted(cfg)
+            finally:
+                import ray
+
+                if ray.is_initialized():  # stopped before _disconnect: a refusal, an error
+                    ray.shutdown()
+
+    def ready(self, ctx: Fit) -> None:
+        ctx.timeline, ctx.address, ctx.disconnects = self.timeline, self.address, True
+        ctx.cpus_per_worker = self.client.info["cpus_per_worker"]
+        ctx.phase("Ray ready", "ray_ready")
+
+    def train(self, ctx: Fit) -> None:
+        _request(ctx, self.client)
+        _disconnect(ctx)
 
 
 def _warm_up() -> None:
@@ -127,23 +120,13 @@ def _request(ctx: Fit, client) -> None:
         client.cancel(request_id, "its tracking could not be opened")
         raise
 
-    ctx.monitor = RunMonitor(
+    outcome = follow(
+        ctx,
         client.channel(request_id),
-        cfg.train.epochs,
-        ctx.prior,
-        ctx.emit,
-        ctx.timeline,
-        on_epoch=ctx.on_epoch,
-        poll_s=ctx.poll_s,
+        lambda: client.follow(request_id, ctx.emit, cfg.train.epochs),
+        lambda reason, running: _cancel(client, ctx, request_id, reason),
+        name="request",
     )
-    with ctx.monitor:
-        outcome = relay(
-            lambda: client.follow(request_id, ctx.emit, cfg.train.epochs),
-            lambda reason, running: _cancel(ctx, client, request_id, reason),
-            name="request",
-            watch=ctx.claim_lost,
-        )
-    ctx.timeline.mark("fit_returned")
     ctx.trainer_ended = True
     ended = outcome.value if outcome.stopped is None else None
     if outcome.stopped is None and ended is not None and ended["state"] == "failed":
@@ -154,11 +137,6 @@ def _request(ctx: Fit, client) -> None:
     summarize(ctx)
 
 
-def _cancel(ctx: Fit, client, request_id: str, reason: str) -> None:
-    if reason == INTERRUPTED:
-        ctx.emit(Stopping("cancelling the request; the last committed checkpoint is kept"))
-    else:
-        ctx.emit(
-            Stopping(f"{reason}: cancelling the request; the last committed checkpoint is kept")
-        )
+def _cancel(client, ctx: Fit, request_id: str, reason: str) -> None:
+    stopping(ctx, reason, "cancelling the request")
     client.cancel(request_id, reason)

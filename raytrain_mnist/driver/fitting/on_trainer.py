@@ -3,27 +3,26 @@ it, and the one order in which such a fit stops (:func:`train`)."""
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import logging
 import time
 from collections.abc import Callable
 
+from raytrain_mnist.config import FitConfig
 from raytrain_mnist.driver import cluster
-from raytrain_mnist.driver.events import Stopping
+from raytrain_mnist.driver.events import EventSink
 from raytrain_mnist.driver.fitting.stages import (
     Fit,
     Plotting,
+    follow,
     let_go_of_ray,
+    stopping,
     summarize,
     write_files,
 )
-from raytrain_mnist.driver.monitor import (
-    RunMonitor,
-    abort_run,
-    controller_callbacks,
-    start_channel,
-)
-from raytrain_mnist.driver.relay import INTERRUPTED, on_a_thread, relay
+from raytrain_mnist.driver.monitor import abort_run, controller_callbacks, start_channel
+from raytrain_mnist.driver.relay import on_a_thread
 from raytrain_mnist.driver.runs import RUN_FILE
 from raytrain_mnist.errors import UserError, cause_line, diverged_line
 
@@ -130,47 +129,34 @@ def _build(ctx: Fit) -> None:
 
 
 def _monitor(ctx: Fit) -> None:
-    """Fit on a helper thread (:func:`relay`: Ctrl-C reaches this one) while the monitor
-    drains the progress, until the run ends, fails, or is stopped: by Ctrl-C (SIGTERM is
-    one) or by the claim being lost. Returns once ``trainer.fit()`` has returned and the
-    monitor's thread has ended, with what is left in the channel drained."""
+    """``trainer.fit()`` followed (:func:`~.stages.follow`) until the run ends, fails, or is
+    stopped; returns once it has returned, with what is left in the channel drained."""
     import ray
 
     ctx.phase("workers starting", "trainer_started")
-    ctx.monitor = RunMonitor(
-        ctx.channel,
-        ctx.cfg.train.epochs,
-        ctx.prior,
-        ctx.emit,
-        ctx.timeline,
-        on_epoch=ctx.on_epoch,
-        poll_s=ctx.poll_s,
-    )
-    with ctx.monitor:
-        try:
-            outcome = relay(
-                ctx.trainer.fit,
-                lambda reason, running: _stop(ctx, reason, running),
-                name="trainer.fit",
-                watch=ctx.claim_lost,
-                stop_wait_s=_STOP_WAIT_S,
-            )
-            ctx.result = outcome.value if outcome.stopped is None else None
-            ctx.trainer_ended = outcome.finished
-            if not outcome.finished:
-                logger.warning(
-                    "trainer.fit() had not returned %.0f s after the run was stopped",
-                    _STOP_WAIT_S,
-                )
-        except ray.train.TrainingFailedError as exc:
-            ctx.trainer_ended = True
-            # A diverged run ends in the line a service's run ends in (its request's error).
-            diverged = diverged_line(exc)
-            ctx.error = exc if diverged is None else UserError(diverged)
-            ctx.logs = cluster.worker_logs_dir()
-            logger.debug("training failed: %s (worker logs: %s)", cause_line(exc), ctx.logs)
-        finally:
-            ctx.timeline.mark("fit_returned")
+    try:
+        outcome = follow(
+            ctx,
+            ctx.channel,
+            ctx.trainer.fit,
+            lambda reason, running: _stop(ctx, reason, running),
+            name="trainer.fit",
+            stop_wait_s=_STOP_WAIT_S,
+        )
+    except ray.train.TrainingFailedError as exc:
+        ctx.trainer_ended = True
+        # A diverged run ends in the line a service's run ends in (its request's error).
+        diverged = diverged_line(exc)
+        ctx.error = exc if diverged is None else UserError(diverged)
+        ctx.logs = cluster.worker_logs_dir()
+        logger.debug("training failed: %s (worker logs: %s)", cause_line(exc), ctx.logs)
+        return
+    ctx.result = outcome.value if outcome.stopped is None else None
+    ctx.trainer_ended = outcome.finished
+    if not outcome.finished:
+        logger.warning(
+            "trainer.fit() had not returned %.0f s after the run was stopped", _STOP_WAIT_S
+        )
 
 
 #: How long a stopped run's ``trainer.fit()`` may take to return once its controller was
@@ -181,8 +167,22 @@ _STOP_WAIT_S = 120.0
 def _stop(ctx: Fit, reason: str, running: Callable[[], bool]) -> None:
     """Stop the run as Ray's own SIGINT handler would: abort its controller. Its workers
     stop, the committed checkpoints stay, a Ray that is not ours lives on."""
-    if reason == INTERRUPTED:
-        ctx.emit(Stopping())
-    else:  # the claim was lost
-        ctx.emit(Stopping(f"{reason}: stopping the workers; the last committed checkpoint is kept"))
+    stopping(ctx, reason, "stopping the workers")
     abort_run(ctx.channel, running)
+
+
+class TrainerBackend:
+    """A fit on a TorchTrainer of its own (the default): the data is loaded first, then
+    :func:`train` connects to (or starts) Ray, builds the trainer and follows it."""
+
+    client = None  # no service holds the data
+
+    @contextlib.contextmanager
+    def reached(self, cfg: FitConfig, emit: EventSink, started_at: float | None):
+        yield cfg  # Ray is reached in train(), once the data is loaded
+
+    def ready(self, ctx: Fit) -> None:
+        pass
+
+    def train(self, ctx: Fit) -> None:
+        train(ctx)

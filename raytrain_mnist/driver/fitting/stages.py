@@ -4,6 +4,7 @@ what a fit returns (:class:`FitResult`)."""
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import gc
 import json
@@ -11,9 +12,9 @@ import logging
 import os
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 from raytrain_mnist.config import (
     DEFAULT_RECIPE,
@@ -24,7 +25,7 @@ from raytrain_mnist.config import (
     flags_of,
 )
 from raytrain_mnist.driver import runs
-from raytrain_mnist.driver.events import Event, EventSink, Note, Phase, Status
+from raytrain_mnist.driver.events import Event, EventSink, Note, Phase, Status, Stopping
 from raytrain_mnist.driver.monitor import (
     RunMonitor,
     Timeline,
@@ -160,6 +161,25 @@ class Fit:
         )
 
 
+class Backend(Protocol):
+    """What trains a fit, between the stages both share (``fit``'s one sequence): a
+    TorchTrainer of the run's own (:class:`~.on_trainer.TrainerBackend`) or a warm service
+    (:class:`~.on_service.ServiceBackend`)."""
+
+    client: Any  # the service client whose data the run trains on; None: the run loads its own
+
+    def reached(
+        self, cfg: FitConfig, emit: EventSink, started_at: float | None
+    ) -> contextlib.AbstractContextManager[FitConfig]:
+        """Around the whole fit: ``cfg`` as this backend trains it."""
+
+    def ready(self, ctx: Fit) -> None:
+        """Once the run is prepared, before it is claimed."""
+
+    def train(self, ctx: Fit) -> None:
+        """Inside the claim: train, follow, summarize, let go of Ray and write the files."""
+
+
 def start_timeline(started_at: float | None) -> tuple[float, Timeline]:
     """The call's perf_counter and the timeline, from the command's start when known."""
     started, called = time.perf_counter(), time.time()
@@ -226,6 +246,38 @@ def summarize(ctx: Fit) -> None:
     ctx.summary = summary_of(ctx, metrics, time.perf_counter() - ctx.started)
     ctx.error = None  # its traceback holds the trainer's frames: Ray's objects
     ctx.timeline.mark("summary_built")
+
+
+def follow(ctx: Fit, channel, call: Callable[[], Any], stop, *, name: str, **relay_options):
+    """The run's middle, whichever backend trains it: ``call()`` (``trainer.fit``, or the
+    request followed to its end) on a thread while the monitor drains ``channel`` (the run's
+    progress and committed epochs), until it ends or is stopped by Ctrl-C (SIGTERM is one)
+    or a lost claim: then ``stop(reason, running)`` (:func:`~raytrain_mnist.driver.relay.relay`).
+    Returns the relay's outcome once the monitor has drained what is left."""
+    from raytrain_mnist.driver.relay import relay
+
+    ctx.monitor = RunMonitor(
+        channel,
+        ctx.cfg.train.epochs,
+        ctx.prior,
+        ctx.emit,
+        ctx.timeline,
+        on_epoch=ctx.on_epoch,
+        poll_s=ctx.poll_s,
+    )
+    with ctx.monitor:
+        try:
+            return relay(call, stop, name=name, watch=ctx.claim_lost, **relay_options)
+        finally:
+            ctx.timeline.mark("fit_returned")
+
+
+def stopping(ctx: Fit, reason: str, doing: str) -> None:
+    """Say why the run stops and what stops it (``doing``: "stopping the workers")."""
+    from raytrain_mnist.driver.relay import INTERRUPTED
+
+    why = "Ctrl-C" if reason == INTERRUPTED else reason  # the CLI says SIGTERM for its own
+    ctx.emit(Stopping(f"{why}: {doing}; the last committed checkpoint is kept"))
 
 
 def write_files(ctx: Fit) -> None:
