@@ -248,7 +248,15 @@ def summarize(ctx: Fit) -> None:
     ctx.timeline.mark("summary_built")
 
 
-def follow(ctx: Fit, channel, call: Callable[[], Any], stop, *, name: str, **relay_options):
+def follow(
+    ctx: Fit,
+    channel: Any,
+    call: Callable[[], Any],
+    stop: Callable[[str, Callable[[], bool]], object],
+    *,
+    name: str,
+    **relay_options: Any,
+) -> Any:
     """The run's middle, whichever backend trains it: ``call()`` (``trainer.fit``, or the
     request followed to its end) on a thread while the monitor drains ``channel`` (the run's
     progress and committed epochs), until it ends or is stopped by Ctrl-C (SIGTERM is one)
