@@ -118,6 +118,16 @@ def trial_moments(storage: Path, name: str) -> list[dict]:
     return sorted(trials, key=lambda t: t["first_step_at"])
 
 
+def written(out: str, result: dict, table: str) -> int:
+    """``results.json`` and ``results.md`` (``table``) into ``out``, the table printed."""
+    folder = Path(out)
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "results.json").write_text(json.dumps(result, indent=2))
+    (folder / "results.md").write_text(table)
+    print(table)
+    return 0
+
+
 def tune_row(trials: list[dict], start: float, wall: float) -> dict:
     """The search's seconds: start-up, each trial's training, the gaps between trials."""
     pairs = list(itertools.pairwise(trials))
@@ -242,12 +252,7 @@ def main(argv=None) -> int:
         "searches": searches,
         "plain": plains,
     }
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "results.json").write_text(json.dumps(result, indent=2))
-    (out / "results.md").write_text(render(result))
-    print(render(result))
-    return 0
+    return written(args.out, result, render(result))
 
 
 # --------------------------------------------------------------------------- --service
@@ -351,12 +356,7 @@ def compare_service(args, env: dict) -> int:
                     sides[side].append(row)
                     print(f"[{repeat + 1}/{args.repeats}] {side} {json.dumps(row)}")
     result = {"machine": machine(), "settings": vars(args), "sides": sides}
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "results.json").write_text(json.dumps(result, indent=2))
-    (out / "results.md").write_text(render_service(result))
-    print(render_service(result))
-    return 0
+    return written(args.out, result, render_service(result))
 
 
 def compare_groups(args, env: dict) -> int:
@@ -379,12 +379,7 @@ def compare_groups(args, env: dict) -> int:
                     sides[side].append(row)
                     print(f"[{repeat + 1}/{args.repeats}] {side} {json.dumps(row)}", flush=True)
     result = {"machine": machine(), "settings": vars(args), "sides": sides}
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "results.json").write_text(json.dumps(result, indent=2))
-    (out / "results.md").write_text(render_groups(result))
-    print(render_groups(result))
-    return 0
+    return written(args.out, result, render_groups(result))
 
 
 def render_groups(result: dict) -> str:

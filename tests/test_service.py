@@ -35,6 +35,7 @@ from tests.warm_service import (
     TRAIN,
     run_fit,
     running,
+    service_command,
     start_service,
     until,
 )
@@ -271,7 +272,7 @@ def _raw(service, body: str) -> dict:
 
 def _status(service) -> dict:
     done = subprocess.run(
-        [sys.executable, "-m", "raytrain_mnist", "service", "status", "--name", NAME, "--json"],
+        service_command("status", "--name", NAME, "--json"),
         capture_output=True,
         text=True,
         cwd=REPO,
@@ -362,19 +363,9 @@ print(json.dumps(states))
 
 def test_a_second_start_of_a_running_name_is_refused_and_leaves_it_be(service):
     again = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "raytrain_mnist",
-            "service",
-            "start",
-            "--name",
-            NAME,
-            "--num-workers",
-            "1",
-            "--storage-path",
-            str(service["storage"]),
-        ],
+        service_command(
+            "start", "--name", NAME, "--num-workers", "1", "--storage-path", str(service["storage"])
+        ),
         capture_output=True,
         text=True,
         cwd=REPO,
@@ -388,7 +379,7 @@ def test_a_second_start_of_a_running_name_is_refused_and_leaves_it_be(service):
 
 def test_service_status_shows_its_workers_queue_and_what_it_served(service):
     done = subprocess.run(
-        [sys.executable, "-m", "raytrain_mnist", "service", "status", "--name", NAME, "--json"],
+        service_command("status", "--name", NAME, "--json"),
         capture_output=True,
         text=True,
         cwd=REPO,

@@ -22,7 +22,7 @@ from raytrain_mnist.driver.runs import Run
 from raytrain_mnist.driver.searching import on_service
 from raytrain_mnist.errors import UserError
 from tests.conftest import REPO, run_cli_here, wait_for
-from tests.warm_service import NAME
+from tests.warm_service import NAME, service_command
 
 #: The search of both sides: seed 2 draws lr 0.05 then 1e-6; one trial at a time, so the
 #: hopeless second trial reaches its first rung after the first finished, and ASHA stops it.
@@ -243,8 +243,8 @@ def test_ctrl_c_cancels_the_trials_requests_and_the_same_command_resumes_the_sea
 
 def _service_status(running: dict) -> dict:
     """``service status --json`` of the module's service."""
-    status = [sys.executable, "-m", "raytrain_mnist", "service", "status", "--name", NAME]
-    return json.loads(_run([*status, "--json"], running["env"]).stdout)
+    status = service_command("status", "--name", NAME, "--json")
+    return json.loads(_run(status, running["env"]).stdout)
 
 
 def _first_epoch(runs: Path) -> None:

@@ -70,7 +70,7 @@ def _stop_service(service: dict) -> None:
     with running(service, "stopped-mid", "--epochs", "50") as (proc, lines):
         until(proc, "epoch   1/50", lines)
         stopped = subprocess.run(
-            [sys.executable, "-m", "raytrain_mnist", "service", "stop", "--name", NAME],
+            service_command("stop", "--name", NAME),
             capture_output=True,
             text=True,
             cwd=REPO,
@@ -93,11 +93,7 @@ def _stop_service(service: dict) -> None:
 def start_service(service: dict) -> None:
     """`raytrain-mnist service start` in the foreground, on a Ray of its own, until it says
     it is ready: two workers of one CPU on tiny MNIST."""
-    command = [
-        sys.executable,
-        "-m",
-        "raytrain_mnist",
-        "service",
+    command = service_command(
         "start",
         "--name",
         NAME,
@@ -113,17 +109,9 @@ def start_service(service: dict) -> None:
         str(service["data"]),
         "--storage-path",
         str(service["storage"]),
-    ]
-    service["seen"] = []
-    service["driver"] = driver = subprocess.Popen(
-        command,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-        cwd=REPO,
-        env=service["env"],
-        start_new_session=True,
     )
+    service["seen"] = []
+    service["driver"] = driver = _popen(service, command)
     until(driver, f"service '{NAME}' ready", service["seen"])
     assert driver.poll() is None, "".join(service["seen"])
 
@@ -157,8 +145,19 @@ def run_fit(service, name: str, *extra: str, timeout: float = 300) -> subprocess
 
 
 def start_fit(service, name: str, *extra: str) -> subprocess.Popen:
+    return _popen(service, fit_command(service, name, *extra))
+
+
+def service_command(*args: str) -> list[str]:
+    """``raytrain-mnist service ARGS`` as a user's shell runs it."""
+    return [sys.executable, "-m", "raytrain_mnist", "service", *args]
+
+
+def _popen(service: dict, command: list[str]) -> subprocess.Popen:
+    """``command`` in a session of its own (killed whole on the way out), its output (and
+    errors) read line by line."""
     return subprocess.Popen(
-        fit_command(service, name, *extra),
+        command,
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
         text=True,
