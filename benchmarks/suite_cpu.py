@@ -40,7 +40,8 @@ def cgroup_name(nodeid: str) -> str:
     return re.sub(r"[^A-Za-z0-9_.-]", "_", nodeid.split("@")[0])[-200:]
 
 
-_EARLIER: dict[Path, int] = {}  # this process's earlier cgroups -> their usage at setup
+#: This process's cgroups -> their usage at the last setup or teardown.
+_EARLIER: dict[Path, int] = {}
 
 
 def _ns(group: Path) -> int:
@@ -84,6 +85,10 @@ def pytest_runtest_setup(item) -> None:
 def pytest_runtest_teardown(item, nextitem) -> None:
     name = cgroup_name(item.nodeid)
     used = {g: _ns(g) - before for g, before in _EARLIER.items() if g.name != name}
+    # A test skipped by its marker never reached this plugin's setup (pytest's skipping
+    # runs first): what the earlier cgroups used is counted from here on, not twice.
+    for group in _EARLIER:
+        _EARLIER[group] = _ns(group)
     lines = [f"{earlier.name}\t{name}\t{ns}\n" for earlier, ns in used.items() if ns > 0]
     if lines:
         with _shared_log().open("a") as log:  # one short append per test: whole lines

@@ -56,6 +56,9 @@ def test_a_shared_rays_work_during_a_test_is_charged_to_that_test(tmp_path, monk
     assert moved == {"tests_test_a.py__starts": 4.0, "tests_test_a.py__uses": 4.0}
     assert suite_cpu.main(["--root", str(root)]) == 0
     assert "charged to the test it ran for:\n     4.0" in capsys.readouterr().out
+    # A test skipped by its marker has a teardown and no setup of ours: charged nothing again.
+    suite_cpu.pytest_runtest_teardown(SimpleNamespace(nodeid="tests/test_a.py::skipped"), None)
+    assert log.read_text() == "tests_test_a.py__starts\ttests_test_a.py__uses\t3000000000\n"
     (starter / "cgroup.procs").write_text("")  # the shared Ray stopped: read no more
     suite_cpu.pytest_runtest_setup(SimpleNamespace(nodeid="tests/test_a.py::later"))
     assert (
