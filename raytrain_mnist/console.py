@@ -47,7 +47,13 @@ def is_terminal(stream: TextIO) -> bool:
 
 
 def resolve_mode(mode: str, stream: TextIO) -> str:
-    """``auto`` made concrete for ``stream``."""
+    """``auto`` made concrete for ``stream``; off a terminal, what Ray prints on this
+    process's stdout comes plain too."""
+    if not is_terminal(stream):
+        # A raylet's message to the driver (workers slow to start on a loaded machine, a
+        # worker killed for memory) is printed by Ray's listener thread on sys.stdout with a
+        # colour prefix, whatever log_to_driver says: a log file gets it without escapes.
+        os.environ.setdefault("RAY_COLOR_PREFIX", "0")
     if mode != "auto":
         return mode
     return "bar" if is_terminal(stream) else "lines"

@@ -70,6 +70,21 @@ def test_lines_mode_writes_whole_lines_only():
     )
 
 
+def test_what_a_raylet_says_reaches_a_pipe_without_escapes(monkeypatch):
+    """Ray's listener thread prints a raylet's message to the driver (here the warning a
+    loaded machine gets: workers slow to start) on sys.stdout, coloured unless told not to."""
+    from ray._private.worker import print_to_stdstream
+
+    monkeypatch.setenv("RAY_COLOR_PREFIX", "")
+    monkeypatch.delenv("RAY_COLOR_PREFIX")  # unset here, restored after
+    out = io.StringIO()
+    Renderer("auto", out)
+    warning = "WARNING: 4 PYTHON worker processes have been started on node: n"
+    with contextlib.redirect_stdout(out):
+        print_to_stdstream({"lines": [warning], "pid": "raylet", "is_err": False}, False)
+    assert out.getvalue() == f"(raylet) {warning}\n"
+
+
 def test_off_mode_prints_epoch_lines_only():
     out = io.StringIO()
     renderer = Renderer("off", out)
@@ -116,7 +131,8 @@ def test_trials_table_lines_and_bar():
 
 def test_piped_fit_prints_phase_lines_and_no_carriage_return(fitted):
     out = fitted["out"]
-    assert "\r" not in out and "\x1b" not in out
+    drawn = [line for line in out.split("\n") if "\r" in line or "\x1b" in line]
+    assert not drawn, "\n".join(map(repr, drawn))
     first_epoch = _EPOCH.search(out).start()
     phases = re.findall(r"^ +\d+\.\d s  (.+)$", out[:first_epoch], re.M)
     assert "workers starting" in phases and "first step" in phases, out[:first_epoch]
