@@ -174,12 +174,13 @@ def test_the_same_search_through_the_service_and_on_its_own_trains_the_same_tria
     assert run.latest_checkpoint() is not None
     assert run.latest_metrics()["epoch"] < 3
 
-    # A service-trained trial's run is an ordinary run: evaluate, predict and export take it
-    # with no flag beyond its path (the search recorded where the service read MNIST), and
-    # evaluate scores what the trial reported.
+    # A service-trained trial's run is an ordinary run: evaluate, predict, export and serve
+    # (its config for `serve deploy`: the target resolved and loaded as `serve` does before
+    # it starts Serve) take it with no flag beyond its path (the search recorded where the
+    # service read MNIST), and evaluate scores what the trial reported.
     trial = str(storage / "asha" / "runs" / best[0]["best_trial"])
     images = str(service["data"] / "MNIST" / "raw" / "t10k-images-idx3-ubyte")
-    pt2 = str(tmp_path / "best.pt2")
+    pt2, deploy = str(tmp_path / "best.pt2"), tmp_path / "serve.yaml"
     scored = run_cli_here("evaluate", trial, "--json")
     assert scored.returncode == 0, scored.stdout + scored.stderr
     report = json.loads(scored.stdout)
@@ -187,9 +188,11 @@ def test_the_same_search_through_the_service_and_on_its_own_trains_the_same_tria
     for command in (
         ["predict", trial, images],
         ["export", trial, "--format", "pt2", "--output", pt2],
+        ["serve", trial, "--write-config", str(deploy)],
     ):
         done = run_cli_here(*command)
         assert done.returncode == 0 and not done.stderr, (command, done.stdout + done.stderr)
+    assert f"{trial}/checkpoint_" in deploy.read_text()  # the trial's best kept checkpoint
 
 
 @pytest.mark.timeout(900)
