@@ -347,8 +347,13 @@ def test_the_gpu_benchmark_runs_its_seeds_and_steps_on_cpu(tmp_path):
         text=True,
         timeout=600,
     )
-    assert result.returncode in (0, 1), result.stdout[-2000:] + result.stderr[-2000:]
     report = json.loads((tmp_path / "gpu.json").read_text())
+    failed = [name for name, verdict in report["checks"].items() if verdict != "pass"]
+    # Its exit says whether every check passed (on CPU the first-step target may be missed).
+    assert result.returncode == (1 if failed else 0), (
+        failed,
+        result.stdout[-2000:] + result.stderr[-2000:],
+    )
     assert [r["seed"] for r in report["seed_runs"]] == [0, 1]
     assert report["seeds"]["seeds"] == 2 and report["settings"]["epochs"] == 1
     accuracy = report["seeds"]["final_accuracy"]
