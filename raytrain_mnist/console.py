@@ -47,16 +47,19 @@ def is_terminal(stream: TextIO) -> bool:
 
 
 def resolve_mode(mode: str, stream: TextIO) -> str:
-    """``auto`` made concrete for ``stream``; off a terminal, what Ray prints on this
-    process's stdout comes plain too."""
-    if not is_terminal(stream):
-        # A raylet's message to the driver (workers slow to start on a loaded machine, a
-        # worker killed for memory) is printed by Ray's listener thread on sys.stdout with a
-        # colour prefix, whatever log_to_driver says: a log file gets it without escapes.
-        os.environ.setdefault("RAY_COLOR_PREFIX", "0")
+    """``auto`` made concrete for ``stream``."""
     if mode != "auto":
         return mode
     return "bar" if is_terminal(stream) else "lines"
+
+
+def _ray_prints_plain_unless_on(stream: TextIO) -> None:
+    """Off a terminal, what Ray prints on this process's stdout comes without escapes too: a
+    raylet's message to the driver (workers slow to start on a loaded machine, a worker
+    killed for memory) is printed by Ray's listener thread with a colour prefix, whatever
+    ``log_to_driver`` says. A value the user set wins."""
+    if not is_terminal(stream):
+        os.environ.setdefault("RAY_COLOR_PREFIX", "0")
 
 
 def _duration(seconds: float) -> str:
@@ -79,6 +82,7 @@ class Renderer:
         self.stream = stream if stream is not None else sys.stdout
         self.err = err if err is not None else sys.stderr
         self.mode = resolve_mode(mode, self.stream)
+        _ray_prints_plain_unless_on(self.stream)
         self._bar = None  # rich Progress while an epoch is drawn
         self._task = None
         self._bar_epoch = 0
@@ -195,6 +199,7 @@ class TrialsTable:
     ) -> None:
         self._stream = stream
         self.mode = resolve_mode(mode, self.stream)
+        _ray_prints_plain_unless_on(self.stream)
         self.searched, self.epochs, self.metric = searched, epochs, metric
         self.rows: dict[str, dict[str, Any]] = {}  # trial id -> its row, in start order
         self._live = None

@@ -18,6 +18,8 @@ import termios
 import threading
 import time
 
+import pytest
+
 from raytrain_mnist.console import Renderer, TrialsTable, resolve_mode
 from raytrain_mnist.driver.events import EpochCommitted, Note, Phase, StepProgress, Stopping
 
@@ -69,7 +71,8 @@ def test_lines_mode_writes_whole_lines_only():
     )
 
 
-def test_what_a_raylet_says_reaches_a_pipe_without_escapes(monkeypatch):
+@pytest.mark.parametrize("sink", ["fit", "tune"])
+def test_what_a_raylet_says_reaches_a_pipe_without_escapes(monkeypatch, sink):
     """Ray's listener thread prints a raylet's message to the driver (here the warning a
     loaded machine gets: workers slow to start) on sys.stdout, coloured unless told not to."""
     from ray._private.worker import print_to_stdstream
@@ -77,7 +80,10 @@ def test_what_a_raylet_says_reaches_a_pipe_without_escapes(monkeypatch):
     monkeypatch.setenv("RAY_COLOR_PREFIX", "")
     monkeypatch.delenv("RAY_COLOR_PREFIX")  # unset here, restored after
     out = io.StringIO()
-    Renderer("auto", out)
+    if sink == "fit":
+        Renderer("auto", out)
+    else:
+        TrialsTable("auto", ["lr"], 2, "val_accuracy", out)
     warning = "WARNING: 4 PYTHON worker processes have been started on node: n"
     with contextlib.redirect_stdout(out):
         print_to_stdstream({"lines": [warning], "pid": "raylet", "is_err": False}, False)
