@@ -84,11 +84,11 @@ def pytest_runtest_setup(item) -> None:
 @pytest.hookimpl(trylast=True)  # after pytest's own: the test's fixtures are torn down
 def pytest_runtest_teardown(item, nextitem) -> None:
     name = cgroup_name(item.nodeid)
-    used = {g: _ns(g) - before for g, before in _EARLIER.items() if g.name != name}
+    now = {group: _ns(group) for group in _EARLIER}
+    used = {g: now[g] - before for g, before in _EARLIER.items() if g.name != name}
     # A test skipped by its marker never reached this plugin's setup (pytest's skipping
     # runs first): what the earlier cgroups used is counted from here on, not twice.
-    for group in _EARLIER:
-        _EARLIER[group] = _ns(group)
+    _EARLIER.update(now)
     lines = [f"{earlier.name}\t{name}\t{ns}\n" for earlier, ns in used.items() if ns > 0]
     if lines:
         with _shared_log().open("a") as log:  # one short append per test: whole lines
