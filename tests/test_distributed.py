@@ -11,6 +11,7 @@ import torch
 import torch.nn.functional as F
 from torch.utils.data import DistributedSampler
 
+from raytrain_mnist import compat
 from raytrain_mnist.config import TrainConfig
 from raytrain_mnist.driver import cluster
 from raytrain_mnist.nn.model import ConvNet, normalize
@@ -34,6 +35,7 @@ def _on_each_worker(config):
     """One optimizer step through the product's own loader, DDP wrapper and train step, then
     the product's sharded evaluation of an untouched model; every rank's weights come back."""
     import contextlib
+    import os
 
     import ray.train
     import ray.train.torch
@@ -65,13 +67,16 @@ def _on_each_worker(config):
         rank=ctx.get_world_rank(),
         world_size=world,
     )
-    return {"params": everyone, "eval": metrics}
+    # How the group was formed: TCP init leaves no MASTER_ADDR (env:// reads it).
+    formed = (dist.get_backend(), dist.get_world_size(), os.environ.get("MASTER_ADDR"))
+    return {"params": everyone, "eval": metrics, "formed": formed}
 
 
 @pytest.fixture(scope="module")
 def on_three_workers(ray_local, tmp_path_factory, sample_digits) -> dict:
     """One 3-worker TorchTrainer run of the product's step and evaluation (~20 s of start-up
-    shared by the tests below), with the data it used."""
+    shared by the tests below), with the data it used. Its process group is the product's
+    (compat.torch_config), formed by TCP init: the tutorial's other way (every fit uses env)."""
     from ray.train import RunConfig, ScalingConfig
     from ray.train.torch import TorchTrainer
 
@@ -85,6 +90,7 @@ def on_three_workers(ray_local, tmp_path_factory, sample_digits) -> dict:
     trainer = TorchTrainer(
         _on_each_worker,
         train_loop_config=data,
+        torch_config=compat.torch_config("gloo", "tcp"),
         scaling_config=ScalingConfig(num_workers=WORLD),
         run_config=RunConfig(storage_path=str(tmp_path_factory.mktemp("ddp"))),
     )
@@ -131,6 +137,7 @@ def test_one_ddp_step_on_three_workers_matches_one_single_process_step(on_three_
     )
     assert expected.norm() > 0, "the step did not move the weights"
     assert (step - expected).norm() <= 1e-4 * expected.norm()
+    assert on_three_workers["formed"] == ("gloo", WORLD, None)  # by TCP init, as asked
 
 
 def test_distributed_evaluation_counts_every_test_image_exactly_once(on_three_workers):

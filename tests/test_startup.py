@@ -38,6 +38,9 @@ RAY_POLL_S = 2.0
 #: machine holds it.
 RAY_AGENT_PORT = 52365
 
+#: Ray Train's actors, by the class their process title names.
+_TRAIN_ACTORS = ("TrainController", "RayTrainWorker")
+
 #: Ray's own servers, whose environment says which auth mode the cluster was started with.
 _RAY_SERVERS = ("gcs_server", "raylet")
 
@@ -46,8 +49,9 @@ def _watch(fit: subprocess.Popen, marker: str, done: threading.Event, seen: dict
     """Until ``fit`` exits: every socket that its process tree (and what carries ``marker``)
     listens on into ``seen["sockets"]``, ``(ip, port) -> process name``, the
     ``RAY_AUTH_MODE`` of Ray's servers into ``seen["auth_mode"]``, ``name -> value``, each
-    process's command line (a Ray actor's names its class) into ``seen["titles"]``, and the
-    raylet's whole command line into ``seen["raylet"]``."""
+    process's command line (a Ray actor's names its class) into ``seen["titles"]``, the
+    raylet's whole command line into ``seen["raylet"]``, and into ``seen["torch"]``, per Ray
+    Train actor class, whether any process of it was ever seen with torch's library mapped."""
     try:
         root = psutil.Process(fit.pid)
     except psutil.Error:  # already gone: nothing to watch
@@ -65,12 +69,17 @@ def _watch(fit: subprocess.Popen, marker: str, done: threading.Event, seen: dict
         for pid in pids:
             try:
                 process = psutil.Process(pid)
-                seen["titles"].add(" ".join(process.cmdline())[:200])
+                title = " ".join(process.cmdline())
+                seen["titles"].add(title[:200])
                 if process.name() in _RAY_SERVERS and process.name() not in seen["auth_mode"]:
                     seen["auth_mode"][process.name()] = process.environ().get("RAY_AUTH_MODE")
                     if process.name() == "raylet":  # it names the agent's command, log folder
                         seen["raylet"] = " ".join(process.cmdline())
-            except psutil.Error:  # gone between the listing and the look
+                for actor in _TRAIN_ACTORS:
+                    if title.startswith(f"ray::{actor}"):
+                        maps = Path(f"/proc/{pid}/maps").read_text()
+                        seen["torch"][actor] = seen["torch"].get(actor, False) or "libtorch" in maps
+            except (psutil.Error, OSError):  # gone between the listing and the look
                 continue
         done.wait(0.5)
 
@@ -88,7 +97,7 @@ def timed_fit(tmp_path_factory) -> dict:
     command = [sys.executable, "-m", "raytrain_mnist", "fit", "--dataset", "sample"]
     command += ["--epochs", "2", "--num-workers", "2", "--cpus-per-worker", "1"]
     command += ["--progress", "lines", "--storage-path", str(storage), "--name", "timed"]
-    seen: dict = {"sockets": {}, "auth_mode": {}, "titles": set(), "raylet": ""}
+    seen: dict = {"sockets": {}, "auth_mode": {}, "titles": set(), "raylet": "", "torch": {}}
     done = threading.Event()
     # As another Ray on this machine would (here, someone else's may already).
     held = contextlib.ExitStack()
@@ -210,6 +219,13 @@ def test_a_run_on_its_own_ray_starts_no_process_that_serves_nothing(timed_fit):
     assert any("dashboard/agent.py" in t or "DashboardAgent" in t for t in titles), titles
 
 
+def test_the_runs_controller_never_loads_torch(timed_fit):
+    # It orders the workers' process group and never touches a tensor: Ray's TorchConfig
+    # would have it import torch, seconds of every run's start-up (compat.torch_config). The
+    # workers, which train, show that the look can see torch where it is.
+    assert timed_fit["torch"] == {"TrainController": False, "RayTrainWorker": True}
+
+
 def test_a_port_another_ray_holds_does_not_hold_up_the_start(timed_fit):
     """Ray's dashboard agent listens on a fixed port by default; where another Ray on the
     machine holds it, the agent retried the bind for 3.4 s and ``ray.init`` waited (2.2 s
@@ -277,3 +293,17 @@ def test_rank_0_asks_for_fast_polls_an_interval_before_the_run_ends(monkeypatch)
         clock[0] += 0.1
         short.on_step(step)
     assert asked == [endpoll.END_POLL_S]
+
+
+def test_the_process_group_config_falls_back_to_rays_where_a_name_it_sends_moved(monkeypatch):
+    from ray.train.torch import TorchConfig
+    from ray.train.torch import config as ray_torch
+
+    from raytrain_mnist import compat
+
+    ours = compat.torch_config("gloo", "env")
+    assert not isinstance(ours, TorchConfig)  # its module imports no torch
+    assert (ours.backend, ours.init_method, ours.to_dict()["timeout_s"]) == ("gloo", "env", 1800)
+    monkeypatch.delattr(ray_torch, "_setup_torch_process_group")  # as a Ray release might
+    rays = compat.torch_config("nccl", "tcp")
+    assert type(rays) is TorchConfig and (rays.backend, rays.init_method) == ("nccl", "tcp")

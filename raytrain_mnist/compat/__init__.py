@@ -11,8 +11,9 @@ below was read in 2.60's source, and :func:`controller_callback_base` and
 Its modules import nothing of ours, and Ray and torch only inside the functions that need
 them: the worker, the driver and Serve replicas may all import the package. One module per
 side of Ray: :mod:`.cluster` (starting, finding and checking a cluster), :mod:`.train` (Ray
-Train's controller and run callbacks), :mod:`.serve` (Serve's HTTP and gRPC servers) and
-:mod:`.rendezvous` (torch's rendezvous store); callers use the names below, from here.
+Train's controller and run callbacks), :mod:`.serve` (Serve's HTTP and gRPC servers),
+:mod:`.rendezvous` (torch's rendezvous store) and :mod:`.process_group` (the workers' process
+group without torch in the controller); callers use the names below, from here.
 
 | entry | private name | without it |
 |---|---|---|
@@ -32,6 +33,7 @@ Train's controller and run callbacks), :mod:`.serve` (Serve's HTTP and gRPC serv
 | :func:`poll_workers_every` | ``ray.train.v2._internal.execution.context.get_train_context``, ``TrainController._health_check_interval_s`` | a run's last checkpoint is committed at the controller's next 2 s poll and its end seen one poll later: every run's teardown is 1-4 s longer |
 | :func:`quiet_train_report_log` | ``ray.train.v2._internal.execution.context`` | every report logs an INFO line |
 | :func:`tune_trial_relays_without_deadlock` | ``ray.train._internal.session._TrainSession`` | a trial whose function returns while its Train run's last report is still on the way hangs, and its search with it |
+| :func:`torch_config` | ``ray.train.torch.config``'s ``_setup_torch_process_group``, ``_set_torch_distributed_env_vars``, ``_shutdown_torch``, ``TorchConfigContextManager``; ``ray.train._internal.utils.get_address_and_port``; ``ray.train.v2._internal.util.TrainingFramework`` | every run's controller imports torch with Ray's ``TorchConfig`` (2-4 CPU-seconds of every run's start-up); falls back to Ray's ``TorchConfig`` where a name moved |
 | :func:`checkpoint_manager_snapshot` | ``ray.train.v2._internal.execution.checkpoint.checkpoint_manager._CheckpointManagerState`` | a warm service cannot file the checkpoints it trains into the requester's run as Ray Train's own record, so ``runs``, ``evaluate`` and a resume by a plain ``fit`` would not see them |
 | :func:`serve_http_config` | ``ray.serve.context._get_global_client`` | a second ``serve`` with other HTTP settings is not refused up front |
 | :func:`serve_http_reuses_address` | ``ray.serve._private.http_util.socket`` | a direct replica that replaces a dead one cannot bind the port for a minute (its connections' TIME_WAIT) |
@@ -56,6 +58,7 @@ from raytrain_mnist.compat.cluster import (
     single_node_ray,
     token_auth_chosen,
 )
+from raytrain_mnist.compat.process_group import torch_config
 from raytrain_mnist.compat.rendezvous import STORE_ON_MASTER_ADDR_HOOK, store_on_master_addr
 from raytrain_mnist.compat.serve import (
     serve_http_bounded,
@@ -100,6 +103,7 @@ __all__ = [
     "single_node_ray",
     "store_on_master_addr",
     "token_auth_chosen",
+    "torch_config",
     "tune_trial_relays_without_deadlock",
     "without_autoscaler",
     "worker_group_callback_base",

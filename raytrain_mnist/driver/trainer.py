@@ -48,7 +48,7 @@ def build_trainer(
     run's Ray was started by its command and stops with it (no placement-group cleaner)."""
     import ray
     from ray.train import CheckpointConfig, FailureConfig, RunConfig
-    from ray.train.torch import TorchConfig, TorchTrainer
+    from ray.train.torch import TorchTrainer
 
     # Ray Train's PlacementGroupCleaner asks the State API, which holds every run's teardown
     # for 12 s, and its DatasetManager serves datasets we never pass (compat says more).
@@ -58,7 +58,8 @@ def build_trainer(
         train_func,
         train_loop_config=loop_config,
         # Workers sharing a GPU get Gloo (on CUDA tensors): NCCL refuses two ranks on one device.
-        torch_config=TorchConfig(backend=run.resolved_backend, init_method=run.torch.init_method),
+        # Ray's process-group setup, from a config whose controller need not import torch.
+        torch_config=compat.torch_config(run.resolved_backend, run.torch.init_method),
         scaling_config=_scaling_config(run, cpus_per_worker),
         run_config=RunConfig(
             name=name,
