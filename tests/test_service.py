@@ -182,6 +182,8 @@ def test_a_killed_worker_restarts_the_group_and_the_request_resumes_exactly(serv
     out = "".join(seen) + rest
     assert proc.returncode == 0, out
     assert "workers restarted from the checkpoint of epoch" in out, out
+    # The service's operator reads it in the service's own output.
+    until(service["driver"], "; request 'killed' resumes from its last filed", service["seen"])
     after = [g["restarts"] for g in _status(service)["group_states"]]
     assert sorted(a - b for a, b in zip(after, before, strict=True)) == [0, 1]  # its group only
     reference = run_fit(service, "unkilled", "--epochs", "6")

@@ -248,7 +248,7 @@ def _serve(spec, queue, token: str, data, cpus: int, emit: EventSink, ready) -> 
     groups = f"{spec.groups} group(s) of " if spec.groups > 1 else ""
     emit(Phase(f"service '{spec.name}': starting {groups}{run.scaling.num_workers} worker(s)", 0))
     watcher = threading.Thread(
-        target=_announce_ready, args=(queue, emit, ready), name="service-ready", daemon=True
+        target=_watch_groups, args=(queue, emit, ready), name="service-groups", daemon=True
     )
     watcher.start()
 
@@ -310,21 +310,39 @@ def _served(queue) -> int:
     return _last_info(queue).get("served", 0)
 
 
-def _announce_ready(queue, emit: EventSink, ready) -> None:
+#: Seconds between two looks at the groups once the service is ready (a restart is said then).
+GROUPS_CHECK_S = 1.0
+
+
+def _watch_groups(queue, emit: EventSink, ready) -> None:
+    """Says when every group is ready, then each group restart as it is seen (its request
+    resumes from its last filed checkpoint): the operator reads it in the service's output,
+    as a plain fit's user reads theirs. Ends with the queue."""
     import ray
 
+    restarts: dict[int, int] | None = None  # group -> restarts said, once ready
     while True:
         try:
             info = ray.get(queue.info.remote(), timeout=30)
         except Exception:
             return
-        if info.get("ready"):
+        if restarts is None and info.get("ready"):
             groups = f"{info['groups']} group(s) of " if info["groups"] > 1 else ""
             emit(Note(f"ready: {groups}{info['workers']} worker(s) on {info['device']}, waiting"))
             if ready is not None:
                 ready(info)
-            return
-        time.sleep(0.2)
+            restarts = {}
+        for group in info.get("group_states", []) if restarts is not None else []:
+            number, request = group["restarts"], group.get("request")
+            if number > restarts.setdefault(group["group"], number):
+                then = f"; request '{request}' resumes from its last filed checkpoint"
+                emit(
+                    Note(
+                        f"group {group['group']} restarted (restart {number}){then if request else ''}"
+                    )
+                )
+            restarts[group["group"]] = number
+        time.sleep(0.2 if restarts is None else GROUPS_CHECK_S)
 
 
 # --------------------------------------------------------------------------- status, stop
