@@ -10,6 +10,7 @@ command prints, files a run holds), never on time.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shlex
@@ -18,6 +19,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import psutil
 import pytest
 import torch
 
@@ -396,6 +398,17 @@ def test_service_status_shows_its_workers_queue_and_what_it_served(service):
     assert [g["group"] for g in info["group_states"]] == [0, 1]
     assert "workers:" in done.stderr and "served:" in done.stderr
     assert "group 1:" in done.stderr
+
+
+def test_a_service_on_a_ray_of_its_own_starts_no_process_that_guards_nothing(service):
+    # Its Ray stops with it, as a fit's own: no placement-group cleaner per group (a process
+    # each, ticking for the service's whole life), no AutoscalingCoordinator.
+    titles = []
+    for process in psutil.Process(service["driver"].pid).children(recursive=True):
+        with contextlib.suppress(psutil.Error):
+            titles.append(" ".join(process.cmdline()))
+    assert sum("ray::TrainController" in t for t in titles) == 2, titles  # one per group
+    assert not any("PlacementGroupCleaner" in t or "Autoscaling" in t for t in titles), titles
 
 
 def test_the_service_driver_killed_ends_its_request_resumable_by_a_new_start(service):

@@ -141,7 +141,7 @@ def run_service(
     cpus = run.scaling.cpus_per_worker or cluster.default_cpus_per_worker(workers, address is None)
     request = cluster.Request.for_run(run, cpus)
     request = dataclasses.replace(request, num_workers=request.num_workers * spec.groups)
-    with cluster.connect(address, request, dashboard=False):
+    with cluster.connect(address, request, dashboard=False) as own_ray:
         import ray
 
         info = _info(spec, data, cpus)
@@ -152,7 +152,7 @@ def run_service(
         except ValueError:
             raise UserError(f"a service named '{spec.name}' already runs on this cluster") from None
         with _registered(spec.name, info):
-            return _serve(spec, queue, token, data, cpus, emit, ready)
+            return _serve(spec, queue, token, data, cpus, emit, ready, own_ray)
 
 
 def _info(spec: ServiceSpec, data, cpus: int) -> dict[str, Any]:
@@ -216,9 +216,12 @@ def _registered(service: str, info: dict) -> Iterator[None]:
                 path.unlink()
 
 
-def _serve(spec, queue, token: str, data, cpus: int, emit: EventSink, ready) -> ServiceResult:
+def _serve(
+    spec, queue, token: str, data, cpus: int, emit: EventSink, ready, own_ray: bool
+) -> ServiceResult:
     """The service's worker groups, each its own TorchTrainer, fitted side by side until
-    the queue tells their workers to stop."""
+    the queue tells their workers to stop. ``own_ray``: the service started its Ray, which
+    stops with it (as a fit's own: no placement-group cleaners, :func:`build_trainer`)."""
     import ray
 
     from raytrain_mnist.driver.trainer import build_trainer
@@ -242,6 +245,7 @@ def _serve(spec, queue, token: str, data, cpus: int, emit: EventSink, ready) -> 
             spec.roots[0],
             f".service-{spec.name}" + (f"-group{g}" if g else ""),
             callbacks=filing_callbacks(queue, token, g),
+            own_ray=own_ray,
         )
         for g in range(spec.groups)
     ]
