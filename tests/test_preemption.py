@@ -130,12 +130,8 @@ def _notice(run_dir: Path) -> float:
 
 def _epoch_times(run_dir: Path) -> list[float]:
     """The training seconds of each epoch behind the run's kept checkpoints."""
-    try:
-        snapshot = json.loads((run_dir / "checkpoint_manager_snapshot.json").read_text())
-        results = snapshot["checkpoint_results"]
-        return [r["metrics"]["epoch_time_s"] for r in results if "epoch_time_s" in r["metrics"]]
-    except (OSError, ValueError, KeyError, TypeError):
-        return []
+    results = _snapshot(run_dir).get("checkpoint_results") or []
+    return [r["metrics"]["epoch_time_s"] for r in results if "epoch_time_s" in r["metrics"]]
 
 
 def _short_notice(run: _Fit, run_dir: Path) -> float:
@@ -169,13 +165,18 @@ def _ranks_by_node(run_dir: Path, timeout: float = 120) -> dict[int, str]:
     raise AssertionError(f"no committed epoch in {run_dir}")
 
 
+def _snapshot(run_dir: Path) -> dict:
+    """Ray Train's record of the run's committed checkpoints ({} before the first)."""
+    try:
+        return json.loads((run_dir / "checkpoint_manager_snapshot.json").read_text())
+    except (OSError, ValueError):  # not written yet, or being replaced
+        return {}
+
+
 def _latest(run_dir: Path) -> dict | None:
     """The metrics of the latest committed checkpoint (None until there is one)."""
-    try:
-        snapshot = json.loads((run_dir / "checkpoint_manager_snapshot.json").read_text())
-        return snapshot["latest_checkpoint_result"]["metrics"]
-    except (OSError, ValueError, KeyError, TypeError):
-        return None
+    latest = _snapshot(run_dir).get("latest_checkpoint_result")
+    return latest["metrics"] if latest else None
 
 
 def _final_checkpoint(run_dir: Path) -> dict | None:

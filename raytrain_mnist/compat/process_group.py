@@ -2,8 +2,8 @@
 
 Ray's ``TorchConfig`` lives beside its backend in ``ray.train.torch.config``, which imports
 torch, and every run's controller unpickles it: 2-4 CPU-seconds, and as many seconds of every
-run's CPU-bound start-up (2026-12-06: a 2-worker run's controller 1.9 CPU-s without, 4.0
-with), in a process that never touches a tensor. Here the controller orders the same steps as
+run's CPU-bound start-up (a 2-worker sample fit's controller 2.0 CPU-s without, 3.7 with:
+benchmarks/results/controller_without_torch/), in a process that never touches a tensor. Here the controller orders the same steps as
 Ray 2.60's ``_TorchBackend`` for Gloo and NCCL (rank 0's address, the environment, the process
 group; at the end its teardown), and each step runs on the workers as Ray's own function of
 that name. The classes are pickled by name: built on first use by the module's

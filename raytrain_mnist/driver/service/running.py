@@ -335,17 +335,14 @@ def _watch_groups(queue, emit: EventSink, ready) -> None:
             emit(Note(f"ready: {groups}{info['workers']} worker(s) on {info['device']}, waiting"))
             if ready is not None:
                 ready(info)
-            restarts = {}
-        for group in info.get("group_states", []) if restarts is not None else []:
-            number, request = group["restarts"], group.get("request")
-            if number > restarts.setdefault(group["group"], number):
-                then = f"; request '{request}' resumes from its last filed checkpoint"
-                emit(
-                    Note(
-                        f"group {group['group']} restarted (restart {number}){then if request else ''}"
-                    )
-                )
-            restarts[group["group"]] = number
+            restarts = {g["group"]: g["restarts"] for g in info["group_states"]}
+        elif restarts is not None:
+            for g in info["group_states"]:
+                if g["restarts"] > restarts.get(g["group"], g["restarts"]):
+                    resumes = f"; request '{g['request']}' resumes from its last filed checkpoint"
+                    said = f"group {g['group']} restarted (restart {g['restarts']})"
+                    emit(Note(said + (resumes if g["request"] else "")))
+                restarts[g["group"]] = g["restarts"]
         time.sleep(0.2 if restarts is None else GROUPS_CHECK_S)
 
 
