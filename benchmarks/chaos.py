@@ -66,7 +66,7 @@ def tiny_mnist(root: Path, n_train: int = 2048, n_test: int = 203) -> Path:
 
     data = load_sample()
     order = np.random.default_rng(0).permutation(data.train_size)
-    images, labels = data.train_images.numpy()[order], data.train_labels.numpy()[order]
+    images, labels = data.train_images[order], data.train_labels[order]
     raw = root / "MNIST" / "raw"
     write_idx(raw, images[:n_train], labels[:n_train], "train")
     write_idx(raw, images[n_train : n_train + n_test], labels[n_train : n_train + n_test], "test")

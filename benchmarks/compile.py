@@ -159,10 +159,11 @@ def eval_cost(data_dir: str, dataset: str, threads: int) -> dict:
     from raytrain_mnist.data import load_mnist
     from raytrain_mnist.nn.model import ConvNet
     from raytrain_mnist.nn.score import evaluate
+    from raytrain_mnist.worker.setup import to_device
 
     torch.set_num_threads(threads)
-    data = load_mnist(data_dir, dataset)
     cpu = torch.device("cpu")
+    data = to_device(load_mnist(data_dir, dataset), cpu)
     model = ConvNet()
     evaluate(model, data.test_images[:1000], data.test_labels[:1000], cpu)  # warm-up
     started = time.perf_counter()
@@ -194,12 +195,12 @@ def step_cost(data_dir: str, dataset: str, threads: int, blocks: int, steps: int
 
     from raytrain_mnist.config import TrainConfig
     from raytrain_mnist.data import load_mnist
-    from raytrain_mnist.worker.setup import keep_freed_memory
+    from raytrain_mnist.worker.setup import keep_freed_memory, to_device
     from raytrain_mnist.worker.training import as_is, prepare_training
 
     keep_freed_memory()
     torch.set_num_threads(threads)
-    data = load_mnist(data_dir, dataset)
+    data = to_device(load_mnist(data_dir, dataset), torch.device("cpu"))
     # fit's default recipe, its schedule long enough for every step taken here (and more).
     per_epoch = len(data.train_labels) // TrainConfig().batch_size
     cfg = TrainConfig(epochs=math.ceil(10 * (blocks + 1) * steps / per_epoch))

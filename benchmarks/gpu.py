@@ -135,8 +135,8 @@ def dry_run_data(folder: Path) -> Path:
     data = load_sample()
     order = np.random.default_rng(0).permutation(data.train_size)[:DRY_RUN_TRAIN_DIGITS]
     raw = folder / "MNIST" / "raw"
-    write_idx(raw, data.train_images.numpy()[order], data.train_labels.numpy()[order], "train")
-    write_idx(raw, data.test_images.numpy(), data.test_labels.numpy(), "test")
+    write_idx(raw, data.train_images[order], data.train_labels[order], "train")
+    write_idx(raw, data.test_images, data.test_labels, "test")
     return folder
 
 

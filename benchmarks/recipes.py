@@ -268,7 +268,7 @@ def main() -> None:
     import torch
 
     from raytrain_mnist.data import load_mnist
-    from raytrain_mnist.worker.setup import keep_freed_memory
+    from raytrain_mnist.worker.setup import keep_freed_memory, to_device
 
     keep_freed_memory()  # as in every fit worker
     torch.set_num_threads(args.threads)
@@ -280,7 +280,7 @@ def main() -> None:
         plan.append((name + suffix, {**recipe(name), **changes}, int(epochs or args.epochs)))
     eval_at = [float(x) for x in args.eval_at.split(",") if x.strip()]
     seeds = parse_seeds(args.seeds)
-    data = load_mnist(args.data_dir, "mnist")
+    data = to_device(load_mnist(args.data_dir, "mnist"), torch.device("cpu"))
 
     out = Path(args.out) if args.out else None
     saved = json.loads(out.read_text()) if out and out.exists() else {"runs": []}

@@ -254,7 +254,7 @@ def main(argv: list[str] | None = None) -> int:
     logging.getLogger("ray.serve").setLevel(logging.WARNING)
     checkpoint = resolve_target(args.target).checkpoint
     data = load_mnist(args.data_dir, "mnist" if args.data_dir else "sample", download=False)
-    images = data.test_images.numpy()
+    images = data.test_images
     dashboard_port, port = free_port(), free_port()
     api = f"http://127.0.0.1:{dashboard_port}"
     with loopback_node():

@@ -324,7 +324,7 @@ def main(argv: list[str] | None = None) -> int:
 
     checkpoint = resolve_target(args.target).checkpoint
     data = load_mnist(args.data_dir, "mnist" if args.data_dir else "sample", download=False)
-    images, labels = data.test_images.numpy(), data.test_labels.numpy()
+    images, labels = data.test_images, data.test_labels
     bodies = [json.dumps({"images": [image.tolist()]}).encode() for image in images]
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)

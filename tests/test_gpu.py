@@ -244,7 +244,7 @@ def test_cpu_and_gpu_loaders_give_the_same_batches():
     from raytrain_mnist.worker.loop import make_train_loader, set_epoch, to_device
 
     data = load_mnist(MNIST, "mnist")
-    on_gpu = to_device(data, torch.device("cuda"))
+    data, on_gpu = to_device(data, torch.device("cpu")), to_device(data, torch.device("cuda"))
     assert on_gpu.train_images.is_cuda and on_gpu.test_labels.is_cuda
     loaders = [
         make_train_loader(d.train_images, d.train_labels, 128, seed=3)

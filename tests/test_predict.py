@@ -22,7 +22,7 @@ def _test_digits(data_dir):
     from raytrain_mnist.data import load_mnist
 
     data = load_mnist(str(data_dir), "mnist")
-    return data.test_images.numpy(), data.test_labels.numpy()
+    return data.test_images, data.test_labels
 
 
 def _variants(digit: np.ndarray) -> dict[str, tuple[bytes, str]]:

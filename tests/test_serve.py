@@ -689,7 +689,7 @@ def test_predictions_give_evaluates_accuracy(server, fitted, tiny_mnist, tmp_pat
     # out= keeps the report out of the run directory (serve must never write there).
     report = evaluate_checkpoint(server["run_dir"], out=tmp_path / "evaluation").to_dict()
     data = load_mnist(tiny_mnist, "mnist")
-    images, labels = data.test_images.numpy(), data.test_labels.numpy()
+    images, labels = data.test_images, data.test_labels
     answer = predict(server["url"], images.tolist())
     predictions = np.array(answer["predictions"])
     assert (predictions == labels).sum() == report["correct"]
@@ -1026,7 +1026,7 @@ def test_browser_draws_a_digit_and_reads_the_prediction(server, tiny_mnist, tmp_
     from raytrain_mnist.data import load_mnist
 
     data = load_mnist(tiny_mnist, "mnist")
-    images, labels = data.test_images.numpy(), data.test_labels.numpy()
+    images, labels = data.test_images, data.test_labels
     # Digits the model reads right and surely, so a redrawn (thicker) copy reads the same.
     answer = predict(server["url"], images.tolist())
     confidence = np.array(answer["probabilities"]).max(1)

@@ -1,9 +1,11 @@
-"""The workers' process group without torch in the run's controller (see the package's table).
+"""The workers' process group without torch in the run's driver and controller (see the
+package's table).
 
 Ray's ``TorchConfig`` lives beside its backend in ``ray.train.torch.config``, which imports
-torch, and every run's controller unpickles it: 2-4 CPU-seconds, and as many seconds of every
-run's CPU-bound start-up (a 2-worker sample fit's controller 2.0 CPU-s without, 3.7 with:
-benchmarks/results/controller_without_torch/), in a process that never touches a tensor. Here the controller orders the same steps as
+torch; the driver builds it and every run's controller unpickles it: 2-4 CPU-seconds each, and
+as many seconds of every run's CPU-bound start-up (a 2-worker sample fit's controller 2.0
+CPU-s without, 3.7 with: benchmarks/results/controller_without_torch/), in processes that
+never touch a tensor. Here the controller orders the same steps as
 Ray 2.60's ``_TorchBackend`` for Gloo and NCCL (rank 0's address, the environment, the process
 group; at the end its teardown), and each step runs on the workers as Ray's own function of
 that name. The classes are pickled by name: built on first use by the module's
@@ -28,15 +30,36 @@ _RAY_TORCH_NAMES = (
 
 
 def torch_config(backend: str, init_method: str):
-    """``TorchTrainer``'s ``torch_config`` for a ``"gloo"`` or ``"nccl"`` process group formed
-    by ``init_method`` (``"env"`` or ``"tcp"``), whose controller need not import torch. Ray's
-    own ``TorchConfig`` where one of the names it sends is not as read in 2.60."""
-    from ray.train.torch import config as ray_torch  # the driver has torch already
-
+    """The ``backend_config`` of a ``"gloo"`` or ``"nccl"`` process group formed by
+    ``init_method`` (``"env"`` or ``"tcp"``), whose controller and driver need not import
+    torch. Ray's own ``TorchConfig`` where one of the names it sends is not as read in 2.60."""
     cls = __getattr__(_NAMES[0])
-    if cls is None or not all(hasattr(ray_torch, name) for name in _RAY_TORCH_NAMES):
+    if cls is None or not _ray_defines(_RAY_TORCH_NAMES):
+        from ray.train.torch import config as ray_torch
+
         return ray_torch.TorchConfig(backend=backend, init_method=init_method)
     return cls(backend=backend, init_method=init_method)
+
+
+def _ray_defines(names: tuple[str, ...]) -> bool:
+    """Whether Ray's ``ray.train.torch.config`` defines every one of ``names``, read from
+    its source: importing it would import torch, what this module spares the driver."""
+    import ast
+    from pathlib import Path
+
+    import ray.train
+
+    source = Path(ray.train.__file__).parent / "torch" / "config.py"
+    try:
+        tree = ast.parse(source.read_text())
+    except (OSError, SyntaxError):
+        return False
+    defined = {
+        node.name
+        for node in tree.body
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef))
+    }
+    return set(names) <= defined
 
 
 def _in_ray_torch(name: str, *args, **kwargs):

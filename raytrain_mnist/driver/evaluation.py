@@ -138,7 +138,8 @@ def evaluate_checkpoint(
             raise UserError("--use-gpu: no GPU is visible to this process", EXIT_USAGE)
         device = torch.device("cuda" if workers.scaling.use_gpu else "cpu")
         logger.debug("scoring %s in this process on %s", resolved.checkpoint, device)
-        result = score(model.to(device), data.test_images, data.test_labels, device, amp)
+        images, labels = torch.from_numpy(data.test_images), torch.from_numpy(data.test_labels)
+        result = score(model.to(device), images, labels, device, amp)
     else:
         result = _score_on_ray(model.state_dict(), data, amp, workers)
     return _write_report(result, data, state, resolved, out_dir, workers.scaling.num_workers)
@@ -272,7 +273,7 @@ def _score_on_ray(weights: dict, data, amp: str, run: RunSettings) -> dict[str, 
 
     from raytrain_mnist.driver import cluster
     from raytrain_mnist.driver.trainer import build_trainer
-    from raytrain_mnist.worker.score import score_per_worker
+    from raytrain_mnist.worker import score_per_worker
 
     address = cluster.resolve_address(run.address)
     local = address is None and not ray.is_initialized()
@@ -305,7 +306,7 @@ def _write_report(
 ) -> Evaluation:
     from raytrain_mnist.driver import plots
 
-    labels = data.test_labels.numpy()
+    labels = data.test_labels
     counts = plots.confusion_matrix(labels, result["predictions"])
     evaluation = _evaluation(result, data, state, resolved, counts, out_dir, num_workers)
     name = (resolved.summary or {}).get("name") or resolved.checkpoint.rstrip("/").rpartition("/")[
@@ -322,7 +323,7 @@ def _write_report(
             EVALUATION_FILE: json.dumps(evaluation.to_dict(), indent=2).encode(),
             CONFUSION_FILE: plots.confusion_matrix_png(counts, title),
             MISCLASSIFIED_FILE: plots.misclassified_png(
-                data.test_images.numpy(),
+                data.test_images,
                 labels,
                 result["predictions"],
                 result["confidence"],
@@ -349,7 +350,7 @@ def _evaluation(
 
     from raytrain_mnist.driver import plots
 
-    labels = data.test_labels.numpy()
+    labels = data.test_labels
     predictions, confidence = result["predictions"], result["confidence"]
     # The all-reduced count and the gathered predictions must tell the same story.
     assert int(np.trace(counts)) == round(result["val_accuracy"] * result["val_total"])

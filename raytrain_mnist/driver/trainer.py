@@ -1,6 +1,14 @@
-"""The one builder of every ``TorchTrainer`` the package starts: fit, each Tune trial and
-evaluate's workers. A run setting (``--socket-ifname``, ``--placement-strategy``,
-``--backend``, the GPU request) is honoured by all of them or by none.
+"""The one builder of every ``TorchTrainer`` the package starts: fit, each Tune trial,
+a service's worker groups and evaluate's workers. A run setting (``--socket-ifname``,
+``--placement-strategy``, ``--backend``, the GPU request) is honoured by all of them or by
+none.
+
+Ray's ``TorchTrainer`` is its ``DataParallelTrainer`` given a ``TorchConfig`` as its backend
+config, and nothing more for a run of workers; but its module, and ``TorchConfig``'s, import
+torch into the process that builds it, 1.5 CPU-seconds of every command's start-up (a
+shell's ``fit``, each Tune trial's actor) in a process that never touches a tensor. So the
+trainer is built as ``TorchTrainer`` builds it, from the ``DataParallelTrainer`` and a
+``TorchConfig`` whose steps are Ray's own, run on the workers (:func:`compat.torch_config`).
 """
 
 from __future__ import annotations
@@ -42,24 +50,25 @@ def build_trainer(
     forwarded: dict[str, str] | None = None,
     own_ray: bool = False,
 ):
-    """A ``TorchTrainer`` running ``train_func(loop_config)`` on ``run.scaling.num_workers``
+    """A ``TorchTrainer`` (as the module says) running ``train_func(loop_config)`` on ``run.scaling.num_workers``
     workers (a count, or an elastic range) of ``cpus_per_worker`` CPUs (and
     ``run.scaling.gpus`` GPUs) each, its run directory ``<storage>/<name>``. ``own_ray``: the
     run's Ray was started by its command and stops with it (no placement-group cleaner)."""
     import ray
     from ray.train import CheckpointConfig, FailureConfig, RunConfig
-    from ray.train.torch import TorchTrainer
+    from ray.train.v2.api.data_parallel_trainer import DataParallelTrainer  # TorchTrainer's base
 
     # Ray Train's PlacementGroupCleaner asks the State API, which holds every run's teardown
     # for 12 s, and its DatasetManager serves datasets we never pass (compat says more).
     compat.lighter_run_callbacks()
     env_vars = worker_env(run, forwarded)
-    trainer = TorchTrainer(
+    trainer = DataParallelTrainer(
         train_func,
         train_loop_config=loop_config,
         # Workers sharing a GPU get Gloo (on CUDA tensors): NCCL refuses two ranks on one device.
-        # Ray's process-group setup, from a config whose controller need not import torch.
-        torch_config=compat.torch_config(run.resolved_backend, run.torch.init_method),
+        # Ray's process-group setup, from a config whose driver and controller need not
+        # import torch.
+        backend_config=compat.torch_config(run.resolved_backend, run.torch.init_method),
         scaling_config=_scaling_config(run, cpus_per_worker),
         run_config=RunConfig(
             name=name,

@@ -22,7 +22,8 @@ def score_per_worker(config: dict[str, Any]) -> dict[str, Any] | None:
     rank, world_size = ctx.get_world_rank(), ctx.get_world_size()
     torch.set_num_threads(config["cpus_per_worker"])
     device = ray.train.torch.get_device()
-    images, labels = ray.get(config["data"])
+    # The object store's read-only arrays, copied into tensors of this worker's own.
+    images, labels = (torch.from_numpy(array.copy()) for array in ray.get(config["data"]))
     model = ConvNet()
     model.load_state_dict(ray.get(config["weights"]))
     result = score(model.to(device), images, labels, device, config["amp"], rank, world_size)

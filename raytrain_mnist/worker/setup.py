@@ -97,14 +97,14 @@ def set_up_cudnn() -> None:
 
 
 def to_device(data: MnistData, device: torch.device) -> MnistData:
-    """The data set on ``device``, moved once (a no-op on the CPU): batches are then gathered
-    and normalised where the model is, with no host-to-device copy per step."""
-    if device.type == "cpu":
-        return data
+    """The data set as tensors on ``device``, made once: batches are then gathered and
+    normalised where the model is, with no host-to-device copy per step. The arrays come
+    from the object store, read-only memory the node's workers share; each worker copies
+    them into tensors of its own (torch assumes it may write what it holds)."""
     return dataclasses.replace(
         data,
         **{
-            name: getattr(data, name).to(device)
+            name: torch.from_numpy(getattr(data, name).copy()).to(device)
             for name in ("train_images", "train_labels", "test_images", "test_labels")
         },
     )

@@ -102,7 +102,7 @@ def _build(ctx: Fit) -> None:
     run.write_json(RUN_FILE, ctx.identity)
     from raytrain_mnist.driver.tracking import EpochLog
     from raytrain_mnist.driver.trainer import build_trainer
-    from raytrain_mnist.worker.loop import train_func_per_worker
+    from raytrain_mnist.worker import train_func_per_worker
 
     ctx.tracker = EpochLog(run.dir, cfg)  # a bad --mlflow-uri fails here, before training
     ctx.channel = start_channel()

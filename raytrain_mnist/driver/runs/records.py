@@ -47,9 +47,11 @@ RUNS_DIR = "runs"
 
 def data_identity(data) -> dict[str, Any]:
     """What a run trained on: the kind, the sizes and a fingerprint of the bytes."""
+    import numpy as np
+
     digest = hashlib.sha1()
-    for tensor in (data.train_images, data.train_labels, data.test_images, data.test_labels):
-        digest.update(tensor.contiguous().numpy().tobytes())
+    for array in (data.train_images, data.train_labels, data.test_images, data.test_labels):
+        digest.update(np.ascontiguousarray(array).tobytes())
     return {
         "kind": data.kind,
         "train_size": data.train_size,

@@ -67,7 +67,7 @@ def _trial(config: dict, setup: TrialSetup, data: list) -> None:
 
     from raytrain_mnist import compat
     from raytrain_mnist.driver.trainer import build_trainer
-    from raytrain_mnist.worker.loop import train_func_per_worker
+    from raytrain_mnist.worker import train_func_per_worker
 
     compat.tune_trial_relays_without_deadlock()  # before the Train run sends its first report
     name = config["trial"]

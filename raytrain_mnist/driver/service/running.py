@@ -225,7 +225,7 @@ def _serve(
     import ray
 
     from raytrain_mnist.driver.trainer import build_trainer
-    from raytrain_mnist.worker.service import serve_requests
+    from raytrain_mnist.worker import serve_requests
 
     run = spec.run
     # Ray Train's own failure budget is unlimited: the queue keeps the service's (a
