@@ -24,6 +24,7 @@ import uuid
 from collections.abc import Sequence
 from pathlib import Path
 
+import psutil
 import pytest
 from PIL import Image
 
@@ -348,6 +349,11 @@ def test_ctrl_c_stops_the_search_prints_its_table_and_resume_command_and_exits_1
             if line.startswith("trial ") and " started: " in line:
                 break
         assert any(" started: " in line for line in seen), "".join(seen)
+        # Its Train run starts no placement-group cleaner: the search's reaper removes what
+        # one would (a process less for every trial). Its workers up, a cleaner would be too.
+        titles = _titles_once_up(driver, "ray::RayTrainWorker")
+        assert any("ray::TrainController" in t for t in titles), titles
+        assert not any("PlacementGroupCleaner" in t for t in titles), titles
         driver.send_signal(signal.SIGINT)
         out, err = driver.communicate(timeout=240)
     finally:
@@ -368,6 +374,20 @@ def test_ctrl_c_stops_the_search_prints_its_table_and_resume_command_and_exits_1
     assert "rank" in out and "unfinished" in out, out[-3000:]
     best = json.loads((tmp_path / "stopped" / "best.json").read_text())
     assert best["num_unfinished"] >= 1 and best["num_finished"] == 0
+
+
+def _titles_once_up(driver: subprocess.Popen, title: str, timeout: float = 240) -> list[str]:
+    """The command lines (a Ray actor's names its class) of ``driver``'s processes once one
+    of them shows ``title``."""
+    deadline = time.monotonic() + timeout
+    while True:
+        titles = []
+        for process in psutil.Process(driver.pid).children(recursive=True):
+            with contextlib.suppress(psutil.Error):
+                titles.append(" ".join(process.cmdline()))
+        if any(title in t for t in titles) or time.monotonic() > deadline:
+            return titles
+        time.sleep(0.2)
 
 
 # --------------------------------------------------------------------------- s3

@@ -29,7 +29,7 @@ group without torch in the controller); callers use the names below, from here.
 | :func:`autoscaler_ceiling` | ``ray._private.state.state.get_max_resources_from_cluster_config`` | placement checks cannot count nodes an autoscaler would add |
 | :func:`controller_callback_base` | ``ray.train.v2._internal.execution.callback.ControllerCallback`` | Ctrl-C cannot abort a run's controller: the run stops only with the Ray that runs it |
 | :func:`worker_group_callback_base` | ``ray.train.v2._internal.execution.callback.WorkerGroupCallback`` | ``summary.json``'s timeline has no "worker group started" moment |
-| :func:`lighter_run_callbacks`, :func:`on_its_own_ray`, :func:`without_autoscaler` | ``ray.train.v2._internal.callbacks.placement_group_callback``, ``...callbacks.datasets.DatasetsCallback``, ``...controller.placement_group_cleaner.is_actor_alive``, ``ray._private.state``, ``...execution.scaling_policy.FixedScalingPolicy`` | every run's teardown waits 12 s for Ray Train's PlacementGroupCleaner (its State API call blocks for 40 s without a dashboard), and on a cluster up to 1 s more for its monitor to see the stop; every run starts a DatasetManager actor it never uses; a run on a Ray of its own starts a cleaner that guards nothing, and one on any Ray without an autoscaler an AutoscalingCoordinator that nothing reads |
+| :func:`lighter_run_callbacks`, :func:`on_its_own_ray`, :func:`without_cleaner`, :func:`without_autoscaler` | ``ray.train.v2._internal.callbacks.placement_group_callback``, ``...callbacks.datasets.DatasetsCallback``, ``...controller.placement_group_cleaner.is_actor_alive``, ``ray._private.state``, ``...execution.scaling_policy.FixedScalingPolicy`` | every run's teardown waits 12 s for Ray Train's PlacementGroupCleaner (its State API call blocks for 40 s without a dashboard), and on a cluster up to 1 s more for its monitor to see the stop; every run starts a DatasetManager actor it never uses; a run on a Ray of its own (or a search's trial, whose groups the search's reaper removes) starts a cleaner that guards nothing, and one on any Ray without an autoscaler an AutoscalingCoordinator that nothing reads |
 | :func:`poll_workers_every` | ``ray.train.v2._internal.execution.context.get_train_context``, ``TrainController._health_check_interval_s`` | a run's last checkpoint is committed at the controller's next 2 s poll and its end seen one poll later: every run's teardown is 1-4 s longer |
 | :func:`quiet_train_report_log` | ``ray.train.v2._internal.execution.context`` | every report logs an INFO line |
 | :func:`tune_trial_relays_without_deadlock` | ``ray.train._internal.session._TrainSession`` | a trial whose function returns while its Train run's last report is still on the way hangs, and its search with it |
@@ -75,6 +75,7 @@ from raytrain_mnist.compat.train import (
     quiet_train_report_log,
     tune_trial_relays_without_deadlock,
     without_autoscaler,
+    without_cleaner,
     worker_group_callback_base,
 )
 
@@ -106,5 +107,6 @@ __all__ = [
     "torch_config",
     "tune_trial_relays_without_deadlock",
     "without_autoscaler",
+    "without_cleaner",
     "worker_group_callback_base",
 ]

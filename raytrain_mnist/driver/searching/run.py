@@ -63,6 +63,12 @@ class TrialSetup:
 def _trial(config: dict, setup: TrialSetup, data: list) -> None:
     """One Tune trial: fit's TorchTrainer with the trial's values, its Train run named after
     the trial (a trial run again resumes that run from its last checkpoint)."""
+    # raises when the run fails: Tune records the error and may retry
+    trial_trainer(config, setup, data).fit()
+
+
+def trial_trainer(config: dict, setup: TrialSetup, data: list):
+    """The TorchTrainer of the trial ``config["trial"]``, in its actor."""
     from ray.tune.integration.ray_train import TuneReportCallback
 
     from raytrain_mnist import compat
@@ -90,7 +96,11 @@ def _trial(config: dict, setup: TrialSetup, data: list) -> None:
         callbacks=[TuneReportCallback()],
         forwarded=setup.forwarded,
     )
-    trainer.fit()  # raises when the run fails: Tune records the error and may retry
+    # The search's reaper removes every group of a dead controller of its job, what Ray
+    # Train's cleaner would remove and more, and the GCS the rest when the search's job ends:
+    # a cleaner per trial would be one more process to start, guarding nothing.
+    compat.without_cleaner(trainer)
+    return trainer
 
 
 def trainable(setup: TrialSetup, data_ref: Any) -> Any:
