@@ -21,6 +21,7 @@ import os
 import re
 import secrets
 import shutil
+import socket
 import subprocess
 import sys
 import tempfile
@@ -31,6 +32,7 @@ from pathlib import Path
 import pytest
 
 from raytrain_mnist.driver.cluster import CLIENT_HEAD_ENV
+from raytrain_mnist.net import is_loopback
 
 from .conftest import (
     MARKER_VAR,
@@ -238,6 +240,22 @@ def test_a_single_node_head_is_reached_on_loopback(heads, form):
     assert head.printed == f"127.0.0.1:{head.port}"
     address = {"127.0.0.1": head.printed, "localhost": f"localhost:{head.port}"}.get(form, form)
     _connects(head, address)
+
+
+def test_a_single_node_head_is_reached_whatever_listens_at_its_port_outward(heads):
+    """Something else listening at the head's port on this machine's own address (another
+    Ray's dashboard agent, on a port the system gave it) does not make the loopback head
+    look reachable there: the driver asks the head where its nodes registered. (A suite
+    run's fit, 2026-12-06, sent ``ray.init`` to such an agent for 7 minutes of retries.)"""
+    import ray
+
+    head = heads["single"]
+    outward = ray.util.get_node_ip_address()
+    if is_loopback(outward):
+        pytest.skip("this machine has no address but loopback: nothing can listen outward")
+    with socket.create_server((outward, head.port)):
+        # Ray's GCS connect tried once, not 20 times: a wrong look fails in seconds.
+        _connects(head, head.printed, RAY_gcs_server_port_wait_time_s="1")
 
 
 def test_a_token_head_is_joined_with_the_token_this_machine_holds(heads):

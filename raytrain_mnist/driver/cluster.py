@@ -147,6 +147,7 @@ def _connect_to(address: str) -> None:
     _set_defaults(DRIVER_ENV)
     if not head.address.startswith("ray://"):
         _choose_token(head.address, address)
+        head = _as_registered(head)
         _check_a_node_here(head, address)
     for attempt in range(2):
         try:
@@ -199,14 +200,31 @@ _CLIENT_SERVER_FIX = (
 )
 
 
+def _as_registered(head: _Head) -> _Head:
+    """A head reached on loopback whose nodes all registered loopback addresses listens on
+    loopback alone, whatever else listens at its port on the machine's outward address
+    (:func:`_find_head`'s look): another Ray's agent there, on a port the system gave it,
+    sent ``ray.init`` to the wrong server for 7 minutes of retries (2026-12-06)."""
+    if head.loopback_only or not is_loopback(split_host_port(head.address)[0] or ""):
+        return head
+    nodes = compat.alive_node_addresses(head.address, _token_sent(), _CONNECT_TIMEOUT_S)
+    if nodes and all(is_loopback(node) for node in nodes):
+        return _Head(head.address, loopback_only=True)
+    return head
+
+
+def _token_sent() -> str | None:
+    """The token Ray's clients send from this process (only with ``RAY_AUTH_MODE=token``)."""
+    return _local_token()[0] if os.environ.get("RAY_AUTH_MODE", "").lower() == "token" else None
+
+
 def _check_a_node_here(head: _Head, address: str) -> None:
     """A driver joins the cluster through a Ray node on its own machine: without one,
     ``ray.init`` waits a minute for a raylet that never comes. One line instead, and the
     way that needs none (Ray Client, or a job)."""
     if head.loopback_only:
         return  # that head is on this machine
-    token = _local_token()[0] if os.environ.get("RAY_AUTH_MODE", "").lower() == "token" else None
-    nodes = compat.alive_node_addresses(head.address, token, _CONNECT_TIMEOUT_S)
+    nodes = compat.alive_node_addresses(head.address, _token_sent(), _CONNECT_TIMEOUT_S)
     here = _interface_addresses()
     if nodes is None or not here or nodes & here:
         return
