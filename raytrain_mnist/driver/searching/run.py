@@ -63,12 +63,6 @@ class TrialSetup:
 def _trial(config: dict, setup: TrialSetup, data: list) -> None:
     """One Tune trial: fit's TorchTrainer with the trial's values, its Train run named after
     the trial (a trial run again resumes that run from its last checkpoint)."""
-    # raises when the run fails: Tune records the error and may retry
-    trial_trainer(config, setup, data).fit()
-
-
-def trial_trainer(config: dict, setup: TrialSetup, data: list):
-    """The TorchTrainer of the trial ``config["trial"]``, in its actor."""
     from ray.tune.integration.ray_train import TuneReportCallback
 
     from raytrain_mnist import compat
@@ -100,7 +94,7 @@ def trial_trainer(config: dict, setup: TrialSetup, data: list):
     # Train's cleaner would remove and more, and the GCS the rest when the search's job ends:
     # a cleaner per trial would be one more process to start, guarding nothing.
     compat.without_cleaner(trainer)
-    return trainer
+    trainer.fit()  # raises when the run fails: Tune records the error and may retry
 
 
 def trainable(setup: TrialSetup, data_ref: Any) -> Any:
