@@ -14,6 +14,7 @@ that name. The classes are pickled by name: built on first use by the module's
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 from typing import Any
@@ -41,9 +42,11 @@ def torch_config(backend: str, init_method: str):
     return cls(backend=backend, init_method=init_method)
 
 
+@functools.cache
 def _ray_defines(names: tuple[str, ...]) -> bool:
     """Whether Ray's ``ray.train.torch.config`` defines every one of ``names``, read from
-    its source: importing it would import torch, what this module spares the driver."""
+    its source (once a process): importing it would import torch, what this module spares
+    the driver."""
     import ast
     from pathlib import Path
 

@@ -85,7 +85,7 @@ def lighter_run_callbacks() -> None:
     DataParallelTrainer._initialize_and_run_controller = initialize_and_run_controller
 
 
-#: Set on a trainer by :func:`on_its_own_ray` and :func:`without_autoscaler`; read by
+#: Set on a trainer by :func:`without_cleaner` and :func:`without_autoscaler`; read by
 #: :func:`lighter_run_callbacks`' patch.
 _NO_CLEANER = "_raytrain_mnist_no_cleaner"
 _NO_AUTOSCALER = "_raytrain_mnist_no_autoscaler"

@@ -147,8 +147,11 @@ def _connect_to(address: str) -> None:
     _set_defaults(DRIVER_ENV)
     if not head.address.startswith("ray://"):
         _choose_token(head.address, address)
-        head = _as_registered(head)
-        _check_a_node_here(head, address)
+        nodes = None
+        if not head.loopback_only:
+            nodes = compat.alive_node_addresses(head.address, _token_sent(), _CONNECT_TIMEOUT_S)
+        head = _as_registered(head, nodes)
+        _check_a_node_here(head, nodes, address)
     for attempt in range(2):
         try:
             # A head that listens on loopback alone registered 127.0.0.1: Ray, left to
@@ -200,14 +203,13 @@ _CLIENT_SERVER_FIX = (
 )
 
 
-def _as_registered(head: _Head) -> _Head:
-    """A head reached on loopback whose nodes all registered loopback addresses listens on
-    loopback alone, whatever else listens at its port on the machine's outward address
-    (:func:`_find_head`'s look): another Ray's agent there, on a port the system gave it,
-    sent ``ray.init`` to the wrong server for 7 minutes of retries (2026-12-06)."""
+def _as_registered(head: _Head, nodes: set[str] | None) -> _Head:
+    """A head reached on loopback whose ``nodes`` (the addresses they registered) are all
+    loopback listens on loopback alone, whatever else listens at its port on the machine's
+    outward address (:func:`_find_head`'s look): another Ray's agent there, on a port the
+    system gave it, sent ``ray.init`` to the wrong server for minutes of retries."""
     if head.loopback_only or not is_loopback(split_host_port(head.address)[0] or ""):
         return head
-    nodes = compat.alive_node_addresses(head.address, _token_sent(), _CONNECT_TIMEOUT_S)
     if nodes and all(is_loopback(node) for node in nodes):
         return _Head(head.address, loopback_only=True)
     return head
@@ -218,13 +220,13 @@ def _token_sent() -> str | None:
     return _local_token()[0] if os.environ.get("RAY_AUTH_MODE", "").lower() == "token" else None
 
 
-def _check_a_node_here(head: _Head, address: str) -> None:
-    """A driver joins the cluster through a Ray node on its own machine: without one,
-    ``ray.init`` waits a minute for a raylet that never comes. One line instead, and the
-    way that needs none (Ray Client, or a job)."""
+def _check_a_node_here(head: _Head, nodes: set[str] | None, address: str) -> None:
+    """A driver joins the cluster through a Ray node on its own machine (``nodes``: the
+    addresses the cluster's nodes registered, None when unknown): without one, ``ray.init``
+    waits a minute for a raylet that never comes. One line instead, and the way that needs
+    none (Ray Client, or a job)."""
     if head.loopback_only:
         return  # that head is on this machine
-    nodes = compat.alive_node_addresses(head.address, _token_sent(), _CONNECT_TIMEOUT_S)
     here = _interface_addresses()
     if nodes is None or not here or nodes & here:
         return

@@ -50,9 +50,9 @@ def build_trainer(
     forwarded: dict[str, str] | None = None,
     own_ray: bool = False,
 ):
-    """A ``TorchTrainer`` (as the module says) running ``train_func(loop_config)`` on ``run.scaling.num_workers``
-    workers (a count, or an elastic range) of ``cpus_per_worker`` CPUs (and
-    ``run.scaling.gpus`` GPUs) each, its run directory ``<storage>/<name>``. ``own_ray``: the
+    """A ``TorchTrainer`` (as the module says) running ``train_func(loop_config)`` on
+    ``run.scaling.num_workers`` workers (a count, or an elastic range) of ``cpus_per_worker``
+    CPUs (and ``run.scaling.gpus`` GPUs) each, its run directory ``<storage>/<name>``. ``own_ray``: the
     run's Ray was started by its command and stops with it (no placement-group cleaner)."""
     import ray
     from ray.train import CheckpointConfig, FailureConfig, RunConfig

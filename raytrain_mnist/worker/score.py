@@ -9,6 +9,7 @@ import torch.distributed as dist
 
 from raytrain_mnist.nn.model import ConvNet
 from raytrain_mnist.nn.score import score
+from raytrain_mnist.worker.setup import own_tensor
 
 
 def score_per_worker(config: dict[str, Any]) -> dict[str, Any] | None:
@@ -22,8 +23,7 @@ def score_per_worker(config: dict[str, Any]) -> dict[str, Any] | None:
     rank, world_size = ctx.get_world_rank(), ctx.get_world_size()
     torch.set_num_threads(config["cpus_per_worker"])
     device = ray.train.torch.get_device()
-    # The object store's read-only arrays, copied into tensors of this worker's own.
-    images, labels = (torch.from_numpy(array.copy()) for array in ray.get(config["data"]))
+    images, labels = (own_tensor(array) for array in ray.get(config["data"]))
     model = ConvNet()
     model.load_state_dict(ray.get(config["weights"]))
     result = score(model.to(device), images, labels, device, config["amp"], rank, world_size)

@@ -104,10 +104,15 @@ def to_device(data: MnistData, device: torch.device) -> MnistData:
     return dataclasses.replace(
         data,
         **{
-            name: torch.from_numpy(getattr(data, name).copy()).to(device)
+            name: own_tensor(getattr(data, name)).to(device)
             for name in ("train_images", "train_labels", "test_images", "test_labels")
         },
     )
+
+
+def own_tensor(array) -> torch.Tensor:
+    """A tensor of this worker's own from an array the object store shares read-only."""
+    return torch.from_numpy(array.copy())
 
 
 def worker_placement(
