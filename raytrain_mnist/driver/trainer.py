@@ -52,8 +52,9 @@ def build_trainer(
 ):
     """A ``TorchTrainer`` (as the module says) running ``train_func(loop_config)`` on
     ``run.scaling.num_workers`` workers (a count, or an elastic range) of ``cpus_per_worker``
-    CPUs (and ``run.scaling.gpus`` GPUs) each, its run directory ``<storage>/<name>``. ``own_ray``: the
-    run's Ray was started by its command and stops with it (no placement-group cleaner)."""
+    CPUs (and ``run.scaling.gpus`` GPUs) each, its run directory ``<storage>/<name>``.
+    ``own_ray``: the run's Ray was started by its command and stops with it (no
+    placement-group cleaner)."""
     import ray
     from ray.train import CheckpointConfig, FailureConfig, RunConfig
     from ray.train.v2.api.data_parallel_trainer import DataParallelTrainer  # TorchTrainer's base
