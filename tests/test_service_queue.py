@@ -490,3 +490,62 @@ def test_a_name_whose_service_still_runs_here_is_not_started_again(tmp_path, mon
     entry.write_text(json.dumps({**record, "pid_started": record["pid_started"] - 1}))
     _check_not_registered("svc")  # that pid is another process now
     _check_not_registered("other")
+
+
+# --------------------------------------------------------------------------- the driver's watch
+
+
+class _Watch:
+    """The service driver's watch of its groups (``running._watch_groups``) on a thread,
+    reading this queue's record; what it says, collected."""
+
+    def __init__(self, queue: ServiceQueue) -> None:
+        from raytrain_mnist.driver.service.running import _watch_groups
+
+        self.said: list[str] = []
+        self.looks = 0
+        self.stopping = threading.Event()
+
+        def info() -> dict:
+            self.looks += 1
+            return queue.info()
+
+        emit = lambda event: self.said.append(event.text)  # noqa: E731
+        self.thread = threading.Thread(
+            target=_watch_groups, args=(info, emit, None, self.stopping), daemon=True
+        )
+        self.thread.start()
+
+    def until_said(self, text: str) -> None:
+        wait_for(lambda: True if any(text in s for s in self.said) else None, text, 10, 0.02)
+
+    def stop(self) -> None:
+        self.stopping.set()
+        self.thread.join(timeout=10)
+        assert not self.thread.is_alive(), "the watch outlived its stop"
+
+
+def test_the_watch_says_ready_then_each_restart_and_ends_at_its_stop(tmp_path):
+    """Ready once every group is, then each restart with the request it resumes; ended
+    with the service, it asks the queue nothing more (a look after the service's Ray shut
+    down would have Ray's auto-init join another Ray)."""
+    service = Service(tmp_path, groups=2)
+    watch = _Watch(service.queue)
+    watch.until_said("ready: 2 group(s) of 2 worker(s) on cpu, waiting")
+    request_id = service.submit("r")
+    assert service.queue.take(TOKEN, 1, 0)["id"] == request_id
+    service.queue.group_started(TOKEN, 1, 1.0, 2, "cpu")  # group 1's worker was lost
+    watch.until_said("group 1 restarted (restart 1); request 'r' resumes from its last filed")
+    watch.stop()
+    assert len(watch.said) == 2 and watch.said[0].startswith("ready"), watch.said
+
+
+def test_a_service_stopped_before_its_groups_are_ready_is_never_said_ready(tmp_path):
+    queue = ServiceQueue({"name": "svc", "groups": 2, "storage_roots": [str(tmp_path)]}, TOKEN)
+    queue.group_started(TOKEN, 0, 0.0, 2, "cpu")
+    watch = _Watch(queue)
+    wait_for(lambda: True if watch.looks else None, "the watch's first look", 10, 0.02)
+    watch.stopping.set()  # Ctrl-C while group 1 still starts
+    queue.group_started(TOKEN, 1, 0.0, 2, "cpu")
+    watch.stop()
+    assert watch.said == [], watch.said

@@ -251,12 +251,17 @@ def _serve(
     ]
     groups = f"{spec.groups} group(s) of " if spec.groups > 1 else ""
     emit(Phase(f"service '{spec.name}': starting {groups}{run.scaling.num_workers} worker(s)", 0))
+    stopping = threading.Event()
     watcher = threading.Thread(
-        target=_watch_groups, args=(queue, emit, ready), name="service-groups", daemon=True
+        target=_watch_groups,
+        args=(lambda: ray.get(queue.info.remote(), timeout=30), emit, ready, stopping),
+        name="service-groups",
+        daemon=True,
     )
     watcher.start()
 
     def stop(reason: str, running) -> None:
+        stopping.set()  # a group that gets ready now is no service ready to serve
         emit(Stopping("stopping the service; the requests in flight stay resumable"))
         ray.get(queue.stop.remote("cancel"), timeout=30)
 
@@ -265,6 +270,10 @@ def _serve(
     except ray.train.TrainingFailedError as exc:
         return ServiceResult("failed", _served(queue), cause_line(exc))
     finally:
+        stopping.set()
+        # Its last look ends before the Ray it looks through shuts down: a Ray call made
+        # after that would have Ray's auto-init join whatever other Ray runs on this machine.
+        watcher.join()
         with contextlib.suppress(Exception):  # the queue ends with this driver either way
             ray.get(queue.closed.remote(token), timeout=30)
     last = _last_info(queue)
@@ -318,32 +327,38 @@ def _served(queue) -> int:
 GROUPS_CHECK_S = 1.0
 
 
-def _watch_groups(queue, emit: EventSink, ready) -> None:
+def _watch_groups(
+    info: Callable[[], dict], emit: EventSink, ready, stopping: threading.Event
+) -> None:
     """Says when every group is ready, then each group restart as it is seen (its request
     resumes from its last filed checkpoint): the operator reads it in the service's output,
-    as a plain fit's user reads theirs. Ends with the queue."""
-    import ray
-
+    as a plain fit's user reads theirs. ``info``: the queue's record. Ends once
+    ``stopping`` is set (a service stopped before its groups were ready is never said to
+    be ready) or the queue cannot be asked."""
     restarts: dict[int, int] | None = None  # group -> restarts said, once ready
-    while True:
+    while not stopping.is_set():
         try:
-            info = ray.get(queue.info.remote(), timeout=30)
+            record = info()
         except Exception:
             return
-        if restarts is None and info.get("ready"):
-            groups = f"{info['groups']} group(s) of " if info["groups"] > 1 else ""
-            emit(Note(f"ready: {groups}{info['workers']} worker(s) on {info['device']}, waiting"))
+        if stopping.is_set():
+            return
+        if restarts is None and record.get("ready"):
+            groups = f"{record['groups']} group(s) of " if record["groups"] > 1 else ""
+            emit(
+                Note(f"ready: {groups}{record['workers']} worker(s) on {record['device']}, waiting")
+            )
             if ready is not None:
-                ready(info)
-            restarts = {g["group"]: g["restarts"] for g in info["group_states"]}
+                ready(record)
+            restarts = {g["group"]: g["restarts"] for g in record["group_states"]}
         elif restarts is not None:
-            for g in info["group_states"]:
+            for g in record["group_states"]:
                 if g["restarts"] > restarts.get(g["group"], g["restarts"]):
                     resumes = f"; request '{g['request']}' resumes from its last filed checkpoint"
                     said = f"group {g['group']} restarted (restart {g['restarts']})"
                     emit(Note(said + (resumes if g["request"] else "")))
                 restarts[g["group"]] = g["restarts"]
-        time.sleep(0.2 if restarts is None else GROUPS_CHECK_S)
+        stopping.wait(0.2 if restarts is None else GROUPS_CHECK_S)
 
 
 # --------------------------------------------------------------------------- status, stop
