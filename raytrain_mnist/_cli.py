@@ -275,6 +275,10 @@ def run_cli(main: Callable[[Sequence[str] | None], int], argv: Sequence[str] | N
     While it runs, SIGTERM stops it as Ctrl-C does (:func:`sigterm_is_ctrl_c`); a command
     stopped either way exits 130 after Ctrl-C, 143 after SIGTERM (:func:`interrupted`)."""
     prog = "raytrain-mnist"
+    # A command connects to its Ray itself (driver/cluster.py). A Ray call made with none
+    # connected (a thread that outlived its Ray) must fail, not have Ray's auto-init join
+    # whatever other Ray runs on this machine, or start one. Read when Ray is imported.
+    os.environ.setdefault("RAY_ENABLE_AUTO_CONNECT", "0")
     with sigterm_is_ctrl_c():
         try:
             status = main(argv)

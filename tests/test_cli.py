@@ -213,6 +213,34 @@ def test_a_command_process_ends_with_its_status_after_every_exit_handler(tmp_pat
         (tmp_path / "handler").unlink()
 
 
+def test_a_ray_call_with_no_ray_connected_fails_in_a_command_and_starts_no_ray(tmp_path):
+    """A command connects to its Ray itself. A Ray call made with none connected (a thread
+    that outlived the command's Ray) is one line and exit 1, never Ray's auto-init, which
+    joins whatever other Ray runs on the machine (a service's watcher did, once its own Ray
+    had shut down, 2026-12-07) or starts one."""
+    import subprocess
+    import sys
+
+    script = (
+        "import sys\n"
+        "from raytrain_mnist._cli import run_cli\n"
+        "def main(argv):\n"
+        "    import ray\n"
+        "    ray.put(1)\n"
+        "    return 0\n"
+        "sys.exit(run_cli(main))\n"
+    )
+    env = {**os.environ, "RAY_TMPDIR": str(tmp_path)}
+    env.pop("RAY_ENABLE_AUTO_CONNECT", None)
+    env.pop("RAY_ADDRESS", None)
+    result = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, timeout=120, env=env
+    )
+    _assert_one_line_error(result, 1, "internal error: RaySystemError")
+    assert "Ray has not been started yet" in result.stderr
+    assert not list(tmp_path.rglob("session_*")), "Ray's auto-init started a Ray"
+
+
 def _tree(root) -> dict:
     """Every file under ``root`` with its bytes: to prove a refused command changed nothing."""
     from pathlib import Path
