@@ -83,7 +83,7 @@ class ScalingSettings:
         self._check_gpus_per_worker()
         check_choice("placement-strategy", self.placement_strategy, PLACEMENT_CHOICES)
         if self.service is not None:
-            check_run_name(self.service, "--service")
+            check_run_name(self.service, "--service", "service")
 
     def _check_gpus_per_worker(self) -> None:
         f = self.gpus_per_worker
@@ -423,13 +423,13 @@ RUN_NAME_RULE = "letters, digits, '.', '_' and '-', not starting with '.' or '-'
 _RUN_NAME = re.compile(r"[A-Za-z0-9_][A-Za-z0-9._-]*", re.ASCII)
 
 
-def check_run_name(name: str, flag: str = "--name") -> None:
-    """Refuse a run name that is not a safe path segment on every storage (:data:`RUN_NAME_RULE`,
-    at most :data:`NAME_MAX` characters)."""
+def check_run_name(name: str, flag: str = "--name", kind: str = "run") -> None:
+    """Refuse a run name (or a service's, ``kind``) that is not a safe path segment on every
+    storage (:data:`RUN_NAME_RULE`, at most :data:`NAME_MAX` characters)."""
     if not isinstance(name, str) or len(name) > NAME_MAX or not _RUN_NAME.fullmatch(name):
         shown = repr(name if not isinstance(name, str) or len(name) <= 60 else name[:60] + "...")
         raise ConfigError(
-            f"{flag} {shown} is not a valid run name: use {RUN_NAME_RULE} "
+            f"{flag} {shown} is not a valid {kind} name: use {RUN_NAME_RULE} "
             f"(at most {NAME_MAX} characters)"
         )
 

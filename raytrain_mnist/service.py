@@ -29,7 +29,7 @@ from raytrain_mnist._cli import (
     interrupted,
     setup_logging,
 )
-from raytrain_mnist.config import RunSettings
+from raytrain_mnist.config import RunSettings, check_run_name
 from raytrain_mnist.display import TEXT, printable
 from raytrain_mnist.errors import EXIT_FAILURE, EXIT_USAGE, UserError
 from raytrain_mnist.uris import check_no_credentials
@@ -138,6 +138,8 @@ def parse_options(argv: Sequence[str]) -> ServiceOptions:
         build_parser().error(f"say what to do: {' | '.join(ACTIONS)}")
     action = words[0]
     args = build_parser(action).parse_args(words[1:])
+    # It names the service's registry file and its queue actor: one plain name.
+    check_run_name(args.name, "--name", "service")
     if action != "start":
         return ServiceOptions(
             action,

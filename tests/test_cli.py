@@ -410,6 +410,11 @@ def test_corrupt_run_file(tmp_path):
         (["tune", "--address=--"], "argument --address: expected one argument"),
         (["fit", "--recipe=--"], "argument --recipe: expected one argument"),
         (["evaluate", "nowhere", "--set=--"], "unrecognized arguments: --set=--"),
+        # A service's name names its registry file and its queue: never a path
+        (["service", "status", "--name", "../../etc"], "--name '../../etc' is not a valid service"),
+        (["service", "stop", "--name", "a b"], "--name 'a b' is not a valid service name"),
+        (["service", "start", "--name", "../x"], "--name '../x' is not a valid service name"),
+        (["fit", "--service", "a/b"], "--service 'a/b' is not a valid service name"),
     ],
 )
 def test_bad_flags_of_the_other_commands_before_ray_starts(tmp_path, args, fragment):
