@@ -251,35 +251,44 @@ def _serve(
     ]
     groups = f"{spec.groups} group(s) of " if spec.groups > 1 else ""
     emit(Phase(f"service '{spec.name}': starting {groups}{run.scaling.num_workers} worker(s)", 0))
-    stopping = threading.Event()
-    watcher = threading.Thread(
-        target=_watch_groups,
-        args=(lambda: ray.get(queue.info.remote(), timeout=30), emit, ready, stopping),
-        name="service-groups",
-        daemon=True,
-    )
-    watcher.start()
+    with _watching(lambda: ray.get(queue.info.remote(), timeout=30), emit, ready) as stopping:
 
-    def stop(reason: str, running) -> None:
-        stopping.set()  # a group that gets ready now is no service ready to serve
-        emit(Stopping("stopping the service; the requests in flight stay resumable"))
-        ray.get(queue.stop.remote("cancel"), timeout=30)
+        def stop(reason: str, running) -> None:
+            stopping.set()  # a group that gets ready now is no service ready to serve
+            emit(Stopping("stopping the service; the requests in flight stay resumable"))
+            ray.get(queue.stop.remote("cancel"), timeout=30)
 
-    try:
-        outcome = relay(lambda: _fit_all(trainers, queue), stop, name="service", stop_wait_s=120)
-    except ray.train.TrainingFailedError as exc:
-        return ServiceResult("failed", _served(queue), cause_line(exc))
-    finally:
-        stopping.set()
-        # Its last look ends before the Ray it looks through shuts down: a Ray call made
-        # after that would have Ray's auto-init join whatever other Ray runs on this machine.
-        watcher.join()
-        with contextlib.suppress(Exception):  # the queue ends with this driver either way
-            ray.get(queue.closed.remote(token), timeout=30)
+        try:
+            outcome = relay(
+                lambda: _fit_all(trainers, queue), stop, name="service", stop_wait_s=120
+            )
+        except ray.train.TrainingFailedError as exc:
+            return ServiceResult("failed", _served(queue), cause_line(exc))
+        finally:
+            with contextlib.suppress(Exception):  # the queue ends with this driver either way
+                ray.get(queue.closed.remote(token), timeout=30)
     last = _last_info(queue)
     if last.get("failed"):
         return ServiceResult("failed", last.get("served", 0), last["failed"])
     return ServiceResult("stopped", last.get("served", 0), interrupted=outcome.stopped is not None)
+
+
+@contextlib.contextmanager
+def _watching(info: Callable[[], dict], emit: EventSink, ready) -> Iterator[threading.Event]:
+    """:func:`_watch_groups` on a thread for as long as the block runs; yields the event
+    that ends it. Its last look ends before the block does, so before the Ray it looks
+    through shuts down: a Ray call made after that would have Ray's auto-init join
+    whatever other Ray runs on this machine."""
+    stopping = threading.Event()
+    watcher = threading.Thread(
+        target=_watch_groups, args=(info, emit, ready, stopping), name="service-groups", daemon=True
+    )
+    watcher.start()
+    try:
+        yield stopping
+    finally:
+        stopping.set()
+        watcher.join()
 
 
 def _fit_all(trainers: list, queue) -> None:
