@@ -1,10 +1,11 @@
 """Elastic runs on a real multi-node Ray on this machine (CPU, Gloo): ``--num-workers 1-2``
 grows when a node joins and shrinks when one is lost, and finishes either way.
 
-One cluster serves both runs: a head that hosts no training and one 1-CPU node; the grow
-test adds a second node, the shrink test removes it. ``fit`` runs as a subprocess (the
-shared in-process Ray of the ``fitted`` reference stays where it is) and the tests act on
-its output lines, never on time.
+One run shows both, on a head that hosts no training and one 1-CPU node: it starts on one
+worker, grows to two when a second node joins and shrinks back to one when that node is lost,
+then finishes (a Ray Train run per scenario is the suite's unit of cost). ``fit`` runs as a
+subprocess (the shared in-process Ray of the ``fitted`` reference stays where it is) and the
+test acts on its output and its committed checkpoints, never on time.
 """
 
 from __future__ import annotations
@@ -108,41 +109,55 @@ def _args(cluster, tiny_mnist, storage, name: str, epochs: int) -> list[str]:
 # toward its timeout: with a core busy the two took 602 s (2026-12-02 15:51), the run itself
 # healthy (resized at 15:59:07, two epochs more by 16:01:29).
 @pytest.mark.timeout(1200)
-def test_elastic_run_grows_when_a_node_joins_and_matches_a_fixed_run(
+def test_elastic_run_grows_when_a_node_joins_shrinks_when_it_is_lost_and_matches_a_fixed_run(
     one_node, tiny_mnist, tmp_path, fitted
 ):
-    # Once the first epoch is committed, the one worker is held (SIGSTOP) until Ray Train has
-    # resized: Ray Train sees the joined node only when its resource reservations refresh
-    # (every 20 s, Ray Data's AutoscalingCoordinator ticks) and then at a resize check (every
-    # 2 s), and a held worker's run cannot end before that, however slow the machine. The
-    # resize kills the held worker (Ray's raylet SIGKILLs one that does not stop) and the run
-    # goes on on two from the last committed epoch.
-    run = _Fit(*_args(one_node, tiny_mnist, tmp_path, "grow", epochs=EPOCHS))
-    assert run.first_epoch.wait(400)
-    held = {w["pid"] for w in committed_workers(tmp_path / "grow")}
-    assert len(held) == 1, held
     from raytrain_mnist.driver.cluster import loopback_node
 
+    run = _Fit(*_args(one_node, tiny_mnist, tmp_path, "elastic", epochs=EPOCHS))
+    run_dir = tmp_path / "elastic"
+    assert run.first_epoch.wait(400)
+    # Grow. Once the first epoch is committed, the one worker is held (SIGSTOP) until Ray
+    # Train has resized: Ray Train sees the joined node only when its resource reservations
+    # refresh (every 20 s, Ray Data's AutoscalingCoordinator ticks) and then at a resize check
+    # (every 2 s), and a held worker's run cannot end before that, however slow the machine.
+    # The resize kills the held worker (Ray's raylet SIGKILLs one that does not stop) and the
+    # run goes on on two from the last committed epoch.
+    held = {w["pid"] for w in committed_workers(run_dir)}
+    assert len(held) == 1, held
     try:
         signal_all(held, signal.SIGSTOP)
         with loopback_node():
             one_node.add_node(num_cpus=1)
-        out = run.wait()
+        two = committed_workers(run_dir, after=held, timeout=400)
     finally:
         signal_all(held, signal.SIGCONT)
+    assert len(two) == 2, (two, "".join(run.lines))
+    # Shrink. The two are held from their first committed epoch (at least five epochs before
+    # the run's end) while one of the two nodes goes: the run cannot end first, and on its
+    # next step the rank left finds its peer gone and the run restarts on the one node left.
+    pair = {w["pid"] for w in two}
+    try:
+        signal_all(pair, signal.SIGSTOP)
+        one_node.remove_node(next(iter(one_node.worker_nodes)))  # either: a rank on each
+    finally:
+        signal_all(pair, signal.SIGCONT)
+    out = run.wait()
     assert run.proc.returncode == 0, out
-    summary = json.loads((tmp_path / "grow" / "summary.json").read_text())
+    summary = json.loads((run_dir / "summary.json").read_text())
     sizes = [h["world_size"] for h in summary["history"]]
-    assert sizes[0] == 1 and sizes[-1] == 2, (sizes, out)
-    assert summary["resizes"] and summary["resizes"][0]["from"] == 1, summary["resizes"]
-    resize = summary["resizes"][0]
-    assert f"workers 1 → 2 at epoch {resize['at_epoch']}" in out
-    assert sizes[resize["at_epoch"] - 1] == 2 and sizes[resize["at_epoch"] - 2] == 1
+    assert sizes[0] == 1 and 2 in sizes and sizes[-1] == 1, (sizes, out)
+    grew, shrank = summary["resizes"]
+    assert (grew["from"], grew["to"], shrank["from"], shrank["to"]) == (1, 2, 2, 1), out
+    assert f"workers 1 → 2 at epoch {grew['at_epoch']}" in out
+    assert f"workers 2 → 1 at epoch {shrank['at_epoch']}" in out
+    assert sizes[grew["at_epoch"] - 1] == 2 and sizes[grew["at_epoch"] - 2] == 1
+    assert sizes[shrank["at_epoch"] - 2] == 2 and sizes[shrank["at_epoch"] - 1] == 1
     assert summary["num_workers"] == [1, 2] and summary["elastic"] is True
     assert summary["status"] == "finished" and summary["epochs_completed"] == EPOCHS
-    assert not held & {w["pid"] for w in summary["workers"]}  # the held one was let go
+    assert not (held | pair) & {w["pid"] for w in summary["workers"]}  # all let go
     # The global batch and the schedule do not depend on the world size: every epoch's
-    # learning rate is the one-cycle schedule's at that step, across the resize.
+    # learning rate is the one-cycle schedule's at that step, across both resizes.
     assert [h["lr"] for h in summary["history"]] == pytest.approx(_schedule(EPOCHS), rel=1e-9)
     # And it learns at least as well as the fixed 2-worker run of as many epochs.
     assert summary["val_accuracy"] >= fitted["summary"]["val_accuracy"] - 0.03
@@ -169,27 +184,6 @@ def _schedule(epochs: int) -> list[float]:
             scheduler.step()
         rates.append(optimizer.param_groups[0]["lr"])
     return rates
-
-
-def test_elastic_run_shrinks_when_a_node_is_lost_and_finishes(one_node, tiny_mnist, tmp_path):
-    from raytrain_mnist.driver.cluster import loopback_node
-
-    with loopback_node():
-        while len(one_node.worker_nodes) < 2:
-            one_node.add_node(num_cpus=1)
-    one_node.wait_for_nodes()
-    run = _Fit(*_args(one_node, tiny_mnist, tmp_path, "shrink", epochs=5))
-    assert run.first_epoch.wait(400)
-    assert "2 worker(s) started" in "".join(run.lines), "".join(run.lines)
-    one_node.remove_node(next(iter(one_node.worker_nodes)))  # either: a rank on each
-    out = run.wait()
-    assert run.proc.returncode == 0, out
-    summary = json.loads((tmp_path / "shrink" / "summary.json").read_text())
-    sizes = [h["world_size"] for h in summary["history"]]
-    assert sizes[0] == 2 and sizes[-1] == 1, (sizes, out)
-    assert [(r["from"], r["to"]) for r in summary["resizes"]] == [(2, 1)]
-    assert "workers 2 → 1 at epoch" in out
-    assert summary["status"] == "finished" and summary["epochs_completed"] == 5
 
 
 @pytest.mark.parametrize(
