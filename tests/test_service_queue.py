@@ -492,6 +492,19 @@ def test_a_name_whose_service_still_runs_here_is_not_started_again(tmp_path, mon
     _check_not_registered("other")
 
 
+@pytest.mark.parametrize("name", ["../../etc", "a b", "", ".hidden", "x" * 201])
+def test_the_library_refuses_a_service_name_in_the_words_of_the_command(name):
+    """``ServiceSpec`` (the library call's way in) checks the name as ``service start
+    --name`` does: it names the registry file and the queue actor."""
+    from raytrain_mnist.driver.service.running import ServiceSpec
+    from raytrain_mnist.errors import EXIT_USAGE, UserError
+
+    with pytest.raises(UserError, match="is not a valid service name: use letters") as bad:
+        ServiceSpec(name)
+    assert bad.value.exit_code == EXIT_USAGE
+    assert ServiceSpec("svc-2.a_b").name == "svc-2.a_b"
+
+
 # --------------------------------------------------------------------------- the driver's watch
 
 

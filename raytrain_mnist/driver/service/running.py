@@ -18,16 +18,16 @@ from typing import Any
 
 import psutil
 
-from raytrain_mnist.config import RunSettings
+from raytrain_mnist.config import RunSettings, check_run_name
 from raytrain_mnist.display import printable
 from raytrain_mnist.driver import cluster
 from raytrain_mnist.driver.events import EventSink, Note, Phase, Stopping, log_event
 from raytrain_mnist.driver.relay import relay
-from raytrain_mnist.driver.runs import RunStorage, is_safe_name, storage_root
+from raytrain_mnist.driver.runs import RunStorage, storage_root
 from raytrain_mnist.driver.service.client import ServiceClient
 from raytrain_mnist.driver.service.queue import find_queue, registry_file, start_queue
 from raytrain_mnist.driver.service.request import canonical
-from raytrain_mnist.errors import EXIT_USAGE, UserError, cause_line
+from raytrain_mnist.errors import EXIT_USAGE, ConfigError, UserError, cause_line
 
 logger = logging.getLogger(__name__)
 
@@ -91,8 +91,10 @@ class ServiceSpec:
     groups: int = 1
 
     def __post_init__(self) -> None:
-        if not is_safe_name(self.name):
-            raise UserError(f"--name {self.name!r}: a service name is a plain name", EXIT_USAGE)
+        try:  # the library call's check, in the words the command's own gives
+            check_run_name(self.name, "--name", "service")
+        except ConfigError as bad:
+            raise UserError(str(bad), EXIT_USAGE) from None
         if self.run.scaling.elastic:
             raise UserError(
                 "a service runs a fixed number of workers: give --num-workers N", EXIT_USAGE
